@@ -1,0 +1,1 @@
+"""KV cache layout and the hand-off between prefill and decode."""
