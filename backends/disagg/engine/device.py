@@ -1,0 +1,36 @@
+"""Devices, dtypes and CPU pinning for an engine instance."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``; refuses CUDA when none is present."""
+    device = torch.device(name)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r} (cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return device
+
+
+def pin_cpu(cores: tuple[int, ...] | None, num_threads: int | None = None) -> None:
+    """Pin this process to ``cores`` and size torch's thread pool to match.
+
+    Pools run on disjoint core sets (the CPU analogue of disjoint GPUs), so an engine must not spill
+    its intra-op threads onto a neighbour's cores.
+    """
+    if cores:
+        available = os.sched_getaffinity(0)
+        unknown = sorted(set(cores) - available)
+        if unknown:
+            raise ValueError(f"cores {unknown} are not available to this process")
+        os.sched_setaffinity(0, set(cores))
+    threads = num_threads or (len(cores) if cores else None)
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,308 @@
+"""The reference engine: prefill, batched decode steps, and KV export / import.
+
+Not thread-safe: one thread (the pool's engine loop) drives an Engine. Blocks for a sequence's whole
+life (prompt + max_tokens) are taken when it is admitted, so a running sequence never fails for lack
+of KV memory; admission raises OutOfBlocks instead, which the caller can queue on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagg.engine.blocks import BlockPool
+from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
+from disagg.engine.device import DTYPES, pin_cpu, resolve_device
+from disagg.engine.errors import InvalidRequest, UnknownSequence
+from disagg.engine.sampling import sample
+from disagg.engine.sequence import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Request,
+    Sequence,
+    SequenceState,
+    StepOutput,
+)
+from disagg.engine.transformer import Transformer
+from disagg.kv.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+# Fills the importer's blocks: called with the pool's [num_blocks, block_bytes] uint8 memory and the
+# destination block ids, in sequence order.
+BlockFill = Callable[[torch.Tensor, list[int]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance, validated at construction."""
+
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None  # default: as many as kv_cache_mb holds
+    kv_cache_mb: int = 256
+    max_batch_size: int = 64
+    max_tokens_cap: int | None = None  # default: the model's context length
+    cores: tuple[int, ...] | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "kv_cache_mb", "max_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer")
+        for name in ("num_blocks", "max_tokens_cap", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or unset")
+        if self.cores is not None:
+            object.__setattr__(self, "cores", tuple(self.cores))
+            if not self.cores or any(not isinstance(c, int) or c < 0 for c in self.cores):
+                raise ValueError("cores must be a non-empty list of core numbers")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from e.g. JSON parameters; unknown keys are errors."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {sorted(unknown)}")
+        return cls(**data)
+
+
+class Engine:
+    """One model, one KV block pool, any number of sequences."""
+
+    def __init__(self, config: EngineConfig, kv_memory: torch.Tensor | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            pin_cpu(config.cores, config.num_threads)
+        self.model_config: ModelConfig = load_config(config.model_dir)
+        dtype = DTYPES[config.dtype]
+        weights = load_weights(config.model_dir, self.model_config, dtype)
+        self.model = Transformer(self.model_config, weights, dtype, self.device)
+        del weights
+        mc = self.model_config
+        self.kv_layout = KVLayout(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype, config.block_size
+        )
+        num_blocks = config.num_blocks or max(1, config.kv_cache_mb * (1 << 20) // self.kv_layout.block_bytes)
+        if kv_memory is not None and kv_memory.device != self.device:
+            raise ValueError("supplied KV memory is not on the engine's device")
+        if kv_memory is None and self.device.type != "cpu":
+            kv_memory = torch.zeros(
+                num_blocks, self.kv_layout.block_bytes, dtype=torch.uint8, device=self.device
+            )
+        self.pool = BlockPool(self.kv_layout, num_blocks, kv_memory)
+        self.max_tokens_cap = min(config.max_tokens_cap or mc.max_context, mc.max_context)
+        self._sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count(1)
+        log.info(
+            "engine ready: %s %s on %s, %d KV blocks of %d tokens",
+            mc.model_type,
+            config.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+        )
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_context
+
+    def active_sequences(self) -> list[int]:
+        """Ids of the sequences that decode_step() advances."""
+        return [s.seq_id for s in self._sequences.values() if s.decoding]
+
+    def held_sequences(self) -> list[int]:
+        return list(self._sequences)
+
+    def sequence_state(self, seq_id: int) -> SequenceState:
+        return self._get(seq_id).state()
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest naming the first problem; nothing is allocated."""
+        prompt = request.prompt_token_ids
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt is empty (0 tokens)")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        request.params.validate(self.vocab_size, self.max_tokens_cap)
+        total = len(prompt) + request.params.max_tokens
+        if total > self.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
+
+    def blocks_needed(self, request: Request, *, decode: bool = True) -> int:
+        tokens = len(request.prompt_token_ids) + (request.params.max_tokens if decode else 0)
+        return self.pool.blocks_for(tokens)
+
+    # ----------------------------------------------------------------- phases
+
+    def prefill(self, requests: Iterable[Request], *, decode: bool = True) -> list[StepOutput]:
+        """Run each prompt, sample its first token; outputs in request order.
+
+        With ``decode=False`` (a prefill pool) the sequences are held for export and never join
+        decode_step(); their blocks cover only the prompt. All-or-nothing: on InvalidRequest or
+        OutOfBlocks nothing is allocated.
+        """
+        requests = list(requests)
+        for request in requests:
+            self.validate(request)
+        if decode and len(self.active_sequences()) + len(requests) > self.config.max_batch_size:
+            raise InvalidRequest(f"decode batch is full ({self.config.max_batch_size} sequences)")
+        needed = [self.blocks_needed(r, decode=decode) for r in requests]
+        blocks = self.pool.allocate(sum(needed))
+        seqs = []
+        for request, count in zip(requests, needed, strict=True):
+            seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks[:count])
+            seq.decoding = decode
+            blocks = blocks[count:]
+            self._sequences[seq.seq_id] = seq
+            seqs.append(seq)
+        try:
+            return [self._run_prefill(seq) for seq in seqs]
+        except BaseException:
+            for seq in seqs:  # an engine fault: give everything of this call back
+                self.free(seq.seq_id)
+            raise
+
+    def _run_prefill(self, seq: Sequence) -> StepOutput:
+        tokens = torch.tensor(seq.prompt, dtype=torch.long, device=self.device)
+        positions = torch.arange(len(seq.prompt), device=self.device)
+        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
+        bs = self.kv_layout.block_size
+        logits = self.model.prefill(tokens, self.pool.cache, table[positions // bs], positions % bs)
+        seq.num_cached = len(seq.prompt)
+        return self._append(seq, logits)
+
+    def decode_step(self) -> list[StepOutput]:
+        """Advance every active sequence by one token (one batched forward pass)."""
+        batch = [s for s in self._sequences.values() if s.decoding]
+        if not batch:
+            return []
+        width = max(self.pool.blocks_for(s.num_cached + 1) for s in batch)
+        table = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, seq in enumerate(batch):
+            used = seq.blocks[:width]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        tokens = torch.tensor([s.last_token for s in batch], dtype=torch.long)
+        positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
+        logits = self.model.decode(
+            tokens.to(self.device), positions.to(self.device), self.pool.cache, table.to(self.device)
+        )
+        outputs = []
+        for row, seq in enumerate(batch):
+            seq.num_cached += 1
+            outputs.append(self._append(seq, logits[row]))
+        return outputs
+
+    def _stop_ids(self, seq: Sequence) -> set[int]:
+        params = seq.params
+        ends = {params.end_id} if params.end_id is not None else set(self.model_config.eos_token_ids)
+        return ends | set(params.stop_token_ids)
+
+    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Sample the next token from logits [V]; finish and free the sequence when it is done."""
+        stops = self._stop_ids(seq)
+        step = len(seq.generated)
+        if step < seq.params.min_length and stops:
+            logits = logits.clone()
+            logits[list(stops)] = float("-inf")
+        token = sample(logits.cpu(), seq.params, step)
+        seq.generated.append(token)
+        reason = None
+        if token in stops:
+            reason = FINISH_STOP
+        elif len(seq.generated) >= seq.params.max_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self.free(seq.seq_id)
+        return StepOutput(seq.seq_id, token, reason is not None, reason)
+
+    # ----------------------------------------------------------------- lifetime
+
+    def _get(self, seq_id: int) -> Sequence:
+        try:
+            return self._sequences[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence {seq_id}") from None
+
+    def free(self, seq_id: int) -> bool:
+        """Drop a sequence and return its blocks; False when it was already gone (idempotent)."""
+        seq = self._sequences.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.pool.free(seq.blocks)
+        return True
+
+    abort = free
+
+    # ----------------------------------------------------------------- KV hand-off
+
+    def export_kv(self, seq_id: int) -> tuple[SequenceState, KVLayout, list[int]]:
+        """Describe a held sequence's KV: its state, the layout, and the pool blocks holding it.
+
+        The blocks stay allocated (and must not be written) until ``free(seq_id)``: a transport copies
+        them straight out of ``self.pool.memory``.
+        """
+        seq = self._get(seq_id)
+        layout = self.kv_layout.with_tokens(seq.num_cached)
+        return seq.state(), layout, seq.blocks[: layout.num_blocks]
+
+    def import_kv(self, state: SequenceState, layout: KVLayout, fill: BlockFill | torch.Tensor) -> int:
+        """Admit a sequence prefilled elsewhere; its KV arrives through ``fill``.
+
+        ``fill`` is either a [blocks, block_bytes] uint8 tensor holding the exported blocks in order, or
+        a callable that writes them into the given destination blocks of this pool (one copy). On any
+        error the blocks are returned and nothing stays admitted.
+        """
+        mine = self.kv_layout
+        if layout.with_tokens(0) != mine:
+            raise InvalidRequest(
+                "KV layout does not match this engine's (layers, heads, dtype or block size)"
+            )
+        request = Request(state.prompt_token_ids, state.params)
+        self.validate(request)
+        if layout.num_tokens != len(state.prompt_token_ids) + max(0, len(state.generated_token_ids) - 1):
+            raise InvalidRequest("KV token count does not match the sequence state")
+        if not state.generated_token_ids or len(state.generated_token_ids) >= state.params.max_tokens:
+            raise InvalidRequest("sequence state has no token to continue from, or is already complete")
+        if len(self.active_sequences()) >= self.config.max_batch_size:
+            raise InvalidRequest(f"decode batch is full ({self.config.max_batch_size} sequences)")
+        blocks = self.pool.allocate(self.blocks_needed(request))
+        try:
+            dest = blocks[: layout.num_blocks]
+            if isinstance(fill, torch.Tensor):
+                if tuple(fill.shape) != (layout.num_blocks, mine.block_bytes) or fill.dtype != torch.uint8:
+                    raise InvalidRequest("KV payload does not match its layout")
+                self.pool.memory[torch.tensor(dest, dtype=torch.long)] = fill.to(self.device)
+            else:
+                fill(self.pool.memory, dest)
+        except BaseException:
+            self.pool.free(blocks)
+            raise
+        seq = Sequence(next(self._ids), state.prompt_token_ids, state.params, blocks)
+        seq.generated = list(state.generated_token_ids)
+        seq.num_cached = layout.num_tokens
+        self._sequences[seq.seq_id] = seq
+        return seq.seq_id

@@ -1,0 +1,87 @@
+"""Requests, sequences and the portable state that travels with a KV hand-off."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from disagg.engine.errors import InvalidRequest
+from disagg.engine.sampling import SamplingParams
+
+FINISH_STOP = "stop"  # an end or stop token was produced
+FINISH_LENGTH = "length"  # max_tokens reached
+
+
+@dataclass(frozen=True)
+class Request:
+    """A tokenized prompt and how to continue it."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One new token of one sequence."""
+
+    seq_id: int
+    token_id: int
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Sequence:
+    """A request inside an engine: its tokens so far and the blocks holding its KV."""
+
+    seq_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    blocks: list[int]
+    generated: list[int] = field(default_factory=list)
+    num_cached: int = 0  # positions whose KV is in the blocks
+    decoding: bool = True  # part of decode_step()'s batch
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    def state(self) -> SequenceState:
+        return SequenceState(self.prompt, tuple(self.generated), self.params)
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """What another engine needs, beside the KV blocks, to continue a sequence exactly."""
+
+    prompt_token_ids: tuple[int, ...]
+    generated_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "generated_token_ids": list(self.generated_token_ids),
+            "params": {**asdict(self.params), "stop_token_ids": list(self.params.stop_token_ids)},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SequenceState:
+        """Parse untrusted data; unknown or missing keys are errors (values are checked on import)."""
+        if not isinstance(data, dict) or set(data) != {"prompt_token_ids", "generated_token_ids", "params"}:
+            raise InvalidRequest("sequence state must have exactly prompt/generated token ids and params")
+        params = data["params"]
+        known = set(SamplingParams.__dataclass_fields__)
+        if not isinstance(params, dict) or not set(params) <= known:
+            raise InvalidRequest("sequence state has unknown sampling parameters")
+        for key in ("prompt_token_ids", "generated_token_ids"):
+            if not isinstance(data[key], list):
+                raise InvalidRequest(f"sequence state {key} must be a list")
+        stop = params.get("stop_token_ids", ())
+        if not isinstance(stop, (list, tuple)):
+            raise InvalidRequest("stop_token_ids must be a list")
+        return cls(
+            tuple(data["prompt_token_ids"]),
+            tuple(data["generated_token_ids"]),
+            SamplingParams(**{**params, "stop_token_ids": tuple(stop)}),
+        )

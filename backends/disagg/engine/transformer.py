@@ -1,0 +1,156 @@
+"""The decoder's forward pass over a paged KV cache (Llama / Mistral / Qwen2 family).
+
+Shapes: T tokens of one prompt, B sequences in a decode batch, H hidden size, nh / nkv query / kv
+heads, hd head dim, bs block size, MB blocks per sequence (padded), L = MB * bs.
+The cache is the block pool's typed view [num_blocks, layers, 2, bs, nkv, hd].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from disagg.engine.checkpoint import ModelConfig
+from disagg.engine.rope import RotaryTable
+
+
+@dataclass
+class LayerWeights:
+    ln_attn: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(nh + 2 nkv) hd, H]: q, k, v projections stacked, one matmul
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, nh hd]
+    o_bias: torch.Tensor | None
+    ln_mlp: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]: gate and up projections stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+
+
+def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)  # type: ignore[arg-type]
+
+
+class Transformer:
+    """Weights plus the two forward passes the engine needs: prompt and batched decode step."""
+
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        def b(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")  # [V, H]
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for n in range(cfg.num_layers):
+            a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+            self.layers.append(
+                LayerWeights(
+                    ln_attn=w(f"model.layers.{n}.input_layernorm.weight"),
+                    qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                    qkv_bias=_cat([b(a + "q_proj.bias"), b(a + "k_proj.bias"), b(a + "v_proj.bias")]),
+                    o=w(a + "o_proj.weight"),
+                    o_bias=b(a + "o_proj.bias"),
+                    ln_mlp=w(f"model.layers.{n}.post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
+                    gate_up_bias=_cat([b(m + "gate_proj.bias"), b(m + "up_proj.bias")]),
+                    down=w(m + "down_proj.weight"),
+                    down_bias=b(m + "down_proj.bias"),
+                )
+            )
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_context, dtype)
+        self.rotary.cos, self.rotary.sin = self.rotary.cos.to(device), self.rotary.sin.to(device)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the compute dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _qkv(
+        self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        qkv = F.linear(self._rms_norm(x, layer.ln_attn), layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)  # [T, nh, hd]
+        k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)  # [T, nkv, hd]
+        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attn, layer.o, layer.o_bias)
+        gate, up = F.linear(self._rms_norm(x, layer.ln_mlp), layer.gate_up, layer.gate_up_bias).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, cache: torch.Tensor, slot_block: torch.Tensor, slot_offset: torch.Tensor
+    ) -> torch.Tensor:
+        """Run a whole prompt tokens [T]; write its KV at the given slots [T]; logits [V] of the last."""
+        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        x = self.embed[tokens]  # [T, H]
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            cache[slot_block, n, 0, slot_offset] = k
+            cache[slot_block, n, 1, slot_offset] = v
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            )  # [nh, T, hd]
+            x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(-1, self.q_size))
+        return self._logits(x[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step for B sequences: tokens/positions [B], block_table [B, MB]; logits [B, V].
+
+        Each sequence's new KV goes to the slot of its position; it then attends to positions
+        0..position of its own blocks.
+        """
+        cfg = self.cfg
+        batch, max_blocks = block_table.shape
+        bs = cache.shape[3]
+        slot_block = block_table.gather(1, (positions // bs)[:, None])[:, 0]  # [B]
+        slot_offset = positions % bs
+        span = max_blocks * bs
+        mask = torch.arange(span, device=tokens.device)[None, :] <= positions[:, None]  # [B, L]
+        mask = mask[:, None, None, :]  # [B, 1, 1, L]
+        flat_table = block_table.reshape(-1)
+        x = self.embed[tokens]  # [B, H]
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            cache[slot_block, n, 0, slot_offset] = k
+            cache[slot_block, n, 1, slot_offset] = v
+            # [B * MB, bs, nkv, hd] -> [B, nkv, L, hd]
+            keys = cache[:, n, 0].index_select(0, flat_table).view(batch, span, cfg.num_kv_heads, -1)
+            values = cache[:, n, 1].index_select(0, flat_table).view(batch, span, cfg.num_kv_heads, -1)
+            attn = F.scaled_dot_product_attention(
+                q[:, :, None, :],  # [B, nh, 1, hd]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask,
+                enable_gqa=True,
+            )  # [B, nh, 1, hd]
+            x = self._finish_layer(layer, x, attn.reshape(batch, self.q_size))
+        return self._logits(x)
