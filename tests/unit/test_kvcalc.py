@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from disagg_tools import kvcalc, tiny_model
 
 # 2 x layers x kv_heads x head_dim x bytes, worked out by hand.

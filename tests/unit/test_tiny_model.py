@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from disagg_tools import tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from disagg_tools import tiny_model
 
 PROMPTS = (
     "The harbour town woke slowly.",
