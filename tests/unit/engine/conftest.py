@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from checkpoints import write_checkpoint, write_legacy_checkpoint
+
+from disagg.engine.engine import Engine, EngineConfig
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """kind -> folder of a random checkpoint of that kind, written once per session."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            out = tmp_path_factory.mktemp(kind)
+            made[kind] = (
+                write_legacy_checkpoint(out) if kind == "legacy-rope" else write_checkpoint(out, kind)
+            )
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture
+def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., Engine]:
+    def make(kind: str = "llama-gqa", **settings: object) -> Engine:
+        settings.setdefault("num_blocks", 256)
+        settings.setdefault("block_size", 4)
+        return Engine(EngineConfig(model_dir=checkpoint(kind), **settings))
+
+    return make
