@@ -1,0 +1,479 @@
+"""The transport interface, the logic every transport shares, and the registry.
+
+One ``Transport`` object per process serves both sides:
+
+exporter (prefill)                              importer (decode)
+  pool = t.allocate_pool(n, layout.block_bytes)   pool = t.allocate_pool(m, layout.block_bytes)
+  token = t.export_blocks(pool, ids, layout) ──▶  res = t.import_blocks(token, pool, my_ids)
+  (blocks held under a lease)                     (one copy: exporter blocks -> my blocks)
+  t.ack(res.ack)  ◀── relayed, or native ────────  res.ack
+  t.poll() / reaper: native acks + expiry
+
+Everything except moving bytes lives here: signing, verification, leases, block tags,
+staging, checksums, counters, replay protection. A subclass supplies memory
+(``_allocate_region``), a location for its descriptors, a pure location check, and the copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from disagg.kv.blocks import check_block_ids, to_runs
+from disagg.kv.descriptor import (
+    Descriptor,
+    DescriptorLimits,
+    new_lease_id,
+    parse_ack,
+    parse_descriptor,
+    sign_ack,
+)
+from disagg.kv.errors import (
+    ChecksumMismatch,
+    DescriptorError,
+    KVError,
+    LeaseGone,
+    TransferError,
+    TransportClosed,
+)
+from disagg.kv.hooks import TransferHooks
+from disagg.kv.layout import KVLayout
+from disagg.kv.lease import Lease, LeaseConfig, LeaseTable, ReleaseCallback
+from disagg.kv.region import Region, as_block_bytes
+from disagg.kv.staging import Staging
+from disagg.kv.stats import TransferStats
+
+log = logging.getLogger(__name__)
+_PREFIX_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,31}$")
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings every transport shares. ``prefix`` names this deployment's regions and agents."""
+
+    secret: bytes = field(repr=False)
+    prefix: str = "disagg"
+    ttl_s: float = 30.0
+    max_leases: int = 4096
+    checksum: bool = False
+    staging_blocks: int = 0
+    transfer_timeout_s: float = 30.0
+    replay_window: int = 1 << 16
+    limits: DescriptorLimits = field(default_factory=DescriptorLimits)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or len(self.secret) < 16:
+            raise ValueError("TransportConfig.secret must be at least 16 bytes")
+        if not isinstance(self.prefix, str) or not _PREFIX_RE.match(self.prefix):
+            raise ValueError("TransportConfig.prefix must match [a-z0-9][a-z0-9_]{0,31}")
+        LeaseConfig(self.ttl_s, self.max_leases)  # validates both
+        if self.ttl_s > self.limits.max_ttl_s:
+            raise ValueError("TransportConfig.ttl_s exceeds limits.max_ttl_s")
+        for name in ("staging_blocks", "replay_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TransportConfig.{name} must be a non-negative integer")
+        if not isinstance(self.checksum, bool):
+            raise ValueError("TransportConfig.checksum must be a boolean")
+        t = self.transfer_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t <= 3600:
+            raise ValueError("TransportConfig.transfer_timeout_s must be in (0, 3600]")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], secret: bytes) -> TransportConfig:
+        """Build from parsed config (e.g. config.pbtxt parameters); unknown keys are errors."""
+        return parse_config(cls, {**data, "secret": secret})
+
+
+def parse_config(cls: type, data: dict[str, Any]) -> Any:
+    """Instantiate frozen config dataclass ``cls`` from ``data``, refusing unknown keys."""
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s): {sorted(unknown)}")
+    data = dict(data)
+    if "limits" in data and isinstance(data["limits"], dict):
+        data["limits"] = parse_config(DescriptorLimits, data["limits"])
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What the importer got. ``ack`` is None only when a fault hook dropped it."""
+
+    lease_id: str
+    nbytes: int
+    seconds: float
+    ack: bytes | None
+
+
+class Transport(ABC):
+    """Base of every transport; see the module docstring for the protocol."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(
+        self, config: TransportConfig, *, clock: Clock = time.time, on_release: ReleaseCallback | None = None
+    ) -> None:
+        self.config = config
+        self.origin = f"{config.prefix}.{self.kind}.{os.getpid()}.{secrets.token_hex(4)}"
+        self.stats = TransferStats()
+        self.hooks = TransferHooks()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._closed = False
+        self._regions: dict[str, Region] = {}
+        self._staging: Staging | None = None
+        self._consumed: OrderedDict[str, float] = OrderedDict()
+        self._leases = LeaseTable(
+            LeaseConfig(config.ttl_s, config.max_leases),
+            on_release=self._on_lease_end,
+            on_release_user=on_release,
+        )
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def allocate_pool(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
+        """Allocate a ``[num_blocks, block_bytes]`` uint8 pool that exports without a copy.
+
+        The engine views it as its typed block shape; it stays valid until ``close``.
+        """
+        self._check_open()
+        for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer")
+        region = self._allocate_region(num_blocks, block_bytes)
+        with self._lock:
+            self._regions[region.key] = region
+        return region.pool
+
+    # ---- exporter side ----------------------------------------------------------------
+
+    def export_blocks(self, pool: torch.Tensor, block_ids: Sequence[int], layout: KVLayout) -> bytes:
+        """Lease ``block_ids`` of ``pool`` and return a signed descriptor of them.
+
+        ``layout.num_tokens`` tokens must fill exactly ``len(block_ids)`` blocks. A pool from
+        ``allocate_pool`` is exported in place (the caller must not reuse these blocks until
+        its ``on_release`` callback names the lease); any other pool is copied into staging
+        blocks first (needs ``staging_blocks`` > 0). Raises ValueError on bad arguments.
+        """
+        self._check_open()
+        if not isinstance(layout, KVLayout) or layout.num_tokens <= 0:
+            raise ValueError("layout must be a KVLayout with num_tokens > 0")
+        flat = as_block_bytes(pool)
+        if flat.shape[1] != layout.block_bytes:
+            raise ValueError("pool block size does not match the layout")
+        ids = check_block_ids(block_ids, flat.shape[0])
+        if len(ids) != layout.num_blocks:
+            raise ValueError(f"{layout.num_tokens} tokens need {layout.num_blocks} blocks, got {len(ids)}")
+        if len(ids) > self.config.limits.max_blocks or layout.byte_size > self.config.limits.max_bytes:
+            raise ValueError("export exceeds the descriptor limits")
+        region = self._region_of(flat)
+        staged: list[int] | None = None
+        if region is None:
+            region, staged = self._stage(flat, ids, layout)
+            ids = staged
+        lease_id = new_lease_id()
+        now = self._clock()
+        try:
+            checksum = None
+            if self.config.checksum:
+                checksum = {"alg": "blake2b-128", "hex": _digest(region.pool, to_runs(ids))}
+            lease = self._leases.grant(lease_id, region.key, tuple(ids), now, layout.byte_size, staged)
+        except BaseException:
+            if staged is not None and self._staging is not None:
+                self._staging.give(staged)
+            raise
+        desc = Descriptor(
+            transport=self.kind,
+            origin=self.origin,
+            location=self._location(region),
+            layout=layout,
+            pool_blocks=region.num_blocks,
+            block_ids=tuple(ids),
+            lease_id=lease_id,
+            issued_at=now,
+            expires_at=lease.expires_at,
+            checksum=checksum,
+        )
+        self._set_tags(region, ids, desc.tag)
+        self.stats.add(exported=1, bytes_exported=layout.byte_size)
+        return desc.sign(self.config.secret)
+
+    def ack(self, token: bytes) -> bool:
+        """Release the lease named by an importer's signed ack. False when stale, foreign or invalid."""
+        try:
+            lease_id, origin = parse_ack(token, self.config.secret)
+        except DescriptorError:
+            self.stats.add(refused=1)
+            return False
+        if origin != self.origin:
+            return False
+        return self.release(lease_id, "ack")
+
+    def release(self, lease_id: str, reason: str = "ack") -> bool:
+        """Release a lease (idempotent). True only for the call that released it."""
+        done = self._leases.release(lease_id, reason)
+        if reason == "ack":
+            self.stats.add(**({"acks": 1} if done else {"stale_acks": 1}))
+        return done
+
+    def abort(self, lease_id: str) -> bool:
+        """Give the blocks back now (the request was cancelled or failed). Idempotent."""
+        done = self._leases.release(lease_id, "abort")
+        if done:
+            self.stats.add(aborts=1)
+        return done
+
+    def poll(self, now: float | None = None) -> int:
+        """Take in native acks and expire overdue leases; returns how many leases expired."""
+        for lease_id in self._native_acks():
+            self.release(lease_id, "ack")
+        now = self._clock() if now is None else now
+        expired = self._leases.expire(now)
+        if expired:
+            self.stats.add(lease_expiries=len(expired))
+        self._prune_consumed(now)
+        return len(expired)
+
+    def held_leases(self) -> int:
+        return self._leases.held()
+
+    def lease_ids(self) -> list[str]:
+        return self._leases.live_ids()
+
+    def start_reaper(self, interval_s: float = 0.5) -> None:
+        """Call ``poll`` every ``interval_s`` on a daemon thread until ``close``."""
+        if self._reaper is not None:
+            return
+
+        def loop() -> None:
+            while not self._reaper_stop.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:
+                    log.exception("KV lease reaper poll failed")
+
+        self._reaper = threading.Thread(target=loop, name=f"kv-reaper-{self.kind}", daemon=True)
+        self._reaper.start()
+
+    # ---- importer side ------------------------------------------------------------------
+
+    def verify(self, token: bytes) -> Descriptor:
+        """Check a descriptor without touching memory: signature, schema, limits, expiry, replay."""
+        now = self._clock()
+        try:
+            desc = parse_descriptor(token, self.config.secret, self.config.limits, now, self.kind)
+            self._check_location(desc)
+            with self._lock:
+                if desc.lease_id in self._consumed:
+                    raise LeaseGone("descriptor was already used")
+        except DescriptorError:
+            self.stats.add(refused=1)
+            raise
+        return desc
+
+    def import_blocks(self, token: bytes, pool: torch.Tensor, block_ids: Sequence[int]) -> ImportResult:
+        """Verify ``token`` and copy its blocks into ``block_ids`` of ``pool`` (one copy).
+
+        Raises DescriptorError (refused, nothing copied), LeaseGone / LeaseExpired (the
+        exporter no longer holds the blocks), TransferError / ChecksumMismatch (destination
+        blocks are partial; the caller frees them). A failed import may be retried while the
+        lease lives; a successful one cannot be repeated.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        desc = self.verify(token)
+        dest = as_block_bytes(pool)
+        if dest.shape[1] != desc.layout.block_bytes:
+            raise ValueError("destination pool block size does not match the descriptor")
+        ids = check_block_ids(block_ids, dest.shape[0], "destination block id")
+        if len(ids) != len(desc.block_ids):
+            raise ValueError("destination block count does not match the descriptor")
+        with self._lock:
+            if desc.lease_id in self._consumed:
+                self.stats.add(refused=1)
+                raise LeaseGone("descriptor was already used")
+            self._consumed[desc.lease_id] = desc.expires_at + self.config.limits.clock_skew_s
+        ack = sign_ack(desc.lease_id, desc.origin, self.config.secret)
+        send_ack = self.hooks.deliver_ack(desc)
+        acked = False
+        try:
+            self.hooks.before_copy(desc)
+            acked = self._copy_in(desc, dest, ids, ack if send_ack else None)
+            self.hooks.after_copy(desc, dest, ids)
+            if desc.checksum is not None and _digest(dest, to_runs(ids)) != desc.checksum["hex"]:
+                self.stats.add(checksum_failures=1)
+                raise ChecksumMismatch("KV payload checksum mismatch")
+        except BaseException as exc:
+            self.stats.add(failures=1)
+            if not acked:
+                with self._lock:  # let the caller retry while the lease lives
+                    self._consumed.pop(desc.lease_id, None)
+            if isinstance(exc, KVError) or not isinstance(exc, Exception):
+                raise
+            raise TransferError("KV transfer failed") from exc
+        seconds = time.perf_counter() - start
+        self.stats.add(imported=1, bytes_imported=desc.byte_size, transfer_seconds=seconds)
+        return ImportResult(desc.lease_id, desc.byte_size, seconds, ack if send_ack else None)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release every lease (reason "closed"), stop the reaper, free all regions. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._reaper_stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        self._leases.release_all("closed")
+        self._close_transport()
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        for region in regions:
+            try:
+                region.close()
+            except Exception:
+                log.exception("closing a KV region failed")
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- subclass contract --------------------------------------------------------------
+
+    @abstractmethod
+    def _allocate_region(self, num_blocks: int, block_bytes: int) -> Region:
+        """Allocate pool, tags and (if used) acks memory that the importer side can reach."""
+
+    @abstractmethod
+    def _location(self, region: Region) -> dict[str, Any]:
+        """JSON-safe data the importer needs to reach ``region``."""
+
+    @abstractmethod
+    def _check_location(self, desc: Descriptor) -> None:
+        """Validate ``desc.location`` without touching memory; raise DescriptorError."""
+
+    @abstractmethod
+    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int], ack: bytes | None) -> bool:
+        """Check tags, copy every block, re-check tags, deliver ``ack`` natively if given.
+
+        Returns True when the ack was delivered natively (the exporter may release now).
+        """
+
+    def _native_acks(self) -> list[str]:
+        """Lease ids acked through the transport itself since the last call."""
+        return []
+
+    def _close_transport(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Free importer-side resources (mappings, connections)."""
+
+    # ---- shared helpers -----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("KV transport is closed")
+
+    def _region_of(self, flat: torch.Tensor) -> Region | None:
+        ptr, nbytes = flat.data_ptr(), flat.numel()
+        with self._lock:
+            for region in self._regions.values():
+                if region.pool.data_ptr() == ptr and region.pool.numel() == nbytes:
+                    return region
+        return None
+
+    def _stage(self, flat: torch.Tensor, ids: list[int], layout: KVLayout) -> tuple[Region, list[int]]:
+        if self.config.staging_blocks == 0:
+            raise ValueError("pool was not allocated by this transport and staging is disabled")
+        with self._lock:
+            staging = self._staging
+        if staging is None:
+            region = self._allocate_region(self.config.staging_blocks, layout.block_bytes)
+            with self._lock:
+                if self._staging is None:
+                    self._regions[region.key] = region
+                    self._staging = Staging(region)
+                    region = None  # type: ignore[assignment]
+                staging = self._staging
+            if region is not None:
+                region.close()
+        if staging.region.block_bytes != layout.block_bytes:
+            raise ValueError("staging blocks were sized for another layout")
+        staged = staging.take(len(ids))
+        src = torch.as_tensor(ids, dtype=torch.long, device=flat.device)
+        dst = torch.as_tensor(staged, dtype=torch.long, device=staging.region.pool.device)
+        staging.region.pool.index_copy_(0, dst, flat.index_select(0, src).to(staging.region.pool.device))
+        return staging.region, staged
+
+    def _set_tags(self, region: Region, ids: Sequence[int], tag: int) -> None:
+        idx = torch.as_tensor(list(ids), dtype=torch.long, device=region.tags.device)
+        region.tags.index_fill_(0, idx, tag)
+
+    def _on_lease_end(self, lease: Lease, reason: str) -> None:
+        with self._lock:
+            region = self._regions.get(str(lease.region))
+            staging = self._staging
+        if region is not None:
+            # Clear tags before the engine may reuse the blocks (its callback runs after this).
+            self._set_tags(region, lease.block_ids, 0)
+        if lease.context is not None and staging is not None:
+            staging.give(lease.context)
+
+    def _prune_consumed(self, now: float) -> None:
+        with self._lock:
+            while self._consumed:
+                _lease_id, until = next(iter(self._consumed.items()))
+                if until > now and len(self._consumed) <= self.config.replay_window:
+                    break
+                self._consumed.popitem(last=False)
+
+
+def _digest(pool: torch.Tensor, runs: list[tuple[int, int]]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for start, count in runs:
+        chunk = pool[start : start + count]
+        if chunk.device.type != "cpu":
+            chunk = chunk.cpu()
+        h.update(memoryview(chunk.contiguous().numpy()).cast("B"))
+    return h.hexdigest()
+
+
+# ---- registry -----------------------------------------------------------------------------
+
+Factory = Callable[..., Transport]
+_REGISTRY: dict[str, Callable[[], Factory]] = {}
+
+
+def register_transport(kind: str, loader: Callable[[], Factory]) -> None:
+    """Register a transport kind; ``loader`` returns its class lazily (NIXL imports are heavy)."""
+    _REGISTRY[kind] = loader
+
+
+def transport_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_transport(kind: str, config: TransportConfig, **kwargs: Any) -> Transport:
+    """Create a transport by kind name (``shm``, ``nixl``, ``cuda_ipc``, ``fake``)."""
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown KV transport {kind!r}; known: {transport_kinds()}")
+    return _REGISTRY[kind]()(config, **kwargs)
