@@ -1,0 +1,262 @@
+"""Helpers for integration tests against a real Triton: polling, ports, leak snapshots, client calls.
+
+Plain functions and classes (no fixtures), so tests and other helpers can import them:
+`from triton_support import wait_until, LeakProbe, GrpcStream, ...` (this folder is on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+SHM_DIR = Path("/dev/shm")
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float, what: str = "condition", interval_s: float = 0.05
+) -> T:
+    """Poll `predicate` until it returns something truthy (returned) or `timeout_s` passes (AssertionError).
+
+    The only way tests wait for asynchronous effects: never a bare `sleep`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s:.1f} s (last value: {value!r})")
+        time.sleep(interval_s)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports free right now on `host` (all bound at once, then released)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _proc_stat(pid: int | str) -> tuple[str, int, int] | None:
+    """(state, ppid, pgrp) of a process, or None if it is gone."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, ppid, pgrp = line.rsplit(")", 1)[1].split()[:3]
+    return state, int(ppid), int(pgrp)
+
+
+def live_children(pid: int) -> frozenset[int]:
+    """Direct, non-zombie children of `pid`."""
+    children = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            info = _proc_stat(entry.name)
+            if info is not None and info[1] == pid and info[0] != "Z":
+                children.add(int(entry.name))
+    return frozenset(children)
+
+
+def live_group_members(pgid: int) -> frozenset[int]:
+    """Non-zombie processes of process group `pgid` (a server started by `TritonServer` and its stubs)."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            info = _proc_stat(entry.name)
+            if info is not None and info[2] == pgid and info[0] != "Z":
+                members.add(int(entry.name))
+    return frozenset(members)
+
+
+def shm_entries(prefix: str = "") -> frozenset[str]:
+    """Names in /dev/shm, optionally only those starting with `prefix`."""
+    return frozenset(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+@dataclass(frozen=True)
+class LeakSnapshot:
+    """Process-level resources that a test must give back: /dev/shm entries, this process's open fds,
+    its Python threads and its child processes."""
+
+    shm: frozenset[str]
+    fds: frozenset[int]
+    threads: frozenset[int]
+    children: frozenset[int]
+
+    @classmethod
+    def take(cls) -> LeakSnapshot:
+        return cls(
+            shm=shm_entries(),
+            fds=frozenset(int(fd) for fd in os.listdir("/proc/self/fd")),
+            threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            children=live_children(os.getpid()),
+        )
+
+    def leaks_since(self, before: LeakSnapshot) -> dict[str, list[Any]]:
+        """What exists now and did not exist in `before` (empty dict: nothing leaked)."""
+        found = {
+            "shm": sorted(self.shm - before.shm),
+            "fds": sorted(self.fds - before.fds),
+            "threads": sorted(
+                t.name for t in threading.enumerate() if t.ident in self.threads - before.threads
+            ),
+            "children": sorted(self.children - before.children),
+        }
+        return {kind: items for kind, items in found.items() if items}
+
+
+class LeakProbe:
+    """Baseline taken at construction; `check(timeout_s)` polls until nothing new remains, or fails
+    listing what leaked. Resources that existed at the baseline may disappear freely."""
+
+    def __init__(self) -> None:
+        self.before = LeakSnapshot.take()
+
+    def leaks(self) -> dict[str, list[Any]]:
+        return LeakSnapshot.take().leaks_since(self.before)
+
+    def check(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leaks = self.leaks()
+            if not leaks:
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"resources leaked (still there after {timeout_s:.0f} s): {leaks}")
+            time.sleep(0.05)
+
+
+# ---- clients -------------------------------------------------------------------------------------------
+
+
+def grpc_inputs(values: Mapping[str, np.ndarray]) -> list[Any]:
+    """`tritonclient.grpc.InferInput`s for named numpy arrays (dtype and shape taken from the arrays)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in values.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One item of a gRPC stream: a result (with `final` from Triton's final-response flag) or an error."""
+
+    result: Any | None
+    error: Exception | None
+    final: bool
+
+
+class GrpcStream:
+    """A `tritonclient.grpc` bidirectional stream whose responses are queued as `StreamEvent`s.
+
+    Use as a context manager: the stream and client are closed on exit (no leaked channel threads or fds).
+    Requests are sent with `enable_empty_final_response=True`, so every request ends with `final`.
+    """
+
+    def __init__(self, url: str, headers: Mapping[str, str] | None = None) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.events: queue.Queue[StreamEvent] = queue.Queue()
+        self.client.start_stream(callback=self._on_response, headers=dict(headers or {}))
+
+    def _on_response(self, result: Any, error: Exception | None) -> None:
+        final = False
+        if result is not None:
+            params = result.get_response().parameters
+            final = "triton_final_response" in params and params["triton_final_response"].bool_param
+        self.events.put(StreamEvent(result, error, final))
+
+    def send(self, model: str, values: Mapping[str, np.ndarray], request_id: str = "") -> None:
+        self.client.async_stream_infer(
+            model, grpc_inputs(values), request_id=request_id, enable_empty_final_response=True
+        )
+
+    def next(self, timeout_s: float = 10.0) -> StreamEvent:
+        """The next event; AssertionError if none arrives within `timeout_s`."""
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"no stream response within {timeout_s:.1f} s") from None
+
+    def until_final(self, timeout_s: float = 30.0) -> Iterator[StreamEvent]:
+        """Events up to and including the final one or the first error, all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            event = self.next(max(0.0, deadline - time.monotonic()))
+            yield event
+            if event.final or event.error is not None:
+                return
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def __enter__(self) -> GrpcStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def http_json(
+    url: str,
+    body: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float = 30,
+) -> tuple[int, Any]:
+    """POST `body` (or GET without one) and return (status, parsed JSON or raw text)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            status, raw = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def http_sse(url: str, body: Mapping[str, Any], timeout_s: float = 30) -> list[Any]:
+    """POST to a `generate_stream` endpoint and return the parsed `data:` events in order."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data:"):
+                events.append(json.loads(text[len("data:") :]))
+    return events
