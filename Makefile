@@ -5,11 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export MODEL_DIR ?= $(CURDIR)/.models/tiny
 
-.PHONY: install model test lint format bench-engine
+.PHONY: install model test lint format bench-engine serve
 
+# The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $$($(PY) -c 'import tomllib; \
+		print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["serve"])')
 	touch $@
 
 install: $(STAMP)
@@ -30,3 +33,8 @@ test: model lint
 
 bench-engine: model
 	$(PY) perf/engine_bench.py
+
+# Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
+# flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
+serve: model
+	$(PY) -c 'import sys; from disagg.server import serve_main; sys.exit(serve_main(sys.argv[1:]))' $(SERVE_ARGS)

@@ -7,6 +7,8 @@
 
 Example, a module sharing one server on the project's repository::
 
+    from triton_support import REPO_ROOT
+
     @pytest.fixture(scope="module")
     def server(triton_factory):
         return triton_factory.start(REPO_ROOT / "model_repository", exit_timeout_s=10)
@@ -17,86 +19,21 @@ Example, a module sharing one server on the project's repository::
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from triton_support import LeakProbe, free_ports, live_group_members, shm_entries, wait_until
+from triton_support import TEST_REPOS, LeakProbe, TritonFactory
 
-from disagg.server import ServerConfig, ServerError, TritonServer
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TEST_REPOS = Path(__file__).resolve().parent / "repos"
+from disagg.server import TritonServer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test of this folder `integration` (select or skip them with `-m`)."""
     here = Path(__file__).resolve().parent
     for item in items:
         if here in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.integration)
-
-
-class TritonFactory:
-    """Starts Triton servers for one test module; see the module docstring."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.backend_directory = workdir / "backends"
-        self.admin_key = secrets.token_urlsafe(24)
-        self.servers: list[TritonServer] = []
-
-    def config(self, repository: Path, **overrides: object) -> ServerConfig:
-        """A config on free loopback ports with this factory's backend directory and admin key."""
-        http_port, grpc_port, metrics_port = free_ports(3)
-        values: dict[str, object] = {
-            "model_repository": Path(repository).resolve(),
-            "backend_directory": self.backend_directory,
-            "admin_key": self.admin_key,
-            "http_port": http_port,
-            "grpc_port": grpc_port,
-            "metrics_port": metrics_port,
-            "address": "127.0.0.1",
-            "metrics_address": "127.0.0.1",
-            "exit_timeout_s": 5,
-        }
-        values.update(overrides)
-        return ServerConfig.from_mapping(values)
-
-    def start(self, repository: Path, ready_timeout_s: float = 120.0, **overrides: object) -> TritonServer:
-        """Start a server on `repository` and wait until it is ready (all models loaded).
-
-        `overrides` are `ServerConfig` fields. On failure the server is cleaned up and `ServerError`
-        (carrying the log tail) is raised.
-        """
-        config = self.config(repository, **overrides)
-        log_path = self.workdir / f"tritonserver-{len(self.servers)}-{config.http_port}.log"
-        server = TritonServer(config, log_path)
-        self.servers.append(server)
-        server.start()
-        try:
-            server.wait_ready(ready_timeout_s)
-        except ServerError:
-            server.stop(grace_s=5)
-            raise
-        return server
-
-    def release(self, server: TritonServer) -> None:
-        """Take `server` out of the clean-exit check: the test stops it and checks the outcome itself."""
-        self.servers.remove(server)
-
-    def stop_all(self) -> list[str]:
-        """Stop every server still registered; return a description of each unclean exit."""
-        problems = []
-        for server in self.servers:
-            status = server.stop()
-            if status != 0:
-                problems.append(f"server {server.pid} exited with {status}:\n{server.log_tail()}")
-            if live_group_members(server.pid):
-                problems.append(f"server {server.pid} left processes behind")
-            if shm_entries(server.config.shm_prefix):
-                problems.append(f"server {server.pid} left shared memory behind")
-        return problems
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +70,3 @@ def leak_probe() -> Iterator[LeakProbe]:
     probe = LeakProbe()
     yield probe
     probe.check(timeout_s=15.0)
-
-
-__all__ = ["REPO_ROOT", "TEST_REPOS", "TritonFactory", "wait_until"]

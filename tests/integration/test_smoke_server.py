@@ -5,14 +5,17 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import TEST_REPOS, TritonFactory
 from triton_support import (
+    TEST_REPOS,
     GrpcStream,
+    StreamEvent,
+    TritonFactory,
     http_json,
     http_sse,
     live_group_members,
@@ -28,12 +31,10 @@ def _request(count: int, delay_ms: int = 0) -> dict[str, np.ndarray]:
     return {"COUNT": np.array([count], dtype=np.int32), "DELAY_MS": np.array([delay_ms], dtype=np.int32)}
 
 
-def _values(events) -> list[int]:
-    return [
-        int(e.result.as_numpy("VALUE")[0])
-        for e in events
-        if e.result is not None and e.result.as_numpy("VALUE") is not None
-    ]
+def _values(events: Iterable[StreamEvent]) -> list[int]:
+    """The VALUEs carried by the events (the bare final response has none)."""
+    arrays = [e.result.as_numpy("VALUE") for e in events if e.result is not None]
+    return [int(a[0]) for a in arrays if a is not None]
 
 
 def test_server_is_ready_with_all_models(smoke_server: TritonServer) -> None:

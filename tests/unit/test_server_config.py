@@ -1,0 +1,264 @@
+"""ServerConfig validation, the tritonserver command line and environment, key handling (no Triton run)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagg.server import (
+    ADMIN_HEADER,
+    ENV_ADMIN_KEY,
+    GRPC_ADMIN_HEADER,
+    ServerConfig,
+    ServerError,
+    build_command,
+    build_environment,
+    load_or_create_admin_key,
+    remove_shm_regions,
+    serve_main,
+    server_config,
+)
+from disagg.tritonbin import TritonFiles, TritonFilesError, prepare_backend_directory, project_backend_source
+
+KEY = "k" * 32
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> TritonFiles:
+    """Stand-ins for the wheel's files (only their paths matter here)."""
+    root = tmp_path / "wheel"
+    paths = {
+        "server": root / "bin" / "tritonserver",
+        "python_backend_lib": root / "python" / "libtriton_python.so",
+        "python_backend_utils": root / "python" / "triton_python_backend_utils.py",
+        "python_stub": root / "stubs" / "triton_python_backend_stub",
+    }
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    (root / "libs").mkdir()
+    return TritonFiles(lib_dir=root / "libs", **paths)
+
+
+def make_config(**overrides: object) -> ServerConfig:
+    values: dict[str, object] = {
+        "model_repository": Path("/srv/models"),
+        "backend_directory": Path("/srv/backends"),
+        "admin_key": KEY,
+    }
+    values.update(overrides)
+    return ServerConfig.from_mapping(values)
+
+
+def test_defaults_are_triton_ports_and_deliberate_exit_timeout() -> None:
+    config = make_config()
+    assert (config.http_port, config.grpc_port, config.metrics_port) == (8000, 8001, 8002)
+    assert config.exit_timeout_s == 15
+    assert config.http_url == "127.0.0.1:8000" and config.grpc_url == "127.0.0.1:8001"
+    assert config.metrics_url == "http://127.0.0.1:8002/metrics"
+
+
+def test_unknown_keys_are_errors() -> None:
+    with pytest.raises(ValueError, match="unknown server config keys: http_prot"):
+        make_config(http_prot=1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model_repository": Path("models")}, "model_repository must be an absolute path"),
+        ({"backend_directory": "relative/backends"}, "backend_directory must be an absolute path"),
+        ({"admin_key": "short"}, "admin_key must be"),
+        ({"admin_key": "x" * 20 + ",shared-memory"}, "admin_key must be"),
+        ({"http_port": 0}, "http_port must be"),
+        ({"grpc_port": 70000}, "grpc_port must be"),
+        ({"metrics_port": True}, "metrics_port must be"),
+        ({"metrics_port": "8002"}, "metrics_port must be"),
+        ({"grpc_port": 8000}, "must differ"),
+        ({"address": "localhost"}, "address must be an IP address"),
+        ({"metrics_address": "0.0.0.0; rm"}, "metrics_address must be an IP address"),
+        ({"exit_timeout_s": 0}, "exit_timeout_s must be"),
+        ({"exit_timeout_s": 2.5}, "exit_timeout_s must be"),
+        ({"log_verbose": -1}, "log_verbose must be"),
+        ({"shm_prefix": "a"}, "shm_prefix must be"),
+        ({"shm_prefix": "../../etc/x"}, "shm_prefix must be"),
+        ({"extra_args": ("-v",)}, "extra_args must be"),
+        ({"extra_args": ("--exit-timeout-secs=1",)}, "must not set --exit-timeout-secs"),
+        ({"extra_args": ("--http-restricted-api=health:k=v",)}, "must not set --http-restricted-api"),
+        ({"extra_args": "--log-info=true"}, "extra_args must be a tuple"),
+    ],
+)
+def test_invalid_values_are_refused(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_config(**overrides)
+
+
+def test_config_is_frozen_and_never_shows_the_key() -> None:
+    config = make_config()
+    with pytest.raises(AttributeError):
+        config.http_port = 1  # type: ignore[misc]
+    assert KEY not in repr(config)
+    with pytest.raises(ValueError) as info:
+        make_config(admin_key="bad key with spaces, not allowed")
+    assert "spaces" not in str(info.value)
+
+
+def test_admin_headers_per_protocol() -> None:
+    config = make_config()
+    assert config.admin_headers("http") == {ADMIN_HEADER: KEY}
+    assert config.admin_headers("grpc") == {GRPC_ADMIN_HEADER: KEY}
+    assert GRPC_ADMIN_HEADER == "triton-grpc-protocol-disagg-admin-key"
+    with pytest.raises(ValueError):
+        config.admin_headers("sagemaker")
+
+
+def test_client_urls_follow_the_bind_address() -> None:
+    config = make_config(address="::", metrics_address="10.0.0.7")
+    assert config.http_url == "[::1]:8000"
+    assert config.metrics_url == "http://10.0.0.7:8002/metrics"
+
+
+def test_command_line(files: TritonFiles) -> None:
+    config = make_config(
+        http_port=9000,
+        grpc_port=9001,
+        metrics_port=9002,
+        address="127.0.0.1",
+        metrics_address="127.0.0.2",
+        exit_timeout_s=7,
+        log_verbose=1,
+        shm_prefix="disagg_test_",
+        extra_args=("--log-info=false",),
+    )
+    restricted = f"model-repository,shared-memory,trace,logging:disagg-admin-key={KEY}"
+    assert build_command(config, files) == [
+        str(files.server),
+        "--model-repository=/srv/models",
+        "--backend-directory=/srv/backends",
+        "--backend-config=python,shm-region-prefix-name=disagg_test_",
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        "--strict-readiness=true",
+        "--exit-on-error=true",
+        "--exit-timeout-secs=7",
+        "--http-address=127.0.0.1",
+        "--http-port=9000",
+        "--grpc-address=127.0.0.1",
+        "--grpc-port=9001",
+        f"--http-restricted-api={restricted}",
+        f"--grpc-restricted-protocol={restricted}",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=false",
+        "--metrics-address=127.0.0.2",
+        "--metrics-port=9002",
+        "--log-verbose=1",
+        "--log-info=false",
+    ]
+
+
+def test_each_config_gets_its_own_shm_prefix() -> None:
+    assert make_config().shm_prefix != make_config().shm_prefix
+    assert make_config().shm_prefix.startswith("disagg_")
+
+
+def test_environment_puts_this_venv_first_and_drops_the_key(files: TritonFiles) -> None:
+    base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib", ENV_ADMIN_KEY: KEY, "OTHER": "1"}
+    env = build_environment(files, base)
+    assert env["PATH"].split(os.pathsep) == [str(Path(sys.prefix) / "bin"), "/usr/bin"]
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep) == [str(files.lib_dir), "/opt/lib"]
+    assert ENV_ADMIN_KEY not in env and env["OTHER"] == "1"
+    assert base[ENV_ADMIN_KEY] == KEY, "the caller's mapping is not modified"
+
+
+def test_server_config_reads_ports_from_the_environment(tmp_path: Path) -> None:
+    env = {
+        "HTTP_PORT": "18000",
+        "GRPC_PORT": "18001",
+        "METRICS_PORT": "18002",
+        "METRICS_ADDRESS": "127.0.0.1",
+    }
+    config = server_config(tmp_path / "repo", state_dir=tmp_path / "state", env=env)
+    assert (config.http_port, config.grpc_port, config.metrics_port) == (18000, 18001, 18002)
+    assert config.metrics_address == "127.0.0.1"
+    assert config.model_repository == (tmp_path / "repo").resolve()
+    assert config.backend_directory == (tmp_path / "state" / "backends").resolve()
+    with pytest.raises(ValueError, match="HTTP_PORT must be an integer"):
+        server_config(tmp_path, state_dir=tmp_path / "state", env={"HTTP_PORT": "80a"})
+    overridden = server_config(tmp_path, state_dir=tmp_path / "state", env=env, http_port=19000)
+    assert overridden.http_port == 19000
+
+
+def test_admin_key_is_generated_once_with_mode_0600(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    key = load_or_create_admin_key(state, env={})
+    path = state / "admin-key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert len(key) >= 32
+    assert load_or_create_admin_key(state, env={}) == key
+
+
+def test_admin_key_from_the_environment_wins_and_is_validated(tmp_path: Path) -> None:
+    assert load_or_create_admin_key(tmp_path, env={ENV_ADMIN_KEY: KEY}) == KEY
+    assert not (tmp_path / "admin-key").exists()
+    with pytest.raises(ValueError) as info:
+        load_or_create_admin_key(tmp_path, env={ENV_ADMIN_KEY: "secret,with=separators"})
+    assert "secret" not in str(info.value).replace(ENV_ADMIN_KEY, "")
+
+
+def test_admin_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    load_or_create_admin_key(tmp_path, env={})
+    (tmp_path / "admin-key").chmod(0o644)
+    with pytest.raises(ServerError, match="mode 0600"):
+        load_or_create_admin_key(tmp_path, env={})
+
+
+def test_malformed_admin_key_file_is_refused_without_echo(tmp_path: Path) -> None:
+    (tmp_path / "admin-key").write_text("not a valid key at all\n")
+    (tmp_path / "admin-key").chmod(0o600)
+    with pytest.raises(ServerError) as info:
+        load_or_create_admin_key(tmp_path, env={})
+    assert "valid key" not in str(info.value)
+
+
+def test_remove_shm_regions_only_touches_the_prefix(tmp_path: Path) -> None:
+    for name in ("disagg_abc_1", "disagg_abc_2", "disagg_abd_1", "other"):
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(remove_shm_regions("disagg_abc_", tmp_path)) == ["disagg_abc_1", "disagg_abc_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disagg_abd_1", "other"]
+
+
+def test_backend_directory_links_wheel_files_and_project_backend(tmp_path: Path, files: TritonFiles) -> None:
+    directory = prepare_backend_directory(tmp_path / "backends", files)
+    python = directory / "python"
+    assert (python / "libtriton_python.so").resolve() == files.python_backend_lib.resolve()
+    assert (python / "triton_python_backend_utils.py").resolve() == files.python_backend_utils.resolve()
+    assert (python / "triton_python_backend_stub").resolve() == files.python_stub.resolve()
+    assert (directory / "disagg").resolve() == project_backend_source()
+    assert prepare_backend_directory(tmp_path / "backends", files) == directory  # idempotent
+    assert sorted(p.name for p in python.iterdir()) == [
+        "libtriton_python.so",
+        "triton_python_backend_stub",
+        "triton_python_backend_utils.py",
+    ]
+
+
+def test_backend_directory_refuses_to_replace_a_real_entry(tmp_path: Path, files: TritonFiles) -> None:
+    (tmp_path / "backends" / "disagg").mkdir(parents=True)
+    with pytest.raises(TritonFilesError, match="not a link"):
+        prepare_backend_directory(tmp_path / "backends", files)
+
+
+def test_serve_main_reports_a_missing_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV_ADMIN_KEY, KEY)
+    assert serve_main(["--model-repository", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "model repository not found" in err
+    assert str(tmp_path) not in err and KEY not in err
