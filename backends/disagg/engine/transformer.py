@@ -109,9 +109,14 @@ class Transformer:
             q, k, v = self._qkv(layer, x, positions)
             cache[slot_block, n, 0, slot_offset] = k
             cache[slot_block, n, 1, slot_offset] = v
+            # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].
             attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-            )  # [nh, T, hd]
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )[0]  # [nh, T, hd]
             x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(-1, self.q_size))
         return self._logits(x[-1:])[0]
 

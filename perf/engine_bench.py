@@ -1,0 +1,187 @@
+"""Engine speed on one CPU core: this engine vs eager transformers, side by side in one run.
+
+Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32, for
+  - transformers (fp32, SDPA attention, eager): the baseline,
+  - this engine in fp32 (the token-exact reference configuration),
+  - this engine in bf16 (the serving configuration).
+Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
+median of each is reported, and ratios against the baseline from the same run.
+
+    python perf/engine_bench.py [--model DIR] [--core N] [--reps R]
+
+Writes perf/results/engine_bench.json and perf/results/engine_bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from disagg.engine.engine import Engine, EngineConfig
+from disagg.engine.sampling import SamplingParams
+from disagg.engine.sequence import Request
+from disagg.paths import ensure_model, resolve_model_dir
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class HFRunner:
+    """Eager transformers, greedy, with its own KV cache: how a plain PyTorch user would run."""
+
+    name = "transformers fp32 (sdpa)"
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> None:
+        self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        out = self.model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - start
+
+
+class EngineRunner:
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        self.name = f"disagg engine {dtype}"
+        self.engine = Engine(EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=1024))
+
+    def prefill(self, prompt: list[int]) -> None:
+        (out,) = self.engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=1))], decode=False)
+        self.engine.free(out.seq_id)
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        params = SamplingParams(max_tokens=steps + 1)
+        outs = self.engine.prefill([Request(tuple(p), params) for p in prompts])
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.engine.decode_step()
+        elapsed = time.perf_counter() - start
+        for out in outs:
+            self.engine.free(out.seq_id)
+        return elapsed
+
+
+def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {r.name: [] for r in runners}
+    measure(runners[0])  # warm-up of allocator and kernels, once per runner below
+    for runner in runners[1:]:
+        measure(runner)
+    for _ in range(reps):
+        for runner in runners:
+            samples[runner.name].append(measure(runner))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run(model_dir: Path, core: int, reps: int, prompt_len: int, context: int, steps: int) -> dict:
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return [1, *torch.randint(3, 1000, (n - 1,), generator=gen).tolist()]
+
+    runners = [HFRunner(model_dir), EngineRunner(model_dir, "float32"), EngineRunner(model_dir, "bfloat16")]
+    baseline = runners[0].name
+    prompt = tokens(prompt_len)
+
+    def time_prefill(runner) -> float:
+        start = time.perf_counter()
+        runner.prefill(prompt)
+        return time.perf_counter() - start
+
+    rows = []
+    seconds = _interleaved(runners, time_prefill, reps)
+    for name, sec in seconds.items():
+        rows.append(dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec))
+    for batch in (1, 8, 32):
+        prompts = [tokens(context) for _ in range(batch)]
+        seconds = _interleaved(runners, lambda r, p=prompts: r.decode(p, steps), reps)
+        for name, sec in seconds.items():
+            rows.append(dict(phase="decode", runner=name, batch=batch, tokens=batch * steps, seconds=sec))
+    for row in rows:
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        base = next(
+            r
+            for r in rows
+            if r["runner"] == baseline and r["phase"] == row["phase"] and r["batch"] == row["batch"]
+        )
+        row["vs_baseline"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return dict(
+        model=str(model_dir),
+        core=core,
+        threads=1,
+        reps=reps,
+        prompt_tokens=prompt_len,
+        decode_context=context,
+        decode_steps=steps,
+        baseline=baseline,
+        torch=torch.__version__,
+        machine=platform.processor() or platform.machine(),
+        rows=rows,
+    )
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Engine speed, one CPU core",
+        "",
+        f"Model `{Path(result['model']).name}`, core {result['core']}, 1 thread, torch {result['torch']}; "
+        f"prefill of one {result['prompt_tokens']}-token prompt; decode at a "
+        f"{result['decode_context']}-token context, {result['decode_steps']} steps; "
+        f"median of {result['reps']} interleaved repetitions. "
+        f"Ratios are against `{result['baseline']}` in the same run.",
+        "",
+        "| phase | batch | runner | tokens/s | × baseline |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for r in result["rows"]:
+        cells = [r["phase"], r["batch"], r["runner"], f"{r['tokens_per_s']:.0f}", f"{r['vs_baseline']:.2f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else .models/tiny)")
+    parser.add_argument("--core", type=int, default=min(os.sched_getaffinity(0)))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    model_dir = ensure_model(resolve_model_dir(args.model))
+    result = run(model_dir, args.core, args.reps, args.prompt_tokens, args.context, args.steps)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "engine_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (args.out_dir / "engine_bench.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
