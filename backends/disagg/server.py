@@ -66,6 +66,8 @@ KILL_GRACE_S = 15.0
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_]{8,40}")
+_TRITON_ERROR_RE = re.compile(r"E\d{4} ")  # glog: severity letter, then MMDD
+_BENIGN = "CudaDriverHelper has not been initialized"  # logged by every CPU-only start
 _MANAGED_FLAGS = (
     "--model-repository",
     "--backend-directory",
@@ -413,10 +415,21 @@ class TritonServer:
 
     def log_tail(self, max_lines: int = 40) -> str:
         """The last lines of the server log (admin key redacted); empty when logging to the terminal."""
+        return "\n".join(self._log_lines()[-max_lines:])
+
+    def log_errors(self, max_lines: int = 10) -> str:
+        """The last error lines of the server log (e.g. why a model failed to load), admin key redacted."""
+        errors = [line for line in self._log_lines() if _TRITON_ERROR_RE.match(line) and _BENIGN not in line]
+        return "\n".join(errors[-max_lines:])
+
+    def _log_lines(self) -> list[str]:
         if self.log_path is None or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-max_lines:]
-        return redact("\n".join(lines), self.config.admin_key)
+            return []
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return redact(text, self.config.admin_key).splitlines()
+
+    def _failure(self, what: str) -> ServerError:
+        return ServerError(f"{what}\nerrors:\n{self.log_errors()}\nlog tail:\n{self.log_tail(15)}")
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Poll readiness until `timeout_s`. Raises `ServerError` (with the log tail) if the server exits
@@ -429,10 +442,10 @@ class TritonServer:
             if self.is_ready():
                 return
             if process.poll() is not None:
-                raise ServerError(f"tritonserver exited with {process.returncode}:\n{self.log_tail()}")
+                raise self._failure(f"tritonserver exited with {process.returncode}")
             if time.monotonic() >= deadline:
                 self.stop()
-                raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                raise self._failure(f"tritonserver not ready after {timeout_s:.0f} s")
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=0.1)
 

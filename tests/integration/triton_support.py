@@ -27,6 +27,10 @@ from disagg.server import ServerConfig, ServerError, TritonServer
 T = TypeVar("T")
 
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("disagg", "triton_python_backend")
+"""/dev/shm names the leak probe watches: the project's KV regions (`disagg-<pid>-...`), the Python backend
+regions of servers started here (`disagg_<id>_...`) and Triton's default prefix. /dev/shm is shared by
+the whole machine: other processes' entries (e.g. `sem.mp-*` of concurrent test runs) are not ours."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_REPOS = Path(__file__).resolve().parent / "repos"
 
@@ -101,8 +105,8 @@ def shm_entries(prefix: str = "") -> frozenset[str]:
 
 @dataclass(frozen=True)
 class LeakSnapshot:
-    """Process-level resources that a test must give back: /dev/shm entries, this process's open fds,
-    its Python threads and its child processes."""
+    """Process-level resources that a test must give back: /dev/shm entries (see `SHM_PREFIXES`), this
+    process's open fds, its Python threads and its child processes."""
 
     shm: frozenset[str]
     fds: frozenset[int]
@@ -112,7 +116,7 @@ class LeakSnapshot:
     @classmethod
     def take(cls) -> LeakSnapshot:
         return cls(
-            shm=shm_entries(),
+            shm=frozenset(name for name in shm_entries() if name.startswith(SHM_PREFIXES)),
             fds=frozenset(int(fd) for fd in os.listdir("/proc/self/fd")),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
             children=live_children(os.getpid()),
@@ -281,6 +285,7 @@ class TritonFactory:
         self.backend_directory = workdir / "backends"
         self.admin_key = secrets.token_urlsafe(24)
         self.servers: list[TritonServer] = []
+        self.failed: list[TritonServer] = []
 
     def config(self, repository: Path, **overrides: object) -> ServerConfig:
         """A config on free loopback ports with this factory's backend directory and admin key."""
@@ -302,8 +307,8 @@ class TritonFactory:
     def start(self, repository: Path, ready_timeout_s: float = 120.0, **overrides: object) -> TritonServer:
         """Start a server on `repository` and wait until it is ready (all models loaded).
 
-        `overrides` are `ServerConfig` fields. On failure the server is cleaned up and `ServerError`
-        (carrying the log tail) is raised.
+        `overrides` are `ServerConfig` fields. On failure the server is stopped, moved to `failed`, and
+        `ServerError` (carrying the log's error lines and tail) is raised.
         """
         config = self.config(repository, **overrides)
         log_path = self.workdir / f"tritonserver-{len(self.servers)}-{config.http_port}.log"
@@ -314,6 +319,8 @@ class TritonFactory:
             server.wait_ready(ready_timeout_s)
         except ServerError:
             server.stop(grace_s=5)
+            self.servers.remove(server)
+            self.failed.append(server)
             raise
         return server
 

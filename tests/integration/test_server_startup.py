@@ -1,0 +1,87 @@
+"""Starting and stopping Triton as an operator does: a model that cannot load, and `serve_main` in the
+foreground stopped by Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton_support import (
+    TEST_REPOS,
+    TritonFactory,
+    live_children,
+    live_group_members,
+    shm_entries,
+    wait_until,
+)
+
+from disagg.server import ENV_ADMIN_KEY, ServerError
+
+SERVE = "import sys; from disagg.server import serve_main; sys.exit(serve_main(sys.argv[1:]))"
+
+
+def test_model_failing_to_initialize_stops_startup_with_a_clear_error(triton_factory: TritonFactory) -> None:
+    with pytest.raises(ServerError) as info:
+        triton_factory.start(TEST_REPOS / "broken", ready_timeout_s=60)
+    message = str(info.value)
+    assert "tritonserver exited with 1" in message
+    assert "failed to load 'bad_init'" in message
+    assert "deliberate test failure" in message
+    assert triton_factory.admin_key not in message
+    server = triton_factory.failed[-1]
+    assert not live_group_members(server.pid), "no orphan stub"
+    assert not shm_entries(server.config.shm_prefix)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_main_stops_cleanly_on_signal(
+    tmp_path: Path, triton_factory: TritonFactory, signum: int
+) -> None:
+    config = triton_factory.config(TEST_REPOS / "smoke")  # only for free ports and the key
+    env = {
+        **os.environ,
+        "HTTP_PORT": str(config.http_port),
+        "GRPC_PORT": str(config.grpc_port),
+        "METRICS_PORT": str(config.metrics_port),
+        "METRICS_ADDRESS": "127.0.0.1",
+        ENV_ADMIN_KEY: config.admin_key,
+    }
+    argv = ["--model-repository", str(TEST_REPOS / "smoke"), "--exit-timeout", "5", "--address", "127.0.0.1"]
+    with (tmp_path / "serve.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE, *argv],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        triton_pid = next(iter(wait_until(lambda: live_children(process.pid), 30, "tritonserver started")))
+        wait_until(lambda: _ready(config.http_url), 60, "server ready")
+        os.killpg(process.pid, signum)  # as a terminal does for Ctrl-C, or an init system for SIGTERM
+        status = process.wait(timeout=5 + 15)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log_text = (tmp_path / "serve.log").read_text(errors="replace")
+    assert status == 0, log_text[-3000:]
+    assert config.admin_key not in log_text
+    assert not live_group_members(triton_pid)
+    assert not (tmp_path / ".triton" / "admin-key").exists(), "a key given by the environment is not stored"
+
+
+def _ready(http_url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
