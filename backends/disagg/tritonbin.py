@@ -7,15 +7,19 @@ files are used: the `pytriton` Python package itself is never imported (its depe
 The backend directory handed to `tritonserver --backend-directory` holds:
 
 - `python/`: the classic Python backend (`libtriton_python.so`, `triton_python_backend_utils.py` and the
-  stub for the running interpreter's Python version), as symbolic links into the wheel;
+  stub for the running interpreter's Python version), copied from the wheel. Copies, not links: for a
+  Python-based backend Triton 2.51 refuses a `libtriton_python.so` whose real path "escapes backend
+  directory";
 - `disagg`: a link to this package's folder, so models with `backend: "disagg"` run `disagg/model.py`
-  as a Python-based backend.
+  as a Python-based backend (a link is accepted there, and follows edits of the project).
 """
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 import os
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass
@@ -96,18 +100,30 @@ def _link(target: Path, link: Path) -> None:
     os.replace(tmp, link)
 
 
+def _copy(source: Path, destination: Path) -> None:
+    """Copy `source` to `destination` (with its mode) unless identical; atomic, like `_link`."""
+    if (
+        destination.is_file()
+        and not destination.is_symlink()
+        and filecmp.cmp(source, destination, shallow=False)
+    ):
+        return
+    tmp = destination.with_name(f".{destination.name}.{uuid.uuid4().hex}")
+    shutil.copy2(source, tmp)
+    os.replace(tmp, destination)
+
+
 def prepare_backend_directory(directory: Path, files: TritonFiles | None = None) -> Path:
     """Create (or refresh) a Triton backend directory at `directory` and return its absolute path.
 
-    Idempotent and safe to call concurrently. Entries are links, so the directory follows a reinstalled
-    wheel or an edited project backend without being rebuilt.
+    Idempotent and safe to call concurrently; refreshes the copies after the wheel is reinstalled.
     """
     files = files or locate_triton_files()
     directory = directory.resolve()
     python_dir = directory / "python"
     python_dir.mkdir(parents=True, exist_ok=True)
-    _link(files.python_backend_lib, python_dir / "libtriton_python.so")
-    _link(files.python_backend_utils, python_dir / "triton_python_backend_utils.py")
-    _link(files.python_stub, python_dir / "triton_python_backend_stub")
+    _copy(files.python_backend_lib, python_dir / "libtriton_python.so")
+    _copy(files.python_backend_utils, python_dir / "triton_python_backend_utils.py")
+    _copy(files.python_stub, python_dir / "triton_python_backend_stub")
     _link(project_backend_source(), directory / PROJECT_BACKEND_NAME)
     return directory

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from disagg.server import ServerConfig, ServerError, TritonServer
+from disagg.tritonbin import prepare_backend_directory
 
 T = TypeVar("T")
 
@@ -33,6 +34,7 @@ regions of servers started here (`disagg_<id>_...`) and Triton's default prefix.
 the whole machine: other processes' entries (e.g. `sem.mp-*` of concurrent test runs) are not ours."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_REPOS = Path(__file__).resolve().parent / "repos"
+TEST_BACKENDS = Path(__file__).resolve().parent / "backends"
 
 
 def wait_until(
@@ -286,6 +288,14 @@ class TritonFactory:
         self.admin_key = secrets.token_urlsafe(24)
         self.servers: list[TritonServer] = []
         self.failed: list[TritonServer] = []
+
+    def add_backend(self, name: str, source: Path) -> None:
+        """Serve the Python-based backend in `source` (a folder with `model.py`) as `backend: "<name>"`,
+        beside the project's `disagg` backend, for the servers this factory starts from now on."""
+        prepare_backend_directory(self.backend_directory)
+        link = self.backend_directory / name
+        if not link.is_symlink():
+            link.symlink_to(Path(source).resolve())
 
     def config(self, repository: Path, **overrides: object) -> ServerConfig:
         """A config on free loopback ports with this factory's backend directory and admin key."""

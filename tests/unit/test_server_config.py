@@ -232,14 +232,23 @@ def test_remove_shm_regions_only_touches_the_prefix(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disagg_abd_1", "other"]
 
 
-def test_backend_directory_links_wheel_files_and_project_backend(tmp_path: Path, files: TritonFiles) -> None:
+def test_backend_directory_copies_wheel_files_and_links_project_backend(
+    tmp_path: Path, files: TritonFiles
+) -> None:
+    files.python_stub.write_text("stub v1")
+    files.python_stub.chmod(0o755)
     directory = prepare_backend_directory(tmp_path / "backends", files)
     python = directory / "python"
-    assert (python / "libtriton_python.so").resolve() == files.python_backend_lib.resolve()
-    assert (python / "triton_python_backend_utils.py").resolve() == files.python_backend_utils.resolve()
-    assert (python / "triton_python_backend_stub").resolve() == files.python_stub.resolve()
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py", "triton_python_backend_stub"):
+        assert (python / name).is_file() and not (python / name).is_symlink(), "Triton refuses escaping links"
+    assert (python / "triton_python_backend_stub").read_text() == "stub v1"
+    assert os.access(python / "triton_python_backend_stub", os.X_OK)
+    assert (directory / "disagg").is_symlink()
     assert (directory / "disagg").resolve() == project_backend_source()
     assert prepare_backend_directory(tmp_path / "backends", files) == directory  # idempotent
+    files.python_stub.write_text("stub v2")  # wheel reinstalled
+    prepare_backend_directory(tmp_path / "backends", files)
+    assert (python / "triton_python_backend_stub").read_text() == "stub v2"
     assert sorted(p.name for p in python.iterdir()) == [
         "libtriton_python.so",
         "triton_python_backend_stub",
