@@ -22,9 +22,17 @@ def resolve_model_dir(cli_value: str | os.PathLike[str] | None = None) -> Path:
 
 
 def ensure_model(model_dir: Path) -> Path:
-    """Build the embedded default model if ``model_dir`` is its folder and it is missing."""
-    if model_dir.resolve() == default_model_dir().resolve() and not (model_dir / "config.json").exists():
-        from disagg_tools.tiny_model import build
+    """Build the embedded default model into ``model_dir`` when it is missing.
 
+    The default folder is (re)built when incomplete or from an older builder. Any other folder is
+    built only if it does not exist or is empty: a user's own checkpoint is never overwritten.
+    """
+    from disagg_tools.tiny_model import build, is_complete
+
+    model_dir = Path(model_dir)
+    if model_dir.resolve() == default_model_dir().resolve():
+        if not is_complete(model_dir):
+            build(model_dir)
+    elif not model_dir.exists() or not any(model_dir.iterdir()):
         build(model_dir)
     return model_dir

@@ -1,0 +1,104 @@
+"""The ``disagg`` command line: generate, model resolution, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import comparable_prefix
+
+from disagg.cli import main
+from disagg.paths import default_model_dir, resolve_model_dir
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_generate_json_matches_transformers(tiny_model_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "Once upon a time, naïve café 🙂"
+    code = main(
+        ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-tokens", "24", "--json"]
+    )
+    assert code == 0
+    record = _last_json(capsys.readouterr().out)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert record["prompt_token_ids"] == tokenizer(prompt)["input_ids"]
+    assert record["prompt_token_ids"][0] == tokenizer.bos_token_id, "BOS comes from the post-processor"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([record["prompt_token_ids"]]),
+            max_new_tokens=24,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    expected = out.sequences[0, len(record["prompt_token_ids"]) :].tolist()
+    gaps = [float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores]
+    upto = comparable_prefix(gaps)
+    assert upto >= 16
+    assert record["token_ids"][:upto] == expected[:upto]
+    assert record["text"] == tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+    assert len(set(record["token_ids"])) >= 10
+
+
+def test_generate_sampling_is_reproducible(tiny_model_dir, capsys):
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "12", "--json"]
+    args += ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--seed", "7"]
+    main(args)
+    first = _last_json(capsys.readouterr().out)
+    main(args)
+    assert _last_json(capsys.readouterr().out) == first
+
+
+def test_generate_refuses_bad_parameters(tiny_model_dir, capsys):
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "top_p" in err and "Traceback" not in err
+
+
+def test_model_resolution_order(monkeypatch, tmp_path):
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    assert resolve_model_dir() == default_model_dir()
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path))
+    assert resolve_model_dir() == tmp_path
+    assert resolve_model_dir(tmp_path / "cli") == tmp_path / "cli"
+
+
+def test_console_script_logs_to_stderr(tiny_model_dir):
+    exe = Path(sys.executable).with_name("disagg")
+    env = {**os.environ, "MODEL_DIR": str(tiny_model_dir)}
+    proc = subprocess.run(
+        [str(exe), "generate", "--prompt", "abc", "--max-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == 1 and "engine ready" in proc.stderr
+    assert len(_last_json(proc.stdout)["token_ids"]) == 4
+
+
+def test_unknown_command_prints_usage(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "usage: disagg" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["make-model", "kvcalc"])
+def test_subcommands_are_wired(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert "usage" in capsys.readouterr().out
