@@ -110,9 +110,10 @@ class FakeCudaIpc:
 
     def share(self, tensor: torch.Tensor) -> dict[str, Any]:
         key = base64.b64encode(secrets.token_bytes(48)).decode()
+        flat = tensor.reshape(-1).view(torch.uint8)
         with self._lock:
-            self._table[key] = tensor
-        return {"device": 0, "handle": key, "size": tensor.numel(), "storage_offset": 0}
+            self._table[key] = flat
+        return {"device": 0, "handle": key, "size": flat.numel(), "storage_offset": 0}
 
     def forget(self, handle: dict[str, Any]) -> None:
         with self._lock:

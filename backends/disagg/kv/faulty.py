@@ -61,9 +61,7 @@ class FaultHooks(TransferHooks):
 
 
 class FaultyTransport:
-    """Behaves as ``inner`` (every attribute is delegated) with faults injected on import."""
-
-    kind = "faulty"
+    """Behaves as ``inner`` (every attribute, ``kind`` too, is delegated), with faults on import."""
 
     def __init__(
         self, inner: Transport, faults: FaultConfig | None = None, sleep: Callable[[float], None] = time.sleep

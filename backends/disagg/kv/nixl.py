@@ -50,12 +50,17 @@ class NixlConfig:
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
     dest_cache: int = 8
+    # UCX over TCP emulates one-sided READs with messages the exporter must progress, so the
+    # exporter needs NIXL's progress thread (seen: without it READs time out here).
+    progress_thread: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda:\d{1,2}", self.device):
             raise ValueError('NixlConfig.device must be "cpu" or "cuda:N"')
         if not self.backends or not all(isinstance(b, str) for b in self.backends):
             raise ValueError("NixlConfig.backends must be a non-empty tuple of names")
+        if not isinstance(self.progress_thread, bool):
+            raise ValueError("NixlConfig.progress_thread must be a boolean")
         for name in ("num_threads", "dest_cache"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -93,6 +98,7 @@ class NixlTransport(Transport):
         self.nixl = nixl or NixlConfig()
         conf = nixl_agent_config(
             backends=list(self.nixl.backends),
+            enable_prog_thread=self.nixl.progress_thread,
             num_threads=self.nixl.num_threads,
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         )

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from disagg.kv import KVLayout, Transport, TransportConfig, create_transport
+from disagg.kv.cuda_ipc import CudaIpcTransport, FakeCudaIpc
+from disagg.kv.faulty import FaultyTransport
+from disagg.kv.shm import list_regions
+
+SECRET = b"conformance-secret-" + b"x" * 16
+KINDS = ["fake", "shm", "nixl", "faulty", "cuda_ipc"]
+CROSS_PROCESS_KINDS = ["shm", "nixl", "faulty"]
+
+
+class Clock:
+    """A wall clock the test drives by hand."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def small_layout(tokens: int = 32) -> KVLayout:
+    # 2 layers x 2 kv heads x 16 dims x fp16 x 8 tokens = 2 KiB blocks.
+    return KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_size=8, num_tokens=tokens
+    )
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    p = "t" + secrets.token_hex(5)
+    yield p
+    assert list_regions("/dev/shm", p) == [], "shm regions leaked"
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make(prefix: str, clock: Clock) -> Iterator[Callable[..., Any]]:
+    """make(kind, **config) -> a transport; all closed at teardown. cuda_ipc shares one fake GPU."""
+    made: list[Any] = []
+    gpu = FakeCudaIpc()
+
+    def factory(kind: str, on_release: Any = None, **cfg: Any) -> Any:
+        cfg.setdefault("checksum", True)
+        cfg.setdefault("transfer_timeout_s", 10.0)
+        config = TransportConfig(secret=SECRET, prefix=prefix, **cfg)
+        t: Transport | FaultyTransport
+        if kind == "cuda_ipc":
+            t = CudaIpcTransport(config, backend=gpu, clock=clock, on_release=on_release)
+        elif kind == "faulty":
+            t = FaultyTransport(
+                create_transport("shm", config, clock=clock, on_release=on_release), sleep=lambda s: None
+            )
+        else:
+            t = create_transport(kind, config, clock=clock, on_release=on_release)
+        made.append(t)
+        return t
+
+    yield factory
+    for t in made:
+        t.close()
