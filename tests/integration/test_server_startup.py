@@ -77,6 +77,7 @@ def test_serve_main_stops_cleanly_on_signal(
     try:
         triton_pid = next(iter(wait_until(lambda: live_children(process.pid), 30, "tritonserver started")))
         wait_until(lambda: _ready(config.http_url), 60, "server ready")
+        wait_until(lambda: b"disagg serve: ready" in (tmp_path / "serve.log").read_bytes(), 10, "announced")
         os.killpg(process.pid, signum)  # as a terminal does for Ctrl-C, or an init system for SIGTERM
         status = process.wait(timeout=5 + 15)
     finally:
