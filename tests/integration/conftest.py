@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from triton_support import TEST_REPOS, LeakProbe, TritonFactory
+from triton_support import LeakProbe, TritonFactory, start_smoke
 
 from disagg.server import TritonServer
 
@@ -48,8 +48,9 @@ def triton_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonF
 
 @pytest.fixture(scope="module")
 def smoke_server(triton_factory: TritonFactory) -> TritonServer:
-    """One server per module on the test-only `smoke` repository (decoupled `streamer` + ensemble)."""
-    return triton_factory.start(TEST_REPOS / "smoke")
+    """One server per module on the test-only `smoke` repository: the decoupled `streamer`, the
+    `streamer_ensemble` over it, and `adder` served by the test-only Python-based backend."""
+    return start_smoke(triton_factory)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
-"""Starting and stopping Triton as an operator does: a Python-based backend, a model that cannot load,
-and `serve_main` in the foreground stopped by Ctrl-C or SIGTERM."""
+"""Starting and stopping Triton as an operator does: a model that cannot load, and `serve_main` in the
+foreground stopped by Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from triton_support import (
     TEST_BACKENDS,
     TEST_REPOS,
     TritonFactory,
-    http_json,
+    link_backend,
     live_children,
     live_group_members,
     shm_entries,
@@ -24,18 +24,6 @@ from triton_support import (
 from disagg.server import ENV_ADMIN_KEY, ServerError
 
 SERVE = "import sys; from disagg.server import serve_main; sys.exit(serve_main(sys.argv[1:]))"
-
-
-def test_python_based_backend_serves_models_without_code_in_the_repository(
-    triton_factory: TritonFactory,
-) -> None:
-    triton_factory.add_backend("smoke_pybackend", TEST_BACKENDS / "smoke_pybackend")
-    server = triton_factory.start(TEST_REPOS / "pybackend")
-    body = {"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [1]}]}
-    status, answer = http_json(f"http://{server.config.http_url}/v2/models/adder/infer", body)
-    assert status == 200, answer
-    assert answer["outputs"][0]["data"] == [6], "offset 5 from the config parameters"
-    assert server.stop() == 0
 
 
 def test_model_failing_to_initialize_stops_startup_with_a_clear_error(triton_factory: TritonFactory) -> None:
@@ -64,6 +52,7 @@ def test_serve_main_stops_cleanly_on_signal(
         "METRICS_ADDRESS": "127.0.0.1",
         ENV_ADMIN_KEY: config.admin_key,
     }
+    link_backend(tmp_path / ".triton" / "backends", "smoke_pybackend", TEST_BACKENDS / "smoke_pybackend")
     argv = ["--model-repository", str(TEST_REPOS / "smoke"), "--exit-timeout", "5", "--address", "127.0.0.1"]
     with (tmp_path / "serve.log").open("wb") as log:
         process = subprocess.Popen(

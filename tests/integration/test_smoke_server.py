@@ -12,7 +12,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from triton_support import (
-    TEST_REPOS,
     GrpcStream,
     StreamEvent,
     TritonFactory,
@@ -20,6 +19,7 @@ from triton_support import (
     http_sse,
     live_group_members,
     shm_entries,
+    start_smoke,
     wait_until,
 )
 from tritonclient.utils import InferenceServerException
@@ -65,6 +65,16 @@ def test_http_generate_and_generate_stream(smoke_server: TritonServer) -> None:
     assert [e["VALUE"] for e in events] == [0, 1, 2, 3]
 
 
+def test_python_based_backend_serves_models_without_code_in_the_repository(
+    smoke_server: TritonServer,
+) -> None:
+    server = smoke_server
+    body = {"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [1]}]}
+    status, answer = http_json(f"http://{server.config.http_url}/v2/models/adder/infer", body)
+    assert status == 200, answer
+    assert answer["outputs"][0]["data"] == [6], "offset 5 from the config parameters"
+
+
 def test_metrics_endpoint_counts_requests(smoke_server: TritonServer) -> None:
     with GrpcStream(smoke_server.config.grpc_url) as stream:
         stream.send("streamer_ensemble", _request(1))
@@ -91,7 +101,8 @@ def test_http_repository_and_shm_apis_need_the_admin_key(smoke_server: TritonSer
         with pytest.raises(InferenceServerException, match="restricted"):
             client.load_model("streamer")
         index = client.get_model_repository_index(headers=config.admin_headers("http"))
-        assert {m["name"]: m["state"] for m in index} == {"streamer": "READY", "streamer_ensemble": "READY"}
+        states = {m["name"]: m["state"] for m in index}
+        assert states == {"adder": "READY", "streamer": "READY", "streamer_ensemble": "READY"}
         assert client.get_system_shared_memory_status(headers=config.admin_headers("http")) == []
     finally:
         client.close()
@@ -109,7 +120,7 @@ def test_grpc_repository_api_needs_the_admin_key(smoke_server: TritonServer) -> 
         with pytest.raises(InferenceServerException, match="restricted"):
             client.unload_model("streamer")
         index = client.get_model_repository_index(headers=config.admin_headers("grpc"))
-        assert sorted(m.name for m in index.models) == ["streamer", "streamer_ensemble"]
+        assert sorted(m.name for m in index.models) == ["adder", "streamer", "streamer_ensemble"]
         # Inference and metadata stay open.
         assert client.is_model_ready("streamer_ensemble")
     finally:
@@ -118,7 +129,7 @@ def test_grpc_repository_api_needs_the_admin_key(smoke_server: TritonServer) -> 
 
 def test_sigterm_drains_stream_in_flight_and_exits_cleanly(triton_factory: TritonFactory) -> None:
     exit_timeout_s = 5
-    server = triton_factory.start(TEST_REPOS / "smoke", exit_timeout_s=exit_timeout_s)
+    server = start_smoke(triton_factory, exit_timeout_s=exit_timeout_s)
     triton_factory.release(server)
     pgid, prefix = server.pid, server.config.shm_prefix
     assert shm_entries(prefix), "the python backend holds shared memory while running"
@@ -143,7 +154,7 @@ def test_sigterm_with_stream_longer_than_exit_timeout_is_bounded_and_leaves_noth
     triton_factory: TritonFactory,
 ) -> None:
     exit_timeout_s = 2
-    server = triton_factory.start(TEST_REPOS / "smoke", exit_timeout_s=exit_timeout_s)
+    server = start_smoke(triton_factory, exit_timeout_s=exit_timeout_s)
     triton_factory.release(server)
     pgid, prefix = server.pid, server.config.shm_prefix
     with GrpcStream(server.config.grpc_url) as stream:

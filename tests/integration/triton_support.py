@@ -292,10 +292,7 @@ class TritonFactory:
     def add_backend(self, name: str, source: Path) -> None:
         """Serve the Python-based backend in `source` (a folder with `model.py`) as `backend: "<name>"`,
         beside the project's `disagg` backend, for the servers this factory starts from now on."""
-        prepare_backend_directory(self.backend_directory)
-        link = self.backend_directory / name
-        if not link.is_symlink():
-            link.symlink_to(Path(source).resolve())
+        link_backend(self.backend_directory, name, source)
 
     def config(self, repository: Path, **overrides: object) -> ServerConfig:
         """A config on free loopback ports with this factory's backend directory and admin key."""
@@ -350,3 +347,17 @@ class TritonFactory:
             if shm_entries(server.config.shm_prefix):
                 problems.append(f"server {server.pid} left shared memory behind")
         return problems
+
+
+def start_smoke(factory: TritonFactory, **overrides: object) -> TritonServer:
+    """Start a server on the test-only `smoke` repository (its `adder` needs the `smoke_pybackend`)."""
+    factory.add_backend("smoke_pybackend", TEST_BACKENDS / "smoke_pybackend")
+    return factory.start(TEST_REPOS / "smoke", **overrides)
+
+
+def link_backend(backend_directory: Path, name: str, source: Path) -> None:
+    """Prepare `backend_directory` and add the Python-based backend `source` to it as `name`."""
+    prepare_backend_directory(backend_directory)
+    link = backend_directory / name
+    if not link.is_symlink():
+        link.symlink_to(Path(source).resolve())
