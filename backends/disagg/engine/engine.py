@@ -80,6 +80,17 @@ class EngineConfig:
         return cls(**data)
 
 
+def plan_kv(config: EngineConfig, model: ModelConfig | None = None) -> tuple[KVLayout, int]:
+    """The KV block layout and block count an engine with ``config`` will use.
+
+    Callers that supply the pool's memory (a transport) size it with this before building the engine.
+    """
+    mc = model or load_config(config.model_dir)
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype, config.block_size)
+    num_blocks = config.num_blocks or max(1, config.kv_cache_mb * (1 << 20) // layout.block_bytes)
+    return layout, num_blocks
+
+
 class Engine:
     """One model, one KV block pool, any number of sequences."""
 
@@ -94,10 +105,7 @@ class Engine:
         self.model = Transformer(self.model_config, weights, dtype, self.device)
         del weights
         mc = self.model_config
-        self.kv_layout = KVLayout(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype, config.block_size
-        )
-        num_blocks = config.num_blocks or max(1, config.kv_cache_mb * (1 << 20) // self.kv_layout.block_bytes)
+        self.kv_layout, num_blocks = plan_kv(config, mc)
         if kv_memory is not None and kv_memory.device != self.device:
             raise ValueError("supplied KV memory is not on the engine's device")
         if kv_memory is None and self.device.type != "cpu":

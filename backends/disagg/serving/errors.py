@@ -1,0 +1,50 @@
+"""Per-request errors with the Triton code each maps to, and the mapping of everything else."""
+
+from __future__ import annotations
+
+import logging
+
+from disagg.engine.errors import CheckpointError, InvalidRequest, OutOfBlocks
+from disagg.kv.errors import DescriptorError, KVError
+
+log = logging.getLogger(__name__)
+
+INVALID_ARG = "INVALID_ARG"
+UNAVAILABLE = "UNAVAILABLE"
+CANCELLED = "CANCELLED"
+DEADLINE = "DEADLINE_EXCEEDED"
+INTERNAL = "INTERNAL"
+CODES = (INVALID_ARG, UNAVAILABLE, CANCELLED, DEADLINE, INTERNAL)
+
+
+class ServingError(Exception):
+    """An error for one request, with its code and a message safe to show the client."""
+
+    def __init__(self, code: str, message: str) -> None:
+        if code not in CODES:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServingError:
+    return ServingError(INVALID_ARG, message)
+
+
+def classify(exc: BaseException) -> ServingError:
+    """Map any exception to a client-safe ServingError; unexpected ones are logged, not echoed."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return ServingError(INVALID_ARG, str(exc))
+    if isinstance(exc, OutOfBlocks):
+        return ServingError(UNAVAILABLE, "KV cache is full, retry later")
+    if isinstance(exc, DescriptorError):
+        return ServingError(INVALID_ARG, f"KV descriptor refused: {exc}")
+    if isinstance(exc, KVError):
+        return ServingError(UNAVAILABLE, "KV transfer failed")
+    if isinstance(exc, CheckpointError):
+        return ServingError(INTERNAL, "model is not loaded")
+    log.error("internal error", exc_info=exc)
+    return ServingError(INTERNAL, "internal error")

@@ -1,0 +1,189 @@
+"""The text-level tensor interface of ``ensemble``, ``llm`` and ``ensemble_colocated``.
+
+Tensor names and types follow the TensorRT-LLM ``ensemble`` so that existing clients, perf_analyzer
+and genai-perf work unchanged: ``max_batch_size`` > 0 and ``dims: [1]``, so a client sends shape
+[1, 1]. Inputs this server does not implement are declared (optional) and refused only when set to a
+value other than their neutral default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from disagg.engine.sampling import SamplingParams
+from disagg.serving.errors import invalid
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    triton_type: str  # TYPE_* of config.pbtxt
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+    neutral: Any = None  # for unimplemented inputs: the only accepted value
+
+
+# Implemented inputs, in the order of the TensorRT-LLM ensemble.
+IMPLEMENTED = (
+    InputSpec("text_input", "TYPE_STRING", optional=False),
+    InputSpec("max_tokens", "TYPE_INT32", optional=False),
+    InputSpec("stop_words", "TYPE_STRING", (-1,)),
+    InputSpec("end_id", "TYPE_INT32"),
+    InputSpec("top_k", "TYPE_INT32"),
+    InputSpec("top_p", "TYPE_FP32"),
+    InputSpec("temperature", "TYPE_FP32"),
+    InputSpec("min_length", "TYPE_INT32"),
+    InputSpec("random_seed", "TYPE_UINT64"),
+    InputSpec("stream", "TYPE_BOOL"),
+    InputSpec("exclude_input_in_output", "TYPE_BOOL"),
+)
+# Declared so that clients of the TensorRT-LLM ensemble can send them; refused unless neutral.
+UNIMPLEMENTED = (
+    InputSpec("bad_words", "TYPE_STRING", (-1,), neutral=""),
+    InputSpec("pad_id", "TYPE_INT32", neutral=None),  # any value: padding does not exist here
+    InputSpec("beam_width", "TYPE_INT32", neutral=1),
+    InputSpec("num_return_sequences", "TYPE_INT32", neutral=1),
+    InputSpec("length_penalty", "TYPE_FP32", neutral=1.0),
+    InputSpec("repetition_penalty", "TYPE_FP32", neutral=1.0),
+    InputSpec("presence_penalty", "TYPE_FP32", neutral=0.0),
+    InputSpec("frequency_penalty", "TYPE_FP32", neutral=0.0),
+    InputSpec("return_log_probs", "TYPE_BOOL", neutral=False),
+    InputSpec("return_context_logits", "TYPE_BOOL", neutral=False),
+    InputSpec("return_generation_logits", "TYPE_BOOL", neutral=False),
+    InputSpec("embedding_bias_words", "TYPE_STRING", (-1,), neutral=""),
+    InputSpec("embedding_bias_weights", "TYPE_FP32", (-1,), neutral=0.0),
+)
+ALL_INPUTS = IMPLEMENTED + UNIMPLEMENTED
+INPUT_NAMES = frozenset(spec.name for spec in ALL_INPUTS)
+OUTPUT_NAME = "text_output"
+
+NUMPY_KIND = {
+    "TYPE_STRING": "O",
+    "TYPE_INT32": "i",
+    "TYPE_UINT64": "u",
+    "TYPE_FP32": "f",
+    "TYPE_BOOL": "b",
+}
+
+MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: far above any context this server accepts
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_BYTES = 256
+# Request parameters Triton itself adds, or that our own glue sets; everything else is refused.
+ALLOWED_PARAMETERS = frozenset({"triton_enable_empty_final_response", "disagg_auth"})
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One validated text request."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    stop_words: tuple[str, ...] = ()
+
+
+def _scalar(name: str, value: np.ndarray) -> Any:
+    if value.size != 1:
+        raise invalid(
+            f"input '{name}' must hold exactly one value (batch size 1, dims [1]); got {value.size}"
+        )
+    return value.reshape(-1)[0]
+
+
+def _text(name: str, raw: Any) -> str:
+    if isinstance(raw, str):
+        data = raw.encode("utf-8", "surrogatepass")
+    elif isinstance(raw, (bytes, bytearray, np.bytes_)):
+        data = bytes(raw)
+    else:
+        raise invalid(f"input '{name}' must be BYTES")
+    if len(data) > MAX_PROMPT_BYTES:
+        raise invalid(f"input '{name}' is larger than {MAX_PROMPT_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid(f"input '{name}' is not valid UTF-8") from None
+    if "\x00" in text:
+        raise invalid(f"input '{name}' contains a NUL character")
+    return text
+
+
+def _check_kind(spec: InputSpec, value: np.ndarray) -> None:
+    if value.dtype.kind != NUMPY_KIND[spec.triton_type] and not (
+        spec.triton_type == "TYPE_STRING" and value.dtype.kind in "OSU"
+    ):
+        raise invalid(f"input '{spec.name}' has type {value.dtype}, expected {spec.triton_type[5:]}")
+
+
+def parse_text_request(values: Mapping[str, np.ndarray | None], parameters: Mapping[str, Any]) -> TextRequest:
+    """Validate one request's tensors (name -> array, None when absent) and request parameters.
+
+    Raises ServingError(INVALID_ARG) naming the first bad input. Nothing is allocated.
+    """
+    unknown = sorted(set(parameters) - ALLOWED_PARAMETERS)
+    if unknown:
+        raise invalid(f"unknown parameter(s) {unknown}: this model accepts the inputs {sorted(INPUT_NAMES)}")
+    present = {k: v for k, v in values.items() if v is not None}
+    for spec in ALL_INPUTS:
+        if spec.name in present:
+            _check_kind(spec, present[spec.name])
+        elif not spec.optional:
+            raise invalid(f"input '{spec.name}' is required")
+    for spec in UNIMPLEMENTED:
+        if spec.name in present and spec.neutral is not None:
+            _refuse_unless_neutral(spec, present[spec.name])
+
+    prompt = _text("text_input", _scalar("text_input", present["text_input"]))
+    if not prompt:
+        raise invalid("input 'text_input' is empty")
+
+    def get(name: str, default: Any) -> Any:
+        return _scalar(name, present[name]) if name in present else default
+
+    temperature = float(get("temperature", 0.0))
+    top_p = float(get("top_p", 1.0))
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not math.isfinite(value):
+            raise invalid(f"input '{name}' must be finite, got {value}")
+    end_id = get("end_id", None)
+    params = SamplingParams(
+        max_tokens=int(get("max_tokens", 0)),
+        temperature=temperature,
+        top_k=int(get("top_k", 0)),
+        top_p=top_p,
+        seed=int(get("random_seed", 0)),
+        min_length=int(get("min_length", 0)),
+        end_id=None if end_id is None else int(end_id),
+    )
+    return TextRequest(
+        prompt=prompt,
+        params=params,
+        stream=bool(get("stream", False)),
+        exclude_input_in_output=bool(get("exclude_input_in_output", False)),
+        stop_words=_stop_words(present.get("stop_words")),
+    )
+
+
+def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    words = [_text("stop_words", raw) for raw in value.reshape(-1)]
+    words = [w for w in words if w]
+    if len(words) > MAX_STOP_WORDS:
+        raise invalid(f"input 'stop_words' holds more than {MAX_STOP_WORDS} words")
+    if any(len(w.encode()) > MAX_STOP_WORD_BYTES for w in words):
+        raise invalid(f"input 'stop_words' has a word longer than {MAX_STOP_WORD_BYTES} bytes")
+    return tuple(words)
+
+
+def _refuse_unless_neutral(spec: InputSpec, value: np.ndarray) -> None:
+    for raw in value.reshape(-1):
+        item = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if item != spec.neutral and not (isinstance(item, str) and not item):
+            raise invalid(f"input '{spec.name}' is not supported by this server (only {spec.neutral!r})")

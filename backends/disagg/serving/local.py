@@ -1,0 +1,84 @@
+"""Pools reached in-process: EngineLoops behind the orchestrator's PoolClient interface.
+
+Used by tests, by benchmarks that measure the serving path without Triton, and as the reference
+behaviour the Triton BLS client (``disagg.triton``) must match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from disagg.engine.sequence import Request, SequenceState
+from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.serving.loop import EngineLoop, Event, Failed, Job, Prefilled, Token
+
+
+class QueueSink:
+    """A Sink that hands events from the loop thread to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[tuple[Event, bool]] = asyncio.Queue()
+        self.cancelled = False
+
+    def emit(self, event: Event, final: bool) -> None:
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, (event, final))
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
+class LocalPools:
+    def __init__(
+        self,
+        prefill: EngineLoop | None = None,
+        decode: EngineLoop | None = None,
+        colocated: EngineLoop | None = None,
+    ) -> None:
+        self.loops = {"prefill": prefill, "decode": decode, "colocated": colocated}
+
+    def _loop(self, pool: str) -> EngineLoop:
+        loop = self.loops.get(pool)
+        if loop is None:
+            raise ServingError(UNAVAILABLE, f"no {pool} pool is deployed")
+        return loop
+
+    def _submit(self, pool: str, job_kwargs: dict) -> QueueSink:
+        sink = QueueSink(asyncio.get_running_loop())
+        job = Job(sink=sink, **job_kwargs)
+        loop = self._loop(pool)
+        loop.validate(job)
+        loop.submit(job)
+        return sink
+
+    async def prefill(self, handle: str, request: Request) -> Prefilled:
+        sink = self._submit("prefill", dict(handle=handle, request=request))
+        event, _ = await sink.queue.get()
+        if isinstance(event, Failed):
+            raise event.error
+        if not isinstance(event, Prefilled):
+            raise ServingError("INTERNAL", "prefill pool answered out of protocol")
+        return event
+
+    async def _stream(self, sink: QueueSink) -> AsyncIterator[Token]:
+        while True:
+            event, final = await sink.queue.get()
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Token):
+                yield event
+            if final:
+                return
+
+    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
+        return self._stream(self._submit("decode", dict(handle=handle, state=state, descriptor=descriptor)))
+
+    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
+        return self._stream(self._submit("colocated", dict(handle=handle, request=request)))
+
+    async def stop(self, pool: str, handle: str) -> None:
+        self._loop(pool).stop(handle)
+
+    async def abort_lease(self, lease_id: str) -> None:
+        self._loop("prefill").abort_lease(lease_id)

@@ -1,0 +1,227 @@
+"""The orchestrator: one request's path through the pools, in plain asyncio.
+
+disaggregated: prefill pool (first token + KV descriptor) -> first piece sent at once -> decode pool
+(imports the KV, streams the rest). colocated: one pool does both. The orchestrator detokenizes
+incrementally, applies stop strings, a deadline and cancellation (a stop request to the pool that
+runs the sequence, an explicit lease abort between the two legs), and maps every failure to a
+ServingError. Exactly one final response per request, in every case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from disagg.engine.sequence import Request, SequenceState
+from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
+from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify, invalid
+from disagg.serving.interface import TextRequest
+from disagg.serving.loop import Prefilled, Token
+
+log = logging.getLogger(__name__)
+
+MODES = ("disaggregated", "colocated")
+
+
+class PoolClient(Protocol):
+    """How the orchestrator reaches the pools (BLS inside Triton; in-process in tests)."""
+
+    async def prefill(self, handle: str, request: Request) -> Prefilled: ...
+
+    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]: ...
+
+    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]: ...
+
+    async def stop(self, pool: str, handle: str) -> None: ...
+
+    async def abort_lease(self, lease_id: str) -> None: ...
+
+
+class Responder(Protocol):
+    """The client side of one request."""
+
+    def send(self, text: str, final: bool) -> None: ...
+
+    def fail(self, error: ServingError) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    mode: str = "disaggregated"
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        if not 0 < self.request_timeout_s <= 86400:
+            raise ValueError("request_timeout_s must be in (0, 86400]")
+
+
+@dataclass
+class Outcome:
+    """What happened to one request (for metrics and tests)."""
+
+    handle: str
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: ServingError | None = None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        pools: PoolClient,
+        decode_text: Callable[[Sequence[int]], str],
+    ) -> None:
+        self.config = config
+        self.pools = pools
+        self._decode_text = decode_text
+
+    async def serve(self, prompt_ids: Sequence[int], text: TextRequest, out: Responder) -> Outcome:
+        """Run one request to its end; sends exactly one final response through ``out``."""
+        run = _Run(self, str(uuid.uuid4()), list(prompt_ids), text, out)
+        try:
+            await asyncio.wait_for(run.go(), self.config.request_timeout_s)
+        except TimeoutError:
+            await run.cleanup()
+            run.fail(
+                ServingError(DEADLINE, f"request exceeded its {self.config.request_timeout_s:g} s deadline")
+            )
+        except asyncio.CancelledError:
+            await run.cleanup()
+            run.fail(ServingError(CANCELLED, "request was cancelled"))
+            raise
+        except Exception as exc:
+            await run.cleanup()
+            run.fail(classify(exc))
+        return run.outcome
+
+
+class _Run:
+    """State of one request in flight."""
+
+    def __init__(
+        self, owner: Orchestrator, handle: str, prompt: list[int], text: TextRequest, out: Responder
+    ):
+        self.pools = owner.pools
+        self.mode = owner.config.mode
+        self.handle = handle
+        self.prompt = prompt
+        self.text = text
+        self.out = out
+        self.detok = IncrementalDetokenizer(owner._decode_text)
+        self.stops = StopStrings(text.stop_words)
+        self.pieces: list[str] = []
+        self.outcome = Outcome(handle, prompt_tokens=len(prompt))
+        self.lease_id: str | None = None  # held by the prefill pool until decode imports
+        self.running_on: str | None = None  # pool to send a stop to
+        self.finished = False
+
+    async def go(self) -> None:
+        request = Request(tuple(self.prompt), self.text.params)
+        if self.mode == "colocated":
+            self.running_on = "colocated"
+            await self._relay(self.pools.generate(self.handle, request))
+            return
+        self.running_on = "prefill"
+        first = await self.pools.prefill(self.handle, request)
+        self.running_on = None
+        self.lease_id = first.lease_id
+        if self._token(first.token_id) or first.finished:
+            await self._abort_lease()
+            self._finish()
+            return
+        self._check_cancelled()
+        if first.state is None or first.descriptor is None:
+            raise ServingError("INTERNAL", "prefill pool returned no KV descriptor")
+        self.running_on = "decode"
+        await self._relay(self.pools.decode(self.handle, first.state, first.descriptor))
+
+    async def _relay(self, tokens: AsyncIterator[Token]) -> None:
+        try:
+            async for token in tokens:
+                self.lease_id = None  # decode produced a token: it has imported the KV
+                stop = self._token(token.token_id)
+                if token.finished:
+                    self.running_on = None
+                    break
+                if stop:
+                    await self.cleanup()
+                    break
+                self._check_cancelled()
+        finally:
+            with contextlib.suppress(Exception):
+                await tokens.aclose()  # type: ignore[attr-defined]
+        self._finish()
+
+    def _token(self, token_id: int) -> bool:
+        """Account one token and stream its text; True when a stop string ended the output."""
+        self.outcome.output_tokens += 1
+        piece = self.stops.feed(self.detok.add(token_id))
+        self._emit(piece)
+        return self.stops.stopped
+
+    def _emit(self, piece: str) -> None:
+        if not piece:
+            return
+        if self.text.stream:
+            self.out.send(piece, final=False)
+        else:
+            self.pieces.append(piece)
+
+    def _check_cancelled(self) -> None:
+        if self.out.is_cancelled():
+            raise ServingError(CANCELLED, "request was cancelled by the client")
+
+    async def cleanup(self) -> None:
+        """Stop whatever still runs for this request: the sequence on its pool, a held lease."""
+        pool, self.running_on = self.running_on, None
+        if pool is not None:
+            try:
+                await self.pools.stop(pool, self.handle)
+            except Exception:
+                log.warning("stop request to %s failed", pool, exc_info=True)
+        await self._abort_lease()
+
+    async def _abort_lease(self) -> None:
+        lease, self.lease_id = self.lease_id, None
+        if lease is not None:
+            try:
+                await self.pools.abort_lease(lease)
+            except Exception:
+                log.warning("lease abort failed; the lease expires on its own", exc_info=True)
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        if self.text.stream:
+            if tail:
+                self.out.send(tail, final=False)
+            self.out.send("", final=True)
+        else:
+            body = "".join(self.pieces) + tail
+            if not self.text.exclude_input_in_output:
+                body = self.text.prompt + body
+            self.out.send(body, final=True)
+
+    def fail(self, error: ServingError) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.outcome.error = error
+        self.out.fail(error)
+
+
+def check_prompt(prompt_ids: Sequence[int]) -> None:
+    if not prompt_ids:
+        raise invalid("prompt encodes to 0 tokens")

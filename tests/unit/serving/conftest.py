@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from disagg.engine.engine import EngineConfig
+from disagg.engine.tokenizer import Tokenizer
+from disagg.serving.errors import ServingError
+from disagg.serving.local import LocalPools
+from disagg.serving.loop import EngineLoop
+from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.pool import PoolConfig, build_pool
+
+
+@dataclass
+class Recorder:
+    """A Responder that records what the client would see; can cancel after N pieces."""
+
+    cancel_after: int | None = None
+    pieces: list[str] = field(default_factory=list)
+    finals: int = 0
+    error: ServingError | None = None
+
+    def send(self, text: str, final: bool) -> None:
+        self.pieces.append(text)
+        self.finals += final
+
+    def fail(self, error: ServingError) -> None:
+        self.error = error
+        self.finals += 1
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.pieces) >= self.cancel_after
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+@dataclass
+class Deployment:
+    tokenizer: Tokenizer
+    loops: dict[str, EngineLoop]
+    transports: list
+    pools: LocalPools
+
+    def orchestrator(self, mode: str = "disaggregated", **kw) -> Orchestrator:
+        return Orchestrator(OrchestratorConfig(mode=mode, **kw), self.pools, self.tokenizer.decode)
+
+    def clean(self) -> bool:
+        """Every block back, no lease held, nothing queued."""
+        return all(
+            loop.engine.pool.free_blocks == loop.engine.pool.num_blocks
+            and not loop.engine.held_sequences()
+            and loop.stats().queued == 0
+            for loop in self.loops.values()
+        ) and all(t.held_leases() == 0 for t in self.transports)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_model_dir) -> Iterator[Deployment]:
+    secret = secrets.token_bytes(32)
+    prefix = f"t{os.getpid()}"
+    built = {}
+    for role in ("prefill", "decode", "colocated"):
+        engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
+        built[role] = build_pool(PoolConfig(role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix), secret)
+    loops = {role: loop.start() for role, (loop, _) in built.items()}
+    transports = [t for _, t in built.values() if t is not None]
+    yield Deployment(Tokenizer(tiny_model_dir), loops, transports, LocalPools(**loops))
+    for loop in loops.values():
+        loop.shutdown()
+    for transport in transports:
+        transport.close()
