@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from disagg.kv.blocks import paired_runs
@@ -34,12 +35,16 @@ class MappedTransport(Transport):
         """Map (or fetch from cache) the exporter region named by a verified descriptor."""
 
     def _copy_run(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+        if dst.device.type == "cpu" and src.device.type == "cpu":
+            # numpy's copyto is a plain memcpy; torch's uint8 copy_ measured 2-3x slower here.
+            np.copyto(dst.numpy(), src.numpy())
+        else:
+            dst.copy_(src)
 
     def _sync(self) -> None:
         """Wait for queued copies (GPU transports); CPU copies are already done."""
 
-    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int], ack: bytes | None) -> bool:
+    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int]) -> None:
         view = self._open_remote(desc)
         src_runs = desc.runs()
         tag = desc.tag
@@ -54,11 +59,11 @@ class MappedTransport(Transport):
         # intact after the copy prove that no block was reused while we read it.
         if not runs_hold_tag(view.tags, src_runs, tag):
             raise LeaseGone("KV lease was released during the copy")
-        if ack is None:
-            return False
-        view.acks[desc.block_ids[0]] = tag
+
+    def _send_ack(self, desc: Descriptor, ack: bytes) -> None:
+        # The exporter's poll looks for its lease tag in the acks word of the first block.
+        self._open_remote(desc).acks[desc.block_ids[0]] = desc.tag
         self._sync()
-        return True
 
     def _native_acks(self) -> list[str]:
         done = []

@@ -12,8 +12,9 @@
   integers (addresses of the pool and tag words) and the importer builds NIXL descriptor
   lists locally.
 - Block tags live in DRAM next to the pool. The importer READs them before and after the
-  data; the final tag READ carries the signed ack as its NIXL notification, which the
-  exporter's ``poll`` takes in, so no relay is needed (the ack in ImportResult works too).
+  data; once the bytes (and checksum) are good it sends the signed ack as a NIXL
+  notification, which the exporter's ``poll`` takes in, so no relay is needed (the ack in
+  ImportResult works too).
 """
 
 from __future__ import annotations
@@ -277,17 +278,17 @@ class NixlTransport(Transport):
             with contextlib.suppress(Exception):
                 agent.release_xfer_handle(handle)
 
-    def _read_tags(self, peer: str, desc: Descriptor, scratch: torch.Tensor, notif: bytes = b"") -> bool:
+    def _read_tags(self, peer: str, desc: Descriptor, scratch: torch.Tensor) -> bool:
         base, off = desc.location["tags"], 0
         local, remote = [], []
         for s, c in desc.runs():
             local.append((scratch.data_ptr() + 8 * off, 8 * c, 0))
             remote.append((base + 8 * s, 8 * c, 0))
             off += c
-        self._read(peer, local, "DRAM", remote, "DRAM", notif)
+        self._read(peer, local, "DRAM", remote, "DRAM")
         return bool((scratch[:off] == desc.tag).all())
 
-    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int], ack: bytes | None) -> bool:
+    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int]) -> None:
         loc = desc.location
         peer = self._connect(loc)
         self._local_registered(dest)
@@ -302,9 +303,12 @@ class NixlTransport(Transport):
         self._read(peer, local, _mem_type(dest), remote, loc["mem"])
         # One NIXL request carries every run, so the fault hook sees it as a single run.
         self.hooks.after_run(0, 1)
-        if not self._read_tags(peer, desc, scratch, ack or b""):
+        if not self._read_tags(peer, desc, scratch):
             raise LeaseGone("KV lease was released during the copy")
-        return ack is not None
+
+    def _send_ack(self, desc: Descriptor, ack: bytes) -> None:
+        with self._agent_lock:
+            self._agent.send_notif(desc.location["agent"], ack)
 
     def _deregister_scratch(self, scratch: torch.Tensor) -> None:
         with self._agent_lock:

@@ -312,22 +312,26 @@ class Transport(ABC):
             self._consumed[desc.lease_id] = desc.expires_at + self.config.limits.clock_skew_s
         ack = sign_ack(desc.lease_id, desc.origin, self.config.secret)
         send_ack = self.hooks.deliver_ack(desc)
-        acked = False
         try:
             self.hooks.before_copy(desc)
-            acked = self._copy_in(desc, dest, ids, ack if send_ack else None)
+            self._copy_in(desc, dest, ids)
             self.hooks.after_copy(desc, dest, ids)
             if desc.checksum is not None and _digest(dest, to_runs(ids)) != desc.checksum["hex"]:
                 self.stats.add(checksum_failures=1)
                 raise ChecksumMismatch("KV payload checksum mismatch")
         except BaseException as exc:
             self.stats.add(failures=1)
-            if not acked:
-                with self._lock:  # let the caller retry while the lease lives
-                    self._consumed.pop(desc.lease_id, None)
+            with self._lock:  # no ack was sent: the caller may retry while the lease lives
+                self._consumed.pop(desc.lease_id, None)
             if isinstance(exc, KVError) or not isinstance(exc, Exception):
                 raise
             raise TransferError("KV transfer failed") from exc
+        if send_ack:
+            try:
+                self._send_ack(desc, ack)
+            except Exception:
+                # The bytes are in place; the relayed ack in the result (or the TTL) still frees them.
+                log.warning("native KV ack could not be delivered", exc_info=True)
         seconds = time.perf_counter() - start
         self.stats.add(imported=1, bytes_imported=desc.byte_size, transfer_seconds=seconds)
         return ImportResult(desc.lease_id, desc.byte_size, seconds, ack if send_ack else None)
@@ -374,11 +378,11 @@ class Transport(ABC):
         """Validate ``desc.location`` without touching memory; raise DescriptorError."""
 
     @abstractmethod
-    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int], ack: bytes | None) -> bool:
-        """Check tags, copy every block, re-check tags, deliver ``ack`` natively if given.
+    def _copy_in(self, desc: Descriptor, dest: torch.Tensor, dest_ids: list[int]) -> None:
+        """Check tags, copy every block (calling ``hooks.after_run`` per run), re-check tags."""
 
-        Returns True when the ack was delivered natively (the exporter may release now).
-        """
+    def _send_ack(self, desc: Descriptor, ack: bytes) -> None:  # noqa: B027 - optional hook
+        """Deliver ``ack`` to the exporter through the transport itself, if it can."""
 
     def _native_acks(self) -> list[str]:
         """Lease ids acked through the transport itself since the last call."""
