@@ -1,0 +1,208 @@
+"""Actuators: read a pool's current size and apply a decided one.
+
+- `log`: dry run. Keeps a simulated size per pool (starting at min_size); the runner prints every
+  decision as a JSON line.
+- `triton`: one machine. Reads the model's live config (`GET /v2/models/<name>/config`), changes the
+  `instance_group` count and posts it back through the model repository API
+  (`POST /v2/repository/models/<name>/load` with `{"parameters": {"config": "<json>"}}`), which needs
+  `--model-control-mode=explicit` and, where the server restricts the `model-repository` API, the
+  configured header. The key is read from an environment variable, never a flag.
+- `kubernetes`: patches a Deployment's `scale` subresource with the official client.
+
+Scale-in safety (RELIABILITY F3). Triton 2.51's model management guide says: a load whose config
+differs from the loaded one only in the instance groups *updates* the model in place (instances are
+added or removed, the model is not reloaded); a failed reload leaves the loaded model untouched; on a
+full reload the new model replaces the old "without any loss in availability". It does not promise what
+happens to requests still executing on an instance that an update removes (for sequence models it waits
+for in-flight sequences; decoupled Python models, whose streams outlive `execute()`, are not covered).
+So before a scale-in the triton actuator waits until the pool's in-flight gauge (prefill: pending tokens
++ queued requests; decode: active sequences) is at most `drain_max_inflight` (0 by default), polling
+for up to `drain_timeout_s`; if the pool does not drain, the scale-in is not sent and the decision is
+reported as deferred. Guaranteed: no instance is removed by us while the gauge says the pool holds work.
+Not guaranteed: a request admitted between the last poll and the update (the window is one HTTP round
+trip; nothing stops admission); and a pool under constant load never drains, so it is never scaled in
+(it is then not idle, so that is also the safe answer). On Kubernetes the pod's own shutdown drains:
+Triton stops accepting work on SIGTERM and waits up to `--exit-timeout-secs` for in-flight requests,
+which must fit in `terminationGracePeriodSeconds` (see deploy/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from disagg_tools.autoscaler.clock import Clock
+from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, PoolConfig
+
+
+class ActuatorError(RuntimeError):
+    """The size could not be read or changed; the message is safe to log (no keys, no bodies)."""
+
+
+class DrainTimeout(ActuatorError):
+    """Scale-in not sent: the pool still held work when the drain deadline passed."""
+
+
+class Actuator(Protocol):
+    def current(self, pool: PoolConfig) -> int: ...
+
+    def apply(self, pool: PoolConfig, current: int, desired: int) -> None: ...
+
+
+class LogActuator:
+    """Dry run: simulated sizes, nothing is changed anywhere."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+
+    def current(self, pool: PoolConfig) -> int:
+        return self._sizes.setdefault(pool.name, pool.min_size)
+
+    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+        self._sizes[pool.name] = desired
+
+
+def instance_count(model_config: Any) -> int:
+    """Total instances in a model config's `instance_group` list (Triton's default is one group of 1)."""
+    if not isinstance(model_config, dict):
+        raise ActuatorError("model config is not an object")
+    groups = model_config.get("instance_group") or [{"count": 1}]
+    try:
+        return sum(int(g.get("count", 1)) for g in groups)
+    except (AttributeError, TypeError, ValueError):
+        raise ActuatorError("model config has a malformed instance_group") from None
+
+
+def with_instance_count(model_config: dict[str, Any], desired: int) -> dict[str, Any]:
+    """A copy of `model_config` with `desired` instances in total; the change goes to the last group
+    (a config with several groups, e.g. one per GPU, grows and shrinks its last one, never below 1)."""
+    groups = [dict(g) for g in (model_config.get("instance_group") or [{"count": 1}])]
+    others = sum(int(g.get("count", 1)) for g in groups[:-1])
+    if desired - others < 1:
+        raise ActuatorError("cannot reach that size by changing the last instance group")
+    groups[-1]["count"] = desired - others
+    return {**model_config, "instance_group": groups}
+
+
+class TritonActuator:
+    """Changes a pool's instance count on one Triton server through its model repository API."""
+
+    def __init__(
+        self,
+        config: ActuatorConfig,
+        clock: Clock,
+        inflight: Callable[[PoolConfig], float | None],
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        key = env.get(config.admin_key_env, "")
+        if not key:
+            raise ConfigError(
+                f"actuator.admin_key_env: environment variable {config.admin_key_env} is not set"
+            )
+        self._config = config
+        self._key = key
+        self._clock = clock
+        self._inflight = inflight
+
+    def _request(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
+        url = self._config.url.rstrip("/") + path
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if admin:
+            # Only the restricted call carries the key.
+            headers[self._config.admin_header] = self._key
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self._config.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise ActuatorError(f"Triton answered HTTP {exc.code} to {method} {path}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ActuatorError(f"Triton unreachable ({type(exc).__name__})") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ActuatorError(f"Triton sent non-JSON to {method} {path}") from None
+
+    def _model_config(self, pool: PoolConfig) -> dict[str, Any]:
+        found = self._request("GET", f"/v2/models/{pool.name}/config")
+        if not isinstance(found, dict):
+            raise ActuatorError("model config is not an object")
+        return found
+
+    def current(self, pool: PoolConfig) -> int:
+        return instance_count(self._model_config(pool))
+
+    def _drain(self, pool: PoolConfig) -> None:
+        deadline = self._clock.monotonic() + self._config.drain_timeout_s
+        while True:
+            load = self._inflight(pool)
+            if load is not None and load <= pool.drain_max_inflight:
+                return
+            if self._clock.monotonic() >= deadline:
+                raise DrainTimeout(f"{pool.name} did not drain within {self._config.drain_timeout_s:g} s")
+            if self._clock.wait(self._config.drain_poll_s):
+                raise DrainTimeout(f"{pool.name}: stopping while waiting for drain")
+
+    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+        if desired < current:
+            self._drain(pool)
+        # Re-read right before the load: the config may have changed since current() was read.
+        updated = with_instance_count(self._model_config(pool), desired)
+        self._request(
+            "POST",
+            f"/v2/repository/models/{pool.name}/load",
+            {"parameters": {"config": json.dumps(updated)}},
+            admin=True,
+        )
+
+
+class KubernetesActuator:
+    """Sets `spec.replicas` of the pool's Deployment through `AppsV1Api` (scale subresource)."""
+
+    def __init__(self, config: ActuatorConfig, api: Any | None = None) -> None:
+        self._namespace = config.namespace
+        if api is None:
+            try:
+                from kubernetes import client
+                from kubernetes import config as kube_config
+            except ImportError:
+                raise ConfigError("actuator.kind kubernetes: install the 'k8s' extra (kubernetes)") from None
+            if config.in_cluster:
+                kube_config.load_incluster_config()
+            else:
+                kube_config.load_kube_config(config_file=config.kubeconfig)
+            api = client.AppsV1Api()
+        self._api = api
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # the client raises ApiException, urllib3 and socket errors alike
+            status = getattr(exc, "status", None)
+            raise ActuatorError(f"Kubernetes {what} failed ({status or type(exc).__name__})") from None
+
+    def current(self, pool: PoolConfig) -> int:
+        name = pool.deployment or pool.name
+        scale = self._call(
+            "read scale", lambda: self._api.read_namespaced_deployment_scale(name, self._namespace)
+        )
+        replicas = getattr(getattr(scale, "spec", None), "replicas", None)
+        if not isinstance(replicas, int):
+            raise ActuatorError("Deployment scale has no replicas")
+        return replicas
+
+    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+        name = pool.deployment or pool.name
+        body = {"spec": {"replicas": desired}}
+        self._call(
+            "patch scale",
+            lambda: self._api.patch_namespaced_deployment_scale(name, self._namespace, body),
+        )

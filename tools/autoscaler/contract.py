@@ -1,0 +1,79 @@
+"""The metric contract between the serving models and everything that reads their `/metrics`.
+
+The serving side exports these families on Triton's own `/metrics` (port 8002 by default) through
+`pb_utils.MetricFamily`; the autoscaler, the Grafana dashboard and the KEDA objects under `deploy/`
+read them. A test on each side checks its half: `tests/unit/test_deploy.py` that every `disagg_*` name
+the readers use is listed here, and the serving side's integration test that the server exports them.
+
+Labels: `model` is the Triton model name of the pool (`prefill`, `decode`, `colocated`, ...); `path`
+(`disaggregated` / `colocated` / `fallback`) on the request-level families; `pool` on the KV block
+gauges; `outcome` on `disagg_requests_total`. Units are seconds and bytes.
+
+What the autoscaler assumes about meaning (tell the serving side if this changes):
+
+- `disagg_prompt_tokens` is observed when a request is admitted (so a burst is visible before its
+  prefill runs);
+- `disagg_prefill_pending_tokens` counts prompt tokens admitted to the prefill pool and not yet
+  prefilled, queued or executing; with `disagg_prefill_queue_requests` at zero too, the pool is idle;
+- `disagg_decode_active_sequences` counts sequences holding a decode slot; zero means drained.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+HISTOGRAM = "histogram"
+GAUGE = "gauge"
+COUNTER = "counter"
+
+METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
+    {
+        # histograms (seconds buckets span 1 ms .. 10 min)
+        "disagg_time_to_first_token_seconds": HISTOGRAM,
+        "disagg_time_per_output_token_seconds": HISTOGRAM,
+        "disagg_request_latency_seconds": HISTOGRAM,
+        "disagg_prompt_tokens": HISTOGRAM,
+        "disagg_output_tokens": HISTOGRAM,
+        "disagg_kv_transfer_seconds": HISTOGRAM,
+        # gauges
+        "disagg_prefill_queue_requests": GAUGE,
+        "disagg_prefill_pending_tokens": GAUGE,
+        "disagg_decode_active_sequences": GAUGE,
+        "disagg_kv_blocks_used": GAUGE,
+        "disagg_kv_blocks_free": GAUGE,
+        "disagg_slo_attainment_ratio": GAUGE,
+        "disagg_goodput_requests_per_second": GAUGE,
+        # counters (full sample names, `_total` included)
+        "disagg_requests_total": COUNTER,
+        "disagg_kv_transfer_bytes_total": COUNTER,
+        "disagg_kv_transfer_failures_total": COUNTER,
+        "disagg_kv_lease_expired_total": COUNTER,
+        "disagg_fallbacks_total": COUNTER,
+    }
+)
+"""Every family the server must export: name -> kind. The serving side may import this."""
+
+AUTOSCALER_METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "disagg_autoscaler_current_size": GAUGE,
+        "disagg_autoscaler_desired_size": GAUGE,
+        "disagg_autoscaler_decisions_total": COUNTER,
+        "disagg_autoscaler_fail_static_total": COUNTER,
+        "disagg_autoscaler_scrape_failures_total": COUNTER,
+        "disagg_autoscaler_actuator_failures_total": COUNTER,
+        "disagg_autoscaler_last_error_timestamp_seconds": GAUGE,
+    }
+)
+"""The autoscaler's own families on its `/metrics` (label `pool`; `kind` on decisions, `reason` on
+fail-static and last error)."""
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def family_of(sample_name: str) -> str:
+    """The family a sample name belongs to: `x_bucket`/`x_sum`/`x_count` -> `x` for contract histograms."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name and METRIC_NAMES.get(base) == HISTOGRAM:
+            return base
+    return sample_name

@@ -1,0 +1,179 @@
+"""Per-interval reasoning: snapshots in, one decision per pool out. No I/O; time is passed in.
+
+Each call compares the new snapshot with the previous one (counter deltas, reset-safe), feeds the
+deltas into per-pool sliding windows, reads the gauges, checks freshness, and asks each pool's policy
+and governor. Any input that cannot be trusted for a pool -- scrape failed, garbage, a family missing,
+series stale, current size unknown, or the very first reading (no delta yet) -- gives a fail-static
+hold for that pool, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import cast
+
+from disagg_tools.autoscaler.config import AutoscalerConfig, PoolConfig
+from disagg_tools.autoscaler.governor import Decision, Governor
+from disagg_tools.autoscaler.histogram import Histogram, HistogramWindow, histogram_delta
+from disagg_tools.autoscaler.policy import DecodePolicy, DecodeSignals, PrefillPolicy, PrefillSignals
+from disagg_tools.autoscaler.snapshot import GarbageMetrics, Snapshot
+
+TTFT = "disagg_time_to_first_token_seconds"
+TPOT = "disagg_time_per_output_token_seconds"
+PROMPT = "disagg_prompt_tokens"
+PENDING = "disagg_prefill_pending_tokens"
+QUEUE = "disagg_prefill_queue_requests"
+ACTIVE = "disagg_decode_active_sequences"
+KV_USED = "disagg_kv_blocks_used"
+KV_FREE = "disagg_kv_blocks_free"
+
+READS = (TTFT, TPOT, PROMPT, PENDING, QUEUE, ACTIVE, KV_USED, KV_FREE)
+"""Contract families the autoscaler reads (checked against the contract by a test)."""
+
+GAUGES_BY_ROLE = {"prefill": (PENDING, QUEUE), "decode": (ACTIVE, KV_USED, KV_FREE)}
+
+
+class MissingMetric(LookupError):
+    """A family the pool's policy needs is absent from the snapshot."""
+
+
+def gauge(snapshot: Snapshot, name: str, **match: str) -> float:
+    """Sum of a gauge over its matching series (one per Triton instance or pod); MissingMetric if none."""
+    values = snapshot.select(name, **match)
+    if not values:
+        raise MissingMetric(name)
+    return sum(values.values())
+
+
+def inflight(snapshot: Snapshot, pool: PoolConfig) -> float:
+    """The pool's in-flight work, as scale-in draining reads it (see contract.py for the meanings)."""
+    if pool.role == "prefill":
+        return gauge(snapshot, PENDING, model=pool.name) + gauge(snapshot, QUEUE, model=pool.name)
+    return gauge(snapshot, ACTIVE, model=pool.name)
+
+
+class _PoolState:
+    def __init__(self, pool: PoolConfig, window_s: float) -> None:
+        self.pool = pool
+        self.governor = Governor(pool)
+        self.latency = HistogramWindow(window_s)
+        self.prompts = HistogramWindow(window_s)
+        self.policy: PrefillPolicy | DecodePolicy = (
+            PrefillPolicy(pool) if pool.role == "prefill" else DecodePolicy(pool)
+        )
+
+
+class Controller:
+    """Holds the previous snapshot and the per-pool windows, governors and policies."""
+
+    def __init__(self, config: AutoscalerConfig) -> None:
+        self._config = config
+        self._pools = {p.name: _PoolState(p, config.window_s) for p in config.pools}
+        self._prev: Snapshot | None = None
+        self._prev_now: float | None = None
+
+    @staticmethod
+    def _delta(prev: Snapshot, cur: Snapshot, family: str, pool: PoolConfig) -> Histogram:
+        if not pool.paths:
+            found = histogram_delta(prev, cur, family, model=pool.name)
+        else:
+            found = None
+            for path in pool.paths:
+                part = histogram_delta(prev, cur, family, model=pool.name, path=path)
+                if part is not None:
+                    found = part if found is None else found + part
+        if found is None:
+            raise MissingMetric(family)
+        return found
+
+    def _prefill(
+        self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float, dt: float
+    ) -> Decision:
+        p, policy = st.pool, cast(PrefillPolicy, st.policy)
+        pending = gauge(cur, PENDING, model=p.name)
+        queue = gauge(cur, QUEUE, model=p.name)
+        ttft = self._delta(prev, cur, TTFT, p)
+        prompts = self._delta(prev, cur, PROMPT, p)
+        try:
+            prev_pending: float | None = gauge(prev, PENDING, model=p.name)
+        except MissingMetric:
+            prev_pending = None
+        st.latency.add(now, ttft)
+        st.prompts.add(now, prompts)
+        window = st.latency.merged(now)
+        prompt_window = st.prompts.merged(now)
+        arrival = prompts.total / dt
+        processed = None if prev_pending is None else max(0.0, arrival - (pending - prev_pending) / dt)
+        signals = PrefillSignals(
+            ttft_quantile=window.quantile(p.quantile) if window else None,
+            ttft_samples=window.count if window else 0.0,
+            pending_tokens=pending,
+            queue_requests=queue,
+            prompt_tokens_quantile=prompt_window.quantile(p.quantile) if prompt_window else None,
+            arrival_tokens_per_s=arrival,
+            processed_tokens_per_s=processed,
+            busy=bool(prev_pending and pending > 0),
+        )
+        return st.governor.decide(policy.propose(signals, size), size, now)
+
+    def _decode(self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float) -> Decision:
+        p, policy = st.pool, cast(DecodePolicy, st.policy)
+        kv_pool = p.kv_pool or p.name
+        used = gauge(cur, KV_USED, pool=kv_pool)
+        free = gauge(cur, KV_FREE, pool=kv_pool)
+        active = gauge(cur, ACTIVE, model=p.name)
+        st.latency.add(now, self._delta(prev, cur, TPOT, p))
+        window = st.latency.merged(now)
+        signals = DecodeSignals(
+            tpot_quantile=window.quantile(p.quantile) if window else None,
+            tpot_samples=window.count if window else 0.0,
+            kv_used=used,
+            kv_free=free,
+            active_sequences=active,
+        )
+        return st.governor.decide(policy.propose(signals, size), size, now)
+
+    def _stale(self, cur: Snapshot, pool: PoolConfig) -> bool:
+        if not cur.sample_times:
+            return False  # a direct scrape is fresh when it succeeds
+        match = {"pool": pool.kv_pool or pool.name} if pool.role == "decode" else {"model": pool.name}
+        names = (KV_USED,) if pool.role == "decode" else (PENDING,)
+        oldest = cur.oldest_sample_time(names, **match)
+        # No timestamp for a series we read means Prometheus had no recent sample of it at all.
+        return oldest is None or cur.taken_at - oldest > self._config.source.stale_after_s
+
+    def step(
+        self,
+        snapshot: Snapshot | None,
+        sizes: Mapping[str, int | None],
+        now: float,
+        failure: str = "scrape_failed",
+    ) -> list[Decision]:
+        """One interval. `snapshot` None means the read failed (`failure` says how); `sizes` are the
+        pools' current sizes as the actuator reports them (None: unknown); `now` is monotonic seconds."""
+        decisions = []
+        prev = self._prev
+        dt = None if self._prev_now is None else now - self._prev_now
+        for st in self._pools.values():
+            size = sizes.get(st.pool.name)
+            if size is None:
+                decisions.append(st.governor.fail_static(None, "size_unknown"))
+            elif snapshot is None:
+                decisions.append(st.governor.fail_static(size, failure))
+            elif prev is None or dt is None or dt <= 0:
+                decisions.append(st.governor.fail_static(size, "warmup"))
+            elif self._stale(snapshot, st.pool):
+                decisions.append(st.governor.fail_static(size, "stale"))
+            else:
+                try:
+                    if st.pool.role == "prefill":
+                        decisions.append(self._prefill(st, prev, snapshot, size, now, dt))
+                    else:
+                        decisions.append(self._decode(st, prev, snapshot, size, now))
+                except MissingMetric as exc:
+                    decisions.append(st.governor.fail_static(size, f"missing:{exc.args[0]}"))
+                except GarbageMetrics:
+                    decisions.append(st.governor.fail_static(size, "garbage"))
+        if snapshot is not None:
+            self._prev, self._prev_now = snapshot, now
+        return decisions
