@@ -72,6 +72,12 @@ def _kvcalc(argv: list[str]) -> int:
     return main(argv)
 
 
+def _repository(argv: list[str]) -> int:
+    from disagg_tools.repository import main
+
+    return main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from disagg.server import serve_main
 
@@ -82,6 +88,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "generate text from a prompt with the reference engine"),
     "make-model": (_make_model, "write the embedded tiny Llama-style checkpoint"),
     "kvcalc": (_kvcalc, "KV cache bytes per token/request and transfer time per link"),
+    "repository": (_repository, "write the model repository (config.pbtxt per model)"),
     "serve": (_serve, "run Triton with the project's model repository"),
 }
 

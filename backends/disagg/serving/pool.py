@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import secrets
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
@@ -22,7 +20,8 @@ class PoolConfig:
     lease_ttl_s: float = 30.0
     checksum: bool = False
     max_queue: int = 256
-    prefix: str = field(default_factory=lambda: f"disagg{os.getpid()}{secrets.token_hex(2)}")
+    # Names the deployment's KV regions; exporter and importer must agree (one per deployment).
+    prefix: str = "disagg"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,0 +1,113 @@
+"""The orchestrator's PoolClient over Triton BLS: pools are other models of this server.
+
+Triton 2.51's BLS response iterator blocks and has no ``cancel()``: responses are pulled off the
+event loop on a thread pool (pulling on the loop would serialise every request of the instance), and
+a sequence is stopped with a ``control`` request to its pool, keyed by the request handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from disagg.engine.sequence import Request, SequenceState
+from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.errors import INTERNAL, ServingError
+from disagg.serving.loop import Prefilled, Token
+from disagg.triton import glue, wire
+
+_END = object()
+
+
+class TritonPools:
+    def __init__(self, pb_utils: Any, signer: TokenSigner, models: dict[str, str], max_inflight: int) -> None:
+        self._pb = pb_utils
+        self._signer = signer
+        self.models = models  # pool -> Triton model name
+        self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bls")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
+        pb = self._pb
+        request = pb.InferenceRequest(
+            model_name=self.models[pool],
+            inputs=inputs,
+            requested_output_names=["event", "descriptor"] if pool == "prefill" else ["event"],
+            parameters={PARAMETER: self._signer.mint()},
+        )
+        return await request.async_exec(decoupled=True)
+
+    async def _responses(self, responses: Iterator[Any]) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        while True:
+            response = await loop.run_in_executor(self._executor, next, responses, _END)
+            if response is _END:
+                return
+            if response.has_error():
+                raise glue.serving_error(self._pb, response.error())
+            yield response
+
+    def _tensor(self, response: Any, name: str) -> bytes | None:
+        tensor = self._pb.get_output_tensor_by_name(response, name)
+        return None if tensor is None else glue.first_bytes(tensor.as_numpy())
+
+    def _job_inputs(self, handle: str, **values: Any) -> list[Any]:
+        pb = self._pb
+        inputs = [glue.bytes_tensor(pb, "handle", handle)]
+        for name, value in values.items():
+            if name == "input_ids":
+                inputs.append(pb.Tensor(name, np.asarray(value, dtype=np.int32)))
+            else:
+                inputs.append(glue.bytes_tensor(pb, name, value))
+        return inputs
+
+    async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
+        async for response in self._responses(await self._call(pool, inputs)):
+            raw = self._tensor(response, "event")
+            if raw is None:
+                continue  # the bare final flag
+            yield wire.decode_event(raw, self._tensor(response, "descriptor") if pool == "prefill" else None)
+
+    async def prefill(self, handle: str, request: Request) -> Prefilled:
+        inputs = self._job_inputs(
+            handle, input_ids=list(request.prompt_token_ids), sampling=wire.encode_sampling(request.params)
+        )
+        result = None
+        async for event in self._events("prefill", inputs):
+            result = event
+        if not isinstance(result, Prefilled):
+            raise ServingError(INTERNAL, "prefill pool answered out of protocol")
+        return result
+
+    async def _tokens(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token]:
+        async for event in self._events(pool, inputs):
+            if isinstance(event, Token):
+                yield event
+
+    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
+        inputs = self._job_inputs(handle, state=json.dumps(state.to_dict()), descriptor=descriptor)
+        return self._tokens("decode", inputs)
+
+    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
+        inputs = self._job_inputs(
+            handle, input_ids=list(request.prompt_token_ids), sampling=wire.encode_sampling(request.params)
+        )
+        return self._tokens("colocated", inputs)
+
+    async def _control(self, pool: str, body: dict[str, Any]) -> None:
+        inputs = [glue.bytes_tensor(self._pb, "control", json.dumps(body))]
+        async for _ in self._responses(await self._call(pool, inputs)):
+            pass
+
+    async def stop(self, pool: str, handle: str) -> None:
+        await self._control(pool, {"op": "stop", "handle": handle})
+
+    async def abort_lease(self, lease_id: str) -> None:
+        await self._control("prefill", {"op": "abort_lease", "lease_id": lease_id})

@@ -1,0 +1,31 @@
+"""Pick the adapter of a model instance from its ``role`` parameter."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from disagg.triton import glue
+
+
+def create_adapter(args: dict[str, Any], pb_utils: Any) -> Any:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    role = glue.model_parameters(args).get("role", "")
+    if role in ("prefill", "decode", "colocated"):
+        from disagg.triton.pool_model import PoolModel
+
+        return PoolModel(args, pb_utils)
+    if role in ("orchestrator", "llm"):
+        from disagg.triton.orchestrator_model import OrchestratorModel
+
+        return OrchestratorModel(args, pb_utils, direct=role == "llm")
+    if role == "preprocessing":
+        from disagg.triton.text_model import PreprocessingModel
+
+        return PreprocessingModel(args, pb_utils)
+    if role == "postprocessing":
+        from disagg.triton.text_model import PostprocessingModel
+
+        return PostprocessingModel(args, pb_utils)
+    raise ValueError(f"model parameter 'role' must name a role, got {role!r}")

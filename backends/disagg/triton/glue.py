@@ -1,0 +1,107 @@
+"""Small helpers shared by the adapters: parameters, tensors, errors, responses."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disagg.kv.errors import SecretError
+from disagg.kv.secret import load_secret
+from disagg.serving.errors import CANCELLED, DEADLINE, INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+
+log = logging.getLogger(__name__)
+
+
+def model_parameters(args: dict[str, Any]) -> dict[str, str]:
+    """The ``parameters`` block of config.pbtxt as name -> string value."""
+    config = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+def parse_cores(text: str, instance_name: str) -> tuple[int, ...] | None:
+    """``"0"``, ``"0,1"`` or per-instance sets ``"0;1"`` (instance i takes set i mod n); empty: None."""
+    text = text.strip()
+    if not text:
+        return None
+    sets = [s for s in text.split(";") if s.strip()]
+    index = instance_index(instance_name)
+    chosen = sets[index % len(sets)]
+    try:
+        return tuple(int(c) for c in chosen.split(","))
+    except ValueError:
+        raise ValueError(f"cores parameter {text!r} is not a list of core numbers") from None
+
+
+def instance_index(instance_name: str) -> int:
+    """Triton names instances ``<group>_<index>``; the trailing number is this instance's index."""
+    tail = instance_name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def deployment_secret(path: str = "", wait_s: float = 10.0) -> bytes:
+    """The deployment secret. Instances start at once; one creates the file while others wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return load_secret(Path(path) if path else None)
+        except SecretError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # another instance is between creating and writing the file
+
+
+def triton_error(pb_utils: Any, error: ServingError) -> Any:
+    codes = {
+        INVALID_ARG: pb_utils.TritonError.INVALID_ARG,
+        UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+        CANCELLED: pb_utils.TritonError.CANCELLED,
+        DEADLINE: pb_utils.TritonError.UNAVAILABLE,
+        INTERNAL: pb_utils.TritonError.INTERNAL,
+    }
+    return pb_utils.TritonError(error.message, codes[error.code])
+
+
+def serving_error(pb_utils: Any, error: Any) -> ServingError:
+    """The inverse of triton_error, for errors coming back from a BLS call."""
+    code = error.code() if hasattr(error, "code") else None
+    names = {
+        pb_utils.TritonError.INVALID_ARG: INVALID_ARG,
+        pb_utils.TritonError.UNAVAILABLE: UNAVAILABLE,
+        pb_utils.TritonError.CANCELLED: CANCELLED,
+    }
+    return ServingError(names.get(code, INTERNAL if code is not None else UNAVAILABLE), error.message())
+
+
+def bytes_tensor(pb_utils: Any, name: str, value: bytes | str, shape: tuple[int, ...] = (1,)) -> Any:
+    data = value.encode() if isinstance(value, str) else value
+    return pb_utils.Tensor(name, np.array([data], dtype=np.object_).reshape(shape))
+
+
+def input_arrays(pb_utils: Any, request: Any, names: Any) -> dict[str, np.ndarray | None]:
+    out = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        out[name] = None if tensor is None else tensor.as_numpy()
+    return out
+
+
+def first_bytes(array: np.ndarray | None) -> bytes | None:
+    if array is None or array.size == 0:
+        return None
+    item = array.reshape(-1)[0]
+    return item if isinstance(item, bytes) else str(item).encode()
+
+
+def request_parameters(request: Any) -> dict[str, Any]:
+    raw = request.parameters()
+    return json.loads(raw) if raw else {}
+
+
+def send_error(pb_utils: Any, sender: Any, error: ServingError) -> None:
+    response = pb_utils.InferenceResponse(error=triton_error(pb_utils, error))
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,114 @@
+"""Adapter of the orchestrator, as an ensemble step (``orchestrator``) or served directly (``llm``).
+
+``execute`` returns a coroutine: for a decoupled model the Python backend runs it in the background on
+its event loop, so many requests are in flight at once on one instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from disagg.engine.tokenizer import Tokenizer
+from disagg.paths import resolve_model_dir
+from disagg.serving.auth import TokenSigner
+from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
+from disagg.serving.interface import INPUT_NAMES, OUTPUT_NAME, parse_text_request
+from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.triton import glue, wire
+from disagg.triton.bls import TritonPools
+
+log = logging.getLogger(__name__)
+
+
+class TritonResponder:
+    def __init__(self, pb_utils: Any, sender: Any) -> None:
+        self._pb = pb_utils
+        self._sender = sender
+
+    def send(self, text: str, final: bool) -> None:
+        pb = self._pb
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if final and not text:
+            self._sender.send(flags=flags)
+            return
+        tensor = glue.bytes_tensor(pb, OUTPUT_NAME, text.encode("utf-8"), shape=(1, 1))
+        self._sender.send(pb.InferenceResponse(output_tensors=[tensor]), flags=flags)
+
+    def fail(self, error: ServingError) -> None:
+        glue.send_error(self._pb, self._sender, error)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+
+class OrchestratorModel:
+    def __init__(self, args: dict[str, Any], pb_utils: Any, *, direct: bool) -> None:
+        self._pb = pb_utils
+        self.direct = direct  # llm: text in, tokenized here; else input_ids from preprocessing
+        params = glue.model_parameters(args)
+        cores = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
+        if cores:
+            from disagg.engine.device import pin_cpu
+
+            pin_cpu(cores)
+        self.max_inflight = int(params.get("max_inflight", "256"))
+        self.config = OrchestratorConfig(
+            mode=params.get("mode", "disaggregated"),
+            request_timeout_s=float(params.get("request_timeout_s", "600")),
+        )
+        models = {
+            "prefill": params.get("prefill_model", "prefill"),
+            "decode": params.get("decode_model", "decode"),
+            "colocated": params.get("colocated_model", "colocated"),
+        }
+        self.tokenizer = Tokenizer(resolve_model_dir(params.get("model_dir") or None))
+        signer = TokenSigner(glue.deployment_secret(params.get("secret_file", "")))
+        self.pools = TritonPools(pb_utils, signer, models, self.max_inflight)
+        self.orchestrator = Orchestrator(self.config, self.pools, self.tokenizer.decode)
+        self._inflight = 0
+
+    def execute(self, requests: list[Any]) -> Any:
+        return self._execute(requests)
+
+    async def _execute(self, requests: list[Any]) -> None:
+        await asyncio.gather(*(self._one(r) for r in requests))
+
+    async def _one(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        responder = TritonResponder(self._pb, sender)
+        try:
+            if self._inflight >= self.max_inflight:
+                raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")
+            text, prompt_ids = self._parse(request)
+        except Exception as exc:
+            responder.fail(classify(exc))
+            return
+        self._inflight += 1
+        try:
+            await self.orchestrator.serve(prompt_ids, text, responder)
+        finally:
+            self._inflight -= 1
+
+    def _parse(self, request: Any) -> tuple[Any, list[int]]:
+        pb = self._pb
+        if self.direct:
+            values = glue.input_arrays(pb, request, INPUT_NAMES)
+            text = parse_text_request(values, glue.request_parameters(request))
+            ids = self.tokenizer.encode(text.prompt)
+        else:
+            values = glue.input_arrays(pb, request, ("input_ids", "request"))
+            raw = glue.first_bytes(values["request"])
+            if values["input_ids"] is None or raw is None:
+                raise invalid("orchestrator needs input_ids and request (from preprocessing)")
+            text = wire.decode_text_request(raw)
+            ids = [int(t) for t in np.asarray(values["input_ids"]).reshape(-1)]
+        if not ids:
+            raise invalid("input 'text_input' encodes to 0 tokens")
+        return text, ids
+
+    def finalize(self) -> None:
+        self.pools.close()

@@ -1,0 +1,145 @@
+"""Adapter of the pool roles (prefill, decode, colocated): requests in, engine-loop jobs out."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from disagg.engine.sequence import Request
+from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.errors import classify, invalid
+from disagg.serving.loop import Event, Failed, Job
+from disagg.serving.pool import PoolConfig, build_pool
+from disagg.triton import glue, wire
+
+log = logging.getLogger(__name__)
+
+# config.pbtxt parameters read by the adapter rather than by PoolConfig
+ADAPTER_KEYS = ("role", "secret_file")
+
+
+class TritonSink:
+    """Job events -> responses of one Triton request (called from the engine-loop thread)."""
+
+    def __init__(self, pb_utils: Any, sender: Any, descriptor_output: bool) -> None:
+        self._pb = pb_utils
+        self._sender = sender
+        self._descriptor_output = descriptor_output
+
+    def emit(self, event: Event, final: bool) -> None:
+        pb = self._pb
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if isinstance(event, Failed):
+            self._sender.send(pb.InferenceResponse(error=glue.triton_error(pb, event.error)), flags=flags)
+            return
+        outputs = [glue.bytes_tensor(pb, "event", wire.encode_event(event))]
+        if self._descriptor_output:
+            outputs.append(glue.bytes_tensor(pb, "descriptor", getattr(event, "descriptor", None) or b""))
+        self._sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+
+class PoolModel:
+    def __init__(self, args: dict[str, Any], pb_utils: Any) -> None:
+        self._pb = pb_utils
+        params = glue.model_parameters(args)
+        self.role = params.get("role", "")
+        secret = glue.deployment_secret(params.get("secret_file", ""))
+        self._signer = TokenSigner(secret)
+        settings = {k: v for k, v in params.items() if k not in ADAPTER_KEYS and v != ""}
+        settings = _typed(settings)
+        settings["cores"] = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
+        if settings["cores"] is None:
+            del settings["cores"]
+        settings.setdefault("model_dir", _default_model_dir())
+        self.config = PoolConfig.from_dict({"role": self.role, **settings})
+        self.loop, self.transport = build_pool(self.config, secret)
+        self.loop.start()
+        log.info("%s pool instance %s ready", self.role, args["model_instance_name"])
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._handle(request, sender)
+            except Exception as exc:
+                glue.send_error(self._pb, sender, classify(exc))
+        return None
+
+    def _handle(self, request: Any, sender: Any) -> None:
+        pb = self._pb
+        self._signer.check(glue.request_parameters(request).get(PARAMETER))
+        values = glue.input_arrays(pb, request, wire.POOL_INPUTS)
+        control = glue.first_bytes(values["control"])
+        if control is not None:
+            self._control(wire.decode_control(control))
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        handle = wire.decode_handle(glue.first_bytes(values["handle"]))
+        sink = TritonSink(pb, sender, descriptor_output=self.role == "prefill")
+        if self.role == "decode":
+            descriptor = glue.first_bytes(values["descriptor"])
+            state = glue.first_bytes(values["state"])
+            if descriptor is None or state is None:
+                raise invalid("decode requests need a KV descriptor and a sequence state")
+            job = Job(handle, sink, state=wire.decode_state(state), descriptor=descriptor)
+        else:
+            ids, sampling = values["input_ids"], glue.first_bytes(values["sampling"])
+            if ids is None or sampling is None:
+                raise invalid(f"{self.role} requests need input_ids and sampling")
+            prompt = tuple(int(t) for t in np.asarray(ids).reshape(-1))
+            job = Job(handle, sink, request=Request(prompt, wire.decode_sampling(sampling)))
+        self.loop.validate(job)
+        self.loop.submit(job)
+
+    def _control(self, control: dict[str, Any]) -> None:
+        if control["op"] == "stop":
+            self.loop.stop(str(control.get("handle", "")))
+        elif self.role == "prefill":
+            self.loop.abort_lease(str(control.get("lease_id", "")))
+
+    def finalize(self) -> None:
+        self.loop.shutdown()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _default_model_dir() -> str:
+    from disagg.paths import resolve_model_dir
+
+    return str(resolve_model_dir())
+
+
+_INTS = {
+    "block_size",
+    "num_blocks",
+    "kv_cache_mb",
+    "max_batch_size",
+    "max_tokens_cap",
+    "num_threads",
+    "max_queue",
+}
+_FLOATS = {"lease_ttl_s"}
+_BOOLS = {"checksum"}
+
+
+def _typed(settings: dict[str, str]) -> dict[str, Any]:
+    """config.pbtxt parameters are strings: convert the known numeric and boolean ones."""
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        try:
+            if key in _INTS:
+                out[key] = int(value)
+            elif key in _FLOATS:
+                out[key] = float(value)
+            elif key in _BOOLS:
+                out[key] = value.strip().lower() in ("1", "true", "yes")
+            else:
+                out[key] = value
+        except ValueError:
+            raise ValueError(f"parameter {key}={value!r} is not a number") from None
+    return out
