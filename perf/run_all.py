@@ -1,0 +1,346 @@
+"""The whole serving benchmark in one command: SLO calibration, goodput search per workload and deployment,
+the interference experiment, then perf/RESULTS.md, JSON and PNG plots.
+
+    python perf/run_all.py --quick   # first look, <= 10 min: codegen only, short runs
+    python perf/run_all.py --full    # <= 45 min: codegen, chat, summarize
+
+Deployments (all on the same two cores, measured one after another):
+  disagg     Triton `ensemble`  (prefill pool core 0, decode pool core 1, BLS orchestrator)
+  colocated  Triton `ensemble_colocated` (continuous batching): the SLO reference
+  llm        Triton `llm` (the orchestrator called directly; opt-in with --deployments)
+  vllm       vLLM CPU (`.venv-vllm`), started here under `taskset -c 0,1`, stopped at the end
+Triton deployments need a running server: --triton-url HOST:PORT (started elsewhere, e.g. `make serve`)
+or --start-triton (the project's launcher on model_repository/). Those whose model is not ready are
+reported as not measured, with the reason, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import plots, report
+from benchlib.clients import ClientConfig, TritonClient, make_client
+from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
+from benchlib.deploy import VllmConfig, VllmServer, start_triton
+from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
+from benchlib.search import SearchConfig
+from benchlib.slo import REFERENCE_DEPLOYMENT, TPOT_FACTOR, TTFT_FACTOR, Calibration, calibrate
+from benchlib.workload import WORKLOADS, PromptFactory
+
+PERF = Path(__file__).resolve().parent
+SLO_RULE = (
+    f"Per workload: TTFT SLO = {TTFT_FACTOR:g} × idle TTFT of `{REFERENCE_DEPLOYMENT}` at the workload's "
+    f"median prompt length; TPOT SLO = {TPOT_FACTOR:g} × its idle single-stream TPOT. The same absolute "
+    "values judge every deployment, vLLM included."
+)
+TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm": "llm"}
+NOTES = {
+    "disagg": "Triton ensemble: prefill pool on core 0, decode pool on core 1, BLS orchestrator",
+    "colocated": "Triton ensemble_colocated: one continuous-batching pool (SLO reference)",
+    "llm": "Triton llm: orchestrator called directly",
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one benchmark mode, chosen to fit its time budget on two cores."""
+
+    name: str
+    workloads: tuple[str, ...]
+    plan: RunPlan
+    max_probes: int
+    rel_tol: float
+    calibration_reps: int
+    interference_count: int
+    interference_concurrency: float
+    budget_s: float
+
+
+PROFILES = {
+    "quick": Profile("quick", ("codegen",), RunPlan(12, 12, 60, 30), 4, 0.15, 3, 40, 4.0, 540),
+    "full": Profile(
+        "full", ("codegen", "chat", "summarize"), RunPlan(30, 20, 150, 60), 5, 0.1, 5, 100, 4.0, 2580
+    ),
+}
+
+
+@dataclass
+class Deployment:
+    name: str
+    config: ClientConfig | None
+    cores: int
+    note: str
+    endpoint: str = ""
+    available: bool = False
+    reason: str = ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick")
+    mode.add_argument("--full", action="store_const", dest="mode", const="full")
+    parser.add_argument("--deployments", default="disagg,colocated,vllm", help="comma-separated names")
+    parser.add_argument("--workloads", default="", help="override the profile's workloads")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--triton-url", default="", help="gRPC host:port of a running Triton")
+    parser.add_argument(
+        "--start-triton", type=Path, nargs="?", const=REPO_ROOT / "model_repository", default=None,
+        metavar="REPOSITORY", help="start Triton with the project's launcher (default: model_repository/)",
+    )  # fmt: skip
+    parser.add_argument("--vllm-url", default="", help="use a running vLLM (http://host:port) instead")
+    parser.add_argument("--vllm-served-name", default="tiny")
+    parser.add_argument("--vllm-cpus", default="0,1", help="taskset list for vLLM")
+    parser.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--cores", type=int, default=2, help="cores each deployment occupies (per core)")
+    parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=PERF / "results" / "bench")
+    parser.add_argument("--report", type=Path, default=PERF / "RESULTS.md")
+    parser.add_argument("--records", type=Path, default=PERF / "out" / "bench_records.json")
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def vllm_running(args: argparse.Namespace, workdir: Path) -> Iterator[ClientConfig]:
+    if args.vllm_url:
+        yield ClientConfig("openai", args.vllm_url, args.vllm_served_name)
+        return
+    config = VllmConfig(
+        model_dir=args.model_dir.resolve(),
+        cpus=args.vllm_cpus,
+        omp_bind=args.vllm_omp_bind,
+        log_path=workdir / "vllm.log",
+        served_name=args.vllm_served_name,
+    )
+    log(f"starting vLLM CPU on cpus {config.cpus} (log {config.log_path}) ...")
+    started = time.monotonic()
+    with VllmServer(config).start() as server:
+        server.wait_healthy()
+        log(f"vLLM healthy after {time.monotonic() - started:.0f} s")
+        yield ClientConfig("openai", config.url, config.served_name)
+
+
+async def triton_ready(config: ClientConfig) -> bool:
+    client = TritonClient(config)
+    await client.open()
+    try:
+        return await client.is_ready()
+    finally:
+        await client.close()
+
+
+async def measure(
+    dep: Deployment,
+    profile: Profile,
+    factory: PromptFactory,
+    results: dict[str, Any],
+    records: dict[str, Any],
+    deadline: float,
+) -> None:
+    """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
+    interference pair; fills `results` and `records` in place."""
+    if dep.config is None:
+        raise ValueError(f"{dep.name} has no client configuration")
+    client = make_client(dep.config)
+    await client.open()
+    try:
+        cals = results["calibrations"]
+        if not cals:
+            reference = (
+                dep.name if dep.name == "colocated" else f"{dep.name} (stand-in for {REFERENCE_DEPLOYMENT})"
+            )
+            for name in (*profile.workloads, "decode"):
+                cal = await calibrate(
+                    client, WORKLOADS[name], factory, reference, reps=profile.calibration_reps
+                )
+                cals[name] = cal.to_dict()
+                slo = cal.slo
+                log(
+                    f"SLO {name}: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms (idle "
+                    f"{cal.idle_ttft_s * 1000:.0f} / {cal.idle_tpot_s * 1000:.1f} ms on {reference})"
+                )
+        for name in profile.workloads:
+            if time.monotonic() > deadline:
+                results["meta"]["notes"].append(f"{dep.name} {name}: skipped, time budget spent")
+                continue
+            workload, cal = WORKLOADS[name], _calibration(cals[name])
+            start = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
+            search = SearchConfig(
+                start=start, min_rate=start / 16, max_rate=start * 64,
+                rel_tol=profile.rel_tol, max_probes=profile.max_probes,
+            )  # fmt: skip
+            log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s")
+            res = await search_goodput(
+                client, workload, factory, cal.slo, search, profile.plan, dep.cores, log
+            )
+            results["goodput"].setdefault(name, {})[dep.name] = res.to_dict()
+            best = [r for r in res.runs if r.rate == res.best_rate]
+            records["goodput"].setdefault(name, {})[dep.name] = best[0].to_dict() if best else None
+            log(f"{dep.name}: {name} goodput {res.best_rate:.3f} req/s ({res.per_core:.3f} per core)")
+        if time.monotonic() > deadline:
+            results["meta"]["notes"].append(f"{dep.name} interference: skipped, time budget spent")
+            return
+        decode = _calibration(cals["decode"])
+        rate = profile.interference_concurrency / (decode.idle_ttft_s + 63 * decode.idle_tpot_s)
+        log(f"{dep.name}: interference at {rate:.2f} req/s, {profile.interference_count} requests per run")
+        inter = await interference(client, factory, rate, profile.interference_count, decode.slo, seed=1)
+        results["interference"][dep.name] = inter.to_dict(with_records=False)
+        records["interference"][dep.name] = inter.to_dict(with_records=True)
+        fig = inter.figures()
+        log(
+            f"{dep.name}: short TPOT p99 {fig['decode_only_tpot_p99']} -> {fig['mixed_tpot_p99']} s "
+            f"(x{fig['ratio_p99']})"
+        )
+    finally:
+        await client.close()
+
+
+def _calibration(d: dict[str, Any]) -> Calibration:
+    from benchlib.metrics import Slo
+
+    return Calibration(
+        d["workload"], d["reference"], d["prompt_tokens"], d["idle_ttft_s"], d["idle_tpot_s"],
+        Slo(**d["slo"]), d["samples"],
+    )  # fmt: skip
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    profile = PROFILES[args.mode]
+    if args.workloads:
+        unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+        if unknown:
+            raise SystemExit(f"unknown workloads: {unknown}; known: {sorted(WORKLOADS)}")
+        profile = Profile(**{**profile.__dict__, "workloads": tuple(args.workloads.split(","))})
+    pin_self(args.loadgen_cpus)
+    started_wall, started = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
+    deadline = started + profile.budget_s
+    workdir = PERF / "out"
+    workdir.mkdir(parents=True, exist_ok=True)
+    factory = PromptFactory.from_model_dir(args.model_dir)
+    names = [n.strip() for n in args.deployments.split(",") if n.strip()]
+    unknown = [n for n in names if n not in (*TRITON_MODELS, "vllm")]
+    if unknown:
+        raise SystemExit(f"unknown deployments: {unknown}")
+
+    triton_server = None
+    triton_url = args.triton_url
+    deployments: dict[str, Deployment] = {}
+    try:
+        if any(n in TRITON_MODELS for n in names) and not triton_url and args.start_triton is not None:
+            log(f"starting Triton on {args.start_triton} ...")
+            try:
+                triton_server = start_triton(args.start_triton, workdir)
+                triton_url = triton_server.config.grpc_url
+            except Exception as exc:  # a broken repository must not cost the vLLM measurement
+                log(f"Triton did not start: {exc}")
+        for name in names:
+            if name == "vllm":
+                note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, OMP bind {args.vllm_omp_bind}"
+                endpoint = args.vllm_url or "started here"
+                dep = Deployment(name, None, args.cores, note, available=True)
+            else:
+                endpoint = f"{triton_url or '?'} model {TRITON_MODELS[name]}"
+                dep = Deployment(name, None, args.cores, NOTES[name])
+                if not triton_url:
+                    dep.reason = "no Triton server (--triton-url or --start-triton)"
+                else:
+                    dep.config = ClientConfig("triton", triton_url, TRITON_MODELS[name])
+                    dep.available = await triton_ready(dep.config)
+                    dep.reason = "" if dep.available else f"model {TRITON_MODELS[name]} not ready"
+            dep.endpoint = endpoint
+            deployments[name] = dep
+
+        results: dict[str, Any] = {
+            "meta": {
+                "command": f"python perf/run_all.py --{profile.name}",
+                "mode": profile.name,
+                "started": started_wall.isoformat(timespec="seconds"),
+                "machine": machine(),
+                "model": str(args.model_dir),
+                "loadgen_affinity": sorted(os.sched_getaffinity(0)),
+                "token_counting": "vLLM: its reported usage.completion_tokens; Triton: one token per "
+                "streamed response (the pipeline streams token by token)",
+                "profile": {k: str(v) for k, v in profile.__dict__.items()},
+                "notes": [],
+            },
+            "slo_rule": SLO_RULE,
+            "target_attainment": 0.9,
+            "calibrations": {},
+            "deployments": {},
+            "goodput": {},
+            "interference": {},
+        }
+        records: dict[str, Any] = {"goodput": {}, "interference": {}}
+        # The SLO reference is measured first; without it, the first available deployment stands in
+        # (and the report says so).
+        order = sorted(names, key=lambda n: (n != "colocated", n == "vllm"))
+        if not (deployments.get("colocated") and deployments["colocated"].available):
+            results["meta"]["notes"].append(
+                f"{REFERENCE_DEPLOYMENT} was not available: the SLOs were calibrated on a stand-in "
+                "(named in the SLO table), so they are not the project's rule values."
+            )
+            order = sorted(names, key=lambda n: n != "vllm")
+        for name in order:
+            dep = deployments[name]
+            if not dep.available:
+                log(f"{name}: not measured ({dep.reason})")
+                continue
+            try:
+                if name == "vllm":
+                    with vllm_running(args, workdir) as config:
+                        dep.config = config
+                        await measure(dep, profile, factory, results, records, deadline)
+                else:
+                    await measure(dep, profile, factory, results, records, deadline)
+            except Exception as exc:  # one broken deployment is reported, the others still run
+                dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+                log(f"{name}: {dep.reason}")
+    finally:
+        if triton_server is not None:
+            triton_server.stop()
+
+    results["deployments"] = {
+        n: {"endpoint": d.endpoint, "cores": d.cores, "note": d.note,
+            "available": d.available, "reason": d.reason}
+        for n, d in deployments.items()
+    }  # fmt: skip
+    results["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results["meta"]["elapsed_s"] = time.monotonic() - started
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_dir / "bench.json", results)
+    write_json(args.records, records)
+    written = {
+        "attainment": plots.attainment_plots(results, args.out_dir),
+        "cdf": plots.cdf_plots(results, records, args.out_dir),
+        "interference": plots.interference_plot(results, args.out_dir),
+    }
+    base = args.report.resolve().parent
+    rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
+    args.report.write_text(report.render(results, rel))
+    count = sum(map(len, written.values()))
+    minutes = results["meta"]["elapsed_s"] / 60
+    log(f"wrote {args.report}, {args.out_dir / 'bench.json'} and {count} plots in {minutes:.1f} min")
+    return 0 if results["calibrations"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The load generator against a fake streaming server: open-loop sends, recorded times, timeouts,
+calibration by rule; plus the report and plots rendered from a results dict."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from bench_fake_openai import FakeOpenAIServer
+from benchlib.clients import ClientConfig, OpenAIClient, triton_inputs
+from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.metrics import Slo, summarize
+from benchlib.slo import TPOT_FACTOR, TTFT_FACTOR, calibrate
+from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace
+
+
+@pytest.fixture(scope="module")
+def factory(tiny_model_dir) -> PromptFactory:
+    return PromptFactory.from_model_dir(tiny_model_dir)
+
+
+def specs(arrivals: list[float], tokens: int) -> list[RequestSpec]:
+    return [RequestSpec(i, a, f"p{i}: hello", 5, tokens) for i, a in enumerate(arrivals)]
+
+
+async def replay(server: FakeOpenAIServer, trace, load: LoadConfig | None = None):
+    client = OpenAIClient(ClientConfig("openai", server.url, "fake"))
+    await client.open()
+    try:
+        return await run_trace(client, trace, load or LoadConfig(drain_timeout_s=10), lambda text: 0)
+    finally:
+        await client.close()
+
+
+def test_sends_follow_the_schedule_even_when_the_server_is_slow():
+    # Each request takes ~0.5 s to serve; they are due every 25 ms. A closed-loop sender would need
+    # 20 x 0.5 s; an open-loop one sends all 20 within the first half second.
+    arrivals = [i * 0.025 for i in range(20)]
+
+    async def main():
+        async with FakeOpenAIServer(first_delay_s=0.1, token_delay_s=0.04) as server:
+            started = time.perf_counter()
+            records = await replay(server, specs(arrivals, 10))
+            return records, server.arrivals, time.perf_counter() - started
+
+    records, received, elapsed = asyncio.run(main())
+    assert elapsed < 3.0
+    assert all(r.ok for r in records)
+    assert max(r.send_lag for r in records) < 0.1
+    # Seen from the server: requests came in at the scheduled spacing, not one per service time.
+    received = sorted(received)
+    offsets = [t - received[0] for t in received]
+    assert offsets == pytest.approx(arrivals, abs=0.1)
+    for r in records:
+        assert r.n_pieces == r.n_tokens == 10  # usage-reported count
+        assert r.ttft >= 0.1
+        assert r.tpot == pytest.approx(0.04, abs=0.03)
+
+
+def test_records_feed_the_summary():
+    async def main():
+        async with FakeOpenAIServer(first_delay_s=0.05, token_delay_s=0.01) as server:
+            return await replay(server, specs([0.0, 0.05, 0.1], 4))
+
+    records = asyncio.run(main())
+    summary = summarize(records, Slo(ttft_s=1.0, tpot_s=1.0))
+    assert summary.n_ok == summary.n_meeting == 3
+    assert summary.attainment == 1.0
+    assert summary.token_throughput > 0
+
+
+def test_unfinished_streams_time_out_and_late_requests_are_not_sent():
+    async def main():
+        async with FakeOpenAIServer(token_delay_s=0.0, hang=True) as server:
+            load = LoadConfig(max_duration_s=1.0, drain_timeout_s=0.3)
+            return await replay(server, specs([0.0, 0.01, 5.0], 2), load)
+
+    records = asyncio.run(main())
+    assert [r.error for r in records] == ["timeout", "timeout", "not sent"]
+    assert summarize(records, Slo(1.0, 1.0)).attainment == 0.0
+
+
+def test_server_error_is_a_failed_request_not_a_crash():
+    async def main():
+        client = OpenAIClient(ClientConfig("openai", "http://127.0.0.1:9", "fake"))  # nothing listens
+        await client.open()
+        try:
+            return await run_trace(client, specs([0.0], 2), LoadConfig(drain_timeout_s=5), len)
+        finally:
+            await client.close()
+
+    (record,) = asyncio.run(main())
+    assert not record.ok and record.error
+
+
+def test_calibration_applies_the_rule(factory):
+    async def main():
+        async with FakeOpenAIServer(first_delay_s=0.05, token_delay_s=0.02) as server:
+            client = OpenAIClient(ClientConfig("openai", server.url, "fake"))
+            await client.open()
+            try:
+                cal = await calibrate(client, WORKLOADS["codegen"], factory, "fake", reps=2, warmup=0)
+            finally:
+                await client.close()
+            return cal, server.bodies
+
+    cal, bodies = asyncio.run(main())
+    assert cal.prompt_tokens == 300
+    assert all(factory.count(b["prompt"]) == 300 for b in bodies)
+    assert all(b["ignore_eos"] and b["min_tokens"] == b["max_tokens"] for b in bodies)
+    assert cal.idle_ttft_s >= 0.05
+    assert cal.idle_tpot_s == pytest.approx(0.02, abs=0.015)
+    assert cal.slo.ttft_s == pytest.approx(TTFT_FACTOR * cal.idle_ttft_s)
+    assert cal.slo.tpot_s == pytest.approx(TPOT_FACTOR * cal.idle_tpot_s)
+
+
+def test_client_config_refuses_non_loopback_targets():
+    with pytest.raises(ValueError):
+        ClientConfig("openai", "http://10.0.0.1:8000", "m")
+    with pytest.raises(ValueError):
+        ClientConfig("triton", "example.com:8001", "ensemble")
+    ClientConfig("triton", "127.0.0.1:8001", "ensemble")
+
+
+def test_triton_inputs_follow_the_ensemble_contract(factory):
+    (spec,) = build_trace(WORKLOADS["codegen"], factory, 1.0, 1, seed=0, salt="ta")
+    tensors = {t.name(): t for t in triton_inputs(spec)}
+    assert {n: t.datatype() for n, t in tensors.items()} == {
+        "text_input": "BYTES", "max_tokens": "INT32", "min_length": "INT32", "stream": "BOOL",
+        "temperature": "FP32", "top_k": "INT32", "top_p": "FP32", "random_seed": "UINT64",
+        "exclude_input_in_output": "BOOL",
+    }  # fmt: skip
+    assert all(t.shape() == [1, 1] for t in tensors.values())
+    for name in ("max_tokens", "min_length"):  # exact output length: min = max
+        assert np.frombuffer(tensors[name]._get_content(), dtype=np.int32).tolist() == [spec.output_tokens]
