@@ -14,7 +14,11 @@ from typing import Any
 from disagg_tools.autoscaler.config import AutoscalerConfig, build_config
 from disagg_tools.autoscaler.snapshot import Snapshot, parse_exposition
 
-TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 600.0)
+# Percentiles are only as fine as the buckets: bounds near the SLO targets matter.
+TIME_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
+)
 TOKEN_BUCKETS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 
 TTFT = "disagg_time_to_first_token_seconds"
@@ -250,7 +254,7 @@ def http_fake(
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}", records
