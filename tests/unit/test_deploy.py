@@ -1,0 +1,162 @@
+"""deploy/: every file parses, Kubernetes objects pass the API schemas (kubernetes-validate, strict),
+PromQL parses (promql-parser), and every `disagg_*` name used anywhere is in the metric contract."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg_tools.autoscaler.config import AutoscalerConfig, build_config
+from disagg_tools.autoscaler.contract import AUTOSCALER_METRIC_NAMES, METRIC_NAMES, family_of
+from disagg_tools.autoscaler.controller import READS
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+NAME_RE = re.compile(r"\bdisagg_[a-z0-9_]+")
+GRAFANA_VARS = {"$__rate_interval": "5m", "$model": ".*"}
+KNOWN = set(METRIC_NAMES) | set(AUTOSCALER_METRIC_NAMES)
+
+
+def files(*suffixes: str) -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in suffixes)
+
+
+def yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_objects() -> list[dict[str, Any]]:
+    return [d for p in files(".yaml", ".yml") if "kubernetes" in p.parts for d in yaml_docs(p)]
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads((DEPLOY / "grafana" / "disagg-dashboard.json").read_text())
+
+
+def dashboard_exprs() -> list[str]:
+    return [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+
+
+def keda_queries() -> list[str]:
+    return [
+        t["metadata"]["query"]
+        for o in k8s_objects()
+        if o["kind"] == "ScaledObject"
+        for t in o["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    ]
+
+
+def autoscaler_configs() -> list[AutoscalerConfig]:
+    found = [build_config(yaml.safe_load((DEPLOY / "autoscaler" / "autoscale.yaml").read_text()))]
+    for o in k8s_objects():
+        if o["kind"] == "ConfigMap" and "autoscale.yaml" in o.get("data", {}):
+            found.append(build_config(yaml.safe_load(o["data"]["autoscale.yaml"])))
+    return found
+
+
+def unknown_names(texts: list[str]) -> set[str]:
+    return {family_of(n) for t in texts for n in NAME_RE.findall(t)} - KNOWN
+
+
+def test_every_file_parses() -> None:
+    seen = files(".yaml", ".yml", ".json")
+    assert {p.parent.name for p in seen} >= {"prometheus", "grafana", "kubernetes", "autoscaler"}
+    for path in seen:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        else:
+            assert yaml_docs(path), path
+
+
+def test_kubernetes_objects_pass_the_api_schemas() -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for obj in k8s_objects():
+        assert obj.get("apiVersion") and obj.get("kind") and obj["metadata"].get("name")
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: no schema in kubernetes-validate; checked structurally below
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+        checked += 1
+    assert checked >= 8
+
+
+def test_scaled_objects_target_the_pool_deployments_and_fail_static() -> None:
+    objects = k8s_objects()
+    deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
+    scaled = [o for o in objects if o["kind"] == "ScaledObject"]
+    assert {o["spec"]["scaleTargetRef"]["name"] for o in scaled} == {"triton-prefill", "triton-decode"}
+    for o in scaled:
+        spec = o["spec"]
+        assert spec["scaleTargetRef"]["name"] in deployments
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]  # never to zero
+        assert "fallback" not in spec  # a fixed fallback count is not fail-static
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "prometheus"
+            meta = trigger["metadata"]
+            assert meta["ignoreNullValues"] == "false"  # empty answer = error, not zero
+            float(meta["threshold"])
+            assert trigger.get("metricType", "AverageValue") in ("AverageValue", "Value")
+
+
+def test_promql_parses() -> None:
+    promql_parser = pytest.importorskip("promql_parser")
+    exprs = dashboard_exprs() + keda_queries()
+    assert len(exprs) > 20
+    for expr in exprs:
+        for var, value in GRAFANA_VARS.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, expr
+        promql_parser.parse(expr)
+
+
+def test_every_metric_name_used_is_in_the_contract() -> None:
+    assert unknown_names(dashboard_exprs()) == set()
+    assert unknown_names(keda_queries()) == set()
+    assert set(READS) <= set(METRIC_NAMES)
+    for text in (p.read_text() for p in files(".yaml", ".yml", ".json")):
+        assert unknown_names([text]) == set()
+
+
+def test_dashboard_shows_every_contract_family_and_the_autoscaler() -> None:
+    used = {family_of(n) for e in dashboard_exprs() for n in NAME_RE.findall(e)}
+    assert set(METRIC_NAMES) <= used, set(METRIC_NAMES) - used
+    assert set(AUTOSCALER_METRIC_NAMES) <= used, set(AUTOSCALER_METRIC_NAMES) - used
+    panels = dashboard()["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        if p["type"] != "row":
+            assert p["targets"] and p["datasource"]["uid"] == "${datasource}"
+    # Percentiles come from rate() over buckets, never from lifetime totals.
+    for expr in dashboard_exprs():
+        if "histogram_quantile" in expr:
+            assert "rate(" in expr and "_bucket" in expr
+
+
+def test_prometheus_scrapes_triton_and_the_autoscaler() -> None:
+    (config,) = yaml_docs(DEPLOY / "prometheus" / "prometheus.yml")
+    targets = [
+        t for job in config["scrape_configs"] for s in job.get("static_configs", []) for t in s["targets"]
+    ]
+    ports = {int(t.rsplit(":", 1)[1]) for t in targets}
+    default_port = AutoscalerConfig.__dataclass_fields__["metrics_port"].default
+    assert {8002, default_port} <= ports
+    assert any(job.get("kubernetes_sd_configs") for job in config["scrape_configs"])
+
+
+def test_autoscaler_configs_validate_and_match_the_manifests() -> None:
+    objects = k8s_objects()
+    deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
+    (role,) = [o for o in objects if o["kind"] == "Role"]
+    allowed = {n for rule in role["rules"] for n in rule.get("resourceNames", [])}
+    for cfg in autoscaler_configs():
+        assert {p.role for p in cfg.pools} == {"prefill", "decode"}
+        for pool in cfg.pools:
+            assert pool.min_size >= 1
+            assert (pool.deployment or pool.name) in deployments
+            if cfg.actuator.kind == "kubernetes":
+                assert (pool.deployment or pool.name) in allowed
