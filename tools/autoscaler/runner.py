@@ -84,7 +84,7 @@ class Runner:
     def _apply(self, decision: Decision) -> dict[str, Any]:
         record = decision.as_record()
         record["at"] = self._clock.time()
-        if decision.fail_static:
+        if decision.fail_static and decision.reason != "warmup":  # the first reading is no error
             self.telemetry.error(decision.reason.split(":", 1)[0], decision.reason, record["at"])
         if decision.kind == HOLD or decision.current is None or decision.desired is None:
             record["applied"] = False

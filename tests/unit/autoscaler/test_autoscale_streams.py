@@ -216,3 +216,10 @@ def test_server_restart_mid_stream_is_not_a_spike() -> None:
     rec = h.step()["prefill"]
     assert rec["kind"] == HOLD and not rec["fail_static"]
     assert rec["detail"]["ttft_quantile_s"] < 0.25
+
+
+def test_first_reading_is_a_warmup_hold_not_an_error() -> None:
+    h = Harness(config([prefill_pool()]), prefill_exporter())
+    rec = h.step()["prefill"]
+    assert (rec["kind"], rec["reason"], rec["fail_static"]) == (HOLD, "warmup", True)
+    assert h.runner.telemetry.last_error is None
