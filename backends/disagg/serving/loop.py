@@ -128,6 +128,9 @@ class EngineLoop:
         self._stopping = False
         self._healthy = True
         self._last_cancel_check = 0.0
+        self._active = 0  # sequences in the engine's batch, as of the last iteration
+        # seconds of each KV import (decode), drained by the metrics reporter
+        self.transfer_times: deque[float] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name=f"engine-{role}", daemon=True)
 
     # ------------------------------------------------------------- other threads
@@ -196,7 +199,7 @@ class EngineLoop:
             role=self.role,
             queued=len(waiting),
             queued_prompt_tokens=sum(j.prompt_tokens for j in waiting),  # type: ignore[union-attr]
-            active_sequences=running,
+            active_sequences=self._active if self.role != "prefill" else running,
             held_leases=leases,
             blocks_used=pool.used_blocks,
             blocks_free=pool.free_blocks,
@@ -225,6 +228,7 @@ class EngineLoop:
                 self._take(inbox)
                 self._check_cancelled()
                 self._work()
+                self._active = len(self.engine.active_sequences())
         except BaseException as exc:  # an engine fault: nobody can be served any more
             log.exception("%s engine loop failed", self.role)
             self._healthy = False
@@ -350,7 +354,8 @@ class EngineLoop:
                 layout = transport.verify(descriptor).layout
 
                 def fill(memory, dest, token=descriptor):
-                    transport.import_blocks(token, memory, dest)
+                    result = transport.import_blocks(token, memory, dest)
+                    self.transfer_times.append(result.seconds)
 
                 seq_id = self.engine.import_kv(state, layout, fill)
             except OutOfBlocks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify, invalid
 from disagg.serving.interface import TextRequest
 from disagg.serving.loop import Prefilled, Token
+from disagg.serving.telemetry import time_per_output_token
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,26 @@ class OrchestratorConfig:
 
 @dataclass
 class Outcome:
-    """What happened to one request (for metrics and tests)."""
+    """What happened to one request (for metrics and tests). Times are ``time.monotonic()``."""
 
     handle: str
+    path: str
+    arrival: float
     prompt_tokens: int = 0
     output_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
     error: ServingError | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        return time_per_output_token(self.first_token_at, self.last_token_at, self.output_tokens)
 
 
 class Orchestrator:
@@ -85,9 +101,15 @@ class Orchestrator:
         self.pools = pools
         self._decode_text = decode_text
 
-    async def serve(self, prompt_ids: Sequence[int], text: TextRequest, out: Responder) -> Outcome:
-        """Run one request to its end; sends exactly one final response through ``out``."""
-        run = _Run(self, str(uuid.uuid4()), list(prompt_ids), text, out)
+    async def serve(
+        self, prompt_ids: Sequence[int], text: TextRequest, out: Responder, arrival: float | None = None
+    ) -> Outcome:
+        """Run one request to its end; sends exactly one final response through ``out``.
+
+        ``arrival`` (``time.monotonic()``) is when the request reached the server, for TTFT.
+        """
+        arrival = time.monotonic() if arrival is None else arrival
+        run = _Run(self, str(uuid.uuid4()), list(prompt_ids), text, out, arrival)
         try:
             await asyncio.wait_for(run.go(), self.config.request_timeout_s)
         except TimeoutError:
@@ -109,8 +131,14 @@ class _Run:
     """State of one request in flight."""
 
     def __init__(
-        self, owner: Orchestrator, handle: str, prompt: list[int], text: TextRequest, out: Responder
-    ):
+        self,
+        owner: Orchestrator,
+        handle: str,
+        prompt: list[int],
+        text: TextRequest,
+        out: Responder,
+        arrival: float,
+    ) -> None:
         self.pools = owner.pools
         self.mode = owner.config.mode
         self.handle = handle
@@ -120,7 +148,7 @@ class _Run:
         self.detok = IncrementalDetokenizer(owner._decode_text)
         self.stops = StopStrings(text.stop_words)
         self.pieces: list[str] = []
-        self.outcome = Outcome(handle, prompt_tokens=len(prompt))
+        self.outcome = Outcome(handle, self.mode, arrival, prompt_tokens=len(prompt))
         self.lease_id: str | None = None  # held by the prefill pool until decode imports
         self.running_on: str | None = None  # pool to send a stop to
         self.finished = False
@@ -164,6 +192,10 @@ class _Run:
 
     def _token(self, token_id: int) -> bool:
         """Account one token and stream its text; True when a stop string ended the output."""
+        now = time.monotonic()
+        if self.outcome.first_token_at is None:
+            self.outcome.first_token_at = now
+        self.outcome.last_token_at = now
         self.outcome.output_tokens += 1
         piece = self.stops.feed(self.detok.add(token_id))
         self._emit(piece)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,10 @@ from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.interface import INPUT_NAMES, OUTPUT_NAME, parse_text_request
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
+from disagg.triton.metrics import OrchestratorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,13 @@ class OrchestratorModel:
         self.pools = TritonPools(pb_utils, signer, models, self.max_inflight)
         self.orchestrator = Orchestrator(self.config, self.pools, self.tokenizer.decode)
         self._inflight = 0
+        slo = SloConfig(
+            ttft_s=float(params.get("slo_ttft_s", "1.0")),
+            tpot_s=float(params.get("slo_tpot_s", "0.1")),
+            window_s=float(params.get("slo_window_s", "60")),
+        )
+        self.metrics = OrchestratorMetrics(pb_utils, args["model_name"], self.config.mode, SloWindow(slo))
+        self.metrics.start_refresher()
 
     def execute(self, requests: list[Any]) -> Any:
         return self._execute(requests)
@@ -78,6 +88,7 @@ class OrchestratorModel:
         await asyncio.gather(*(self._one(r) for r in requests))
 
     async def _one(self, request: Any) -> None:
+        arrival = time.monotonic()
         sender = request.get_response_sender()
         responder = TritonResponder(self._pb, sender)
         try:
@@ -85,13 +96,19 @@ class OrchestratorModel:
                 raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")
             text, prompt_ids = self._parse(request)
         except Exception as exc:
-            responder.fail(classify(exc))
+            error = classify(exc)
+            responder.fail(error)
+            self.metrics.refused(error)
             return
         self._inflight += 1
         try:
-            await self.orchestrator.serve(prompt_ids, text, responder)
+            outcome = await self.orchestrator.serve(prompt_ids, text, responder, arrival)
         finally:
             self._inflight -= 1
+        try:
+            self.metrics.observe(outcome, time.monotonic())
+        except Exception:
+            log.warning("recording request metrics failed", exc_info=True)
 
     def _parse(self, request: Any) -> tuple[Any, list[int]]:
         pb = self._pb
@@ -111,4 +128,5 @@ class OrchestratorModel:
         return text, ids
 
     def finalize(self) -> None:
+        self.metrics.stop()
         self.pools.close()

@@ -13,6 +13,7 @@ from disagg.serving.errors import classify, invalid
 from disagg.serving.loop import Event, Failed, Job
 from disagg.serving.pool import PoolConfig, build_pool
 from disagg.triton import glue, wire
+from disagg.triton.metrics import PoolReporter
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class PoolModel:
         self.config = PoolConfig.from_dict({"role": self.role, **settings})
         self.loop, self.transport = build_pool(self.config, secret)
         self.loop.start()
+        self.reporter = PoolReporter(pb_utils, args["model_name"], self.loop, self.transport).start()
         log.info("%s pool instance %s ready", self.role, args["model_instance_name"])
 
     def execute(self, requests: list[Any]) -> None:
@@ -103,6 +105,7 @@ class PoolModel:
             self.loop.abort_lease(str(control.get("lease_id", "")))
 
     def finalize(self) -> None:
+        self.reporter.stop()
         self.loop.shutdown()
         if self.transport is not None:
             self.transport.close()

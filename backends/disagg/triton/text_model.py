@@ -10,9 +10,10 @@ import numpy as np
 
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
-from disagg.serving.errors import classify, invalid
+from disagg.serving.errors import INVALID_ARG, classify, invalid
 from disagg.serving.interface import INPUT_NAMES, OUTPUT_NAME, parse_text_request
 from disagg.triton import glue, wire
+from disagg.triton.metrics import Families
 
 
 class PreprocessingModel:
@@ -20,6 +21,11 @@ class PreprocessingModel:
         self._pb = pb_utils
         params = glue.model_parameters(args)
         self.tokenizer = Tokenizer(resolve_model_dir(params.get("model_dir") or None))
+        # Requests refused here never reach an orchestrator: count them under this model's name.
+        self._families = Families(pb_utils)
+        self._refused = self._families.metric(
+            "disagg_requests_total", {"model": args["model_name"], "path": "none", "outcome": "invalid_arg"}
+        )
 
     def execute(self, requests: list[Any]) -> list[Any]:
         return [self._one(r) for r in requests]
@@ -33,7 +39,10 @@ class PreprocessingModel:
             if not ids:
                 raise invalid("input 'text_input' encodes to 0 tokens")
         except Exception as exc:
-            return pb.InferenceResponse(error=glue.triton_error(pb, classify(exc)))
+            error = classify(exc)
+            if error.code == INVALID_ARG:
+                self._refused.increment(1)
+            return pb.InferenceResponse(error=glue.triton_error(pb, error))
         return pb.InferenceResponse(
             output_tensors=[
                 pb.Tensor("input_ids", np.asarray([ids], dtype=np.int32)),

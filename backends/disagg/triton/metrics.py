@@ -1,0 +1,212 @@
+"""The ``disagg_*`` metric families on Triton's own ``/metrics`` (through ``pb_utils.MetricFamily``).
+
+Names and kinds are the contract in ``disagg_tools.autoscaler.contract.METRIC_NAMES`` (dashboards,
+KEDA and the autoscaler read them). Per-request families are observed by the orchestrator when a
+request ends; pool gauges and transfer counters are refreshed by a reporter thread per pool instance
+(every setter is a round trip to the server, so not on the engine's hot path).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from disagg.kv.transport import Transport
+from disagg.serving.errors import ServingError
+from disagg.serving.loop import EngineLoop
+from disagg.serving.orchestrator import Outcome
+from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains
+
+log = logging.getLogger(__name__)
+
+DESCRIPTIONS = {
+    "disagg_time_to_first_token_seconds": ("HISTOGRAM", "Time to first token: first token - arrival"),
+    "disagg_time_per_output_token_seconds": ("HISTOGRAM", "Time per output token: (last - first) / (n - 1)"),
+    "disagg_request_latency_seconds": ("HISTOGRAM", "Arrival to last response"),
+    "disagg_prompt_tokens": ("HISTOGRAM", "Prompt length in tokens"),
+    "disagg_output_tokens": ("HISTOGRAM", "Generated tokens per request"),
+    "disagg_kv_transfer_seconds": ("HISTOGRAM", "KV hand-off time on the importing side (verify + copy)"),
+    "disagg_prefill_queue_requests": ("GAUGE", "Requests waiting for prefill"),
+    "disagg_prefill_pending_tokens": ("GAUGE", "Prompt tokens waiting for prefill"),
+    "disagg_decode_active_sequences": ("GAUGE", "Sequences in the decode batch"),
+    "disagg_kv_blocks_used": ("GAUGE", "KV cache blocks in use"),
+    "disagg_kv_blocks_free": ("GAUGE", "KV cache blocks free"),
+    "disagg_slo_attainment_ratio": (
+        "GAUGE",
+        "Share of requests in the window meeting both TTFT and TPOT SLOs",
+    ),
+    "disagg_goodput_requests_per_second": ("GAUGE", "Requests per second meeting both SLOs, over the window"),
+    "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
+    "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
+    "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
+    "disagg_kv_lease_expired_total": ("COUNTER", "KV leases that expired before the importer acked"),
+    "disagg_fallbacks_total": ("COUNTER", "Requests served by a fallback path"),
+}
+
+
+class Families:
+    """Creates each family once per process."""
+
+    def __init__(self, pb_utils: Any) -> None:
+        self._pb = pb_utils
+        self._families: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._families:
+            kind, description = DESCRIPTIONS[name]
+            self._families[name] = self._pb.MetricFamily(
+                name=name, description=description, kind=getattr(self._pb.MetricFamily, kind)
+            )
+        return self._families[name]
+
+    def histogram(self, name: str, labels: dict[str, str], buckets: tuple[float, ...]) -> Any:
+        return self[name].Metric(labels=labels, buckets=list(buckets))
+
+    def metric(self, name: str, labels: dict[str, str]) -> Any:
+        return self[name].Metric(labels=labels)
+
+
+def outcome_label(error: ServingError | None) -> str:
+    return "ok" if error is None else error.code.lower()
+
+
+class OrchestratorMetrics:
+    """Per-request histograms, outcome counters and the live SLO gauges of one entry point."""
+
+    def __init__(self, pb_utils: Any, model: str, path: str, window: SloWindow) -> None:
+        fam = Families(pb_utils)
+        labels = {"model": model, "path": path}
+        self._labels = labels
+        self._fam = fam
+        self.window = window
+        self.ttft = fam.histogram("disagg_time_to_first_token_seconds", labels, TIME_BUCKETS)
+        self.tpot = fam.histogram("disagg_time_per_output_token_seconds", labels, TIME_BUCKETS)
+        self.latency = fam.histogram("disagg_request_latency_seconds", labels, TIME_BUCKETS)
+        self.prompt = fam.histogram("disagg_prompt_tokens", labels, TOKEN_BUCKETS)
+        self.output = fam.histogram("disagg_output_tokens", labels, TOKEN_BUCKETS)
+        self.attainment = fam.metric("disagg_slo_attainment_ratio", labels)
+        self.goodput = fam.metric("disagg_goodput_requests_per_second", labels)
+        self.fallbacks = fam.metric("disagg_fallbacks_total", labels)
+        self._outcomes: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+
+    def _counter(self, outcome: str) -> Any:
+        with self._lock:
+            if outcome not in self._outcomes:
+                labels = {**self._labels, "outcome": outcome}
+                self._outcomes[outcome] = self._fam.metric("disagg_requests_total", labels)
+            return self._outcomes[outcome]
+
+    def observe(self, outcome: Outcome, finished_at: float) -> None:
+        self._counter(outcome_label(outcome.error)).increment(1)
+        if outcome.error is not None and outcome.error.code == "INVALID_ARG":
+            return  # refused requests never ran: they say nothing about latency or SLOs
+        if outcome.ttft is not None:
+            self.ttft.observe(outcome.ttft)
+        if outcome.tpot is not None:
+            self.tpot.observe(outcome.tpot)
+        self.latency.observe(finished_at - outcome.arrival)
+        self.prompt.observe(outcome.prompt_tokens)
+        self.output.observe(outcome.output_tokens)
+        ok = outcome.error is None and attains(self.window.config, outcome.ttft, outcome.tpot)
+        self.window.add(ok, finished_at)
+        self.refresh()
+
+    def refused(self, error: ServingError) -> None:
+        """A request refused before it reached the orchestrator's path."""
+        self._counter(outcome_label(error)).increment(1)
+
+    def start_refresher(self, interval_s: float = 1.0) -> None:
+        """Keep the SLO gauges current while no request ends (goodput decays as the window slides)."""
+        stop = self._stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.refresh()
+                except Exception:
+                    log.warning("refreshing SLO gauges failed", exc_info=True)
+
+        threading.Thread(target=run, name="metrics-slo", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def refresh(self) -> None:
+        """Publish the window's attainment (1.0 while empty: nothing missed) and goodput."""
+        attainment = self.window.attainment()
+        self.attainment.set(1.0 if attainment is None else attainment)
+        self.goodput.set(self.window.goodput())
+
+
+class PoolReporter:
+    """A thread that publishes one pool instance's gauges and KV counters every ``interval_s``."""
+
+    def __init__(
+        self,
+        pb_utils: Any,
+        model: str,
+        loop: EngineLoop,
+        transport: Transport | None,
+        interval_s: float = 0.25,
+    ) -> None:
+        fam = self._fam = Families(pb_utils)  # families must outlive their metrics
+        role = loop.role
+        labels = {"model": model, "pool": role}
+        self._loop, self._transport, self._interval = loop, transport, interval_s
+        self.used = fam.metric("disagg_kv_blocks_used", labels)
+        self.free = fam.metric("disagg_kv_blocks_free", labels)
+        self.queue = fam.metric("disagg_prefill_queue_requests", labels) if role == "prefill" else None
+        self.pending = fam.metric("disagg_prefill_pending_tokens", labels) if role == "prefill" else None
+        self.active = fam.metric("disagg_decode_active_sequences", labels) if role != "prefill" else None
+        self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
+        self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
+        self.expired = fam.metric("disagg_kv_lease_expired_total", labels)
+        self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
+        self._seen = {"bytes": 0.0, "failures": 0.0, "expired": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
+
+    def start(self) -> PoolReporter:
+        self.publish()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.publish()
+            except Exception:
+                log.warning("publishing pool metrics failed", exc_info=True)
+
+    def publish(self) -> None:
+        stats = self._loop.stats()
+        self.used.set(stats.blocks_used)
+        self.free.set(stats.blocks_free)
+        if self.queue is not None:
+            self.queue.set(stats.queued)
+            self.pending.set(stats.queued_prompt_tokens)
+        if self.active is not None:
+            self.active.set(stats.active_sequences)
+        if self._transport is None:
+            return
+        snap = self._transport.stats.snapshot()
+        self._add(self.bytes, "bytes", snap.bytes_imported)
+        self._add(self.failures, "failures", snap.failures + snap.refused + snap.checksum_failures)
+        self._add(self.expired, "expired", snap.lease_expiries)
+        while self._loop.transfer_times:
+            self.transfer.observe(self._loop.transfer_times.popleft())
+
+    def _add(self, counter: Any, key: str, total: float) -> None:
+        delta = total - self._seen[key]
+        if delta > 0:
+            counter.increment(delta)
+            self._seen[key] = total
