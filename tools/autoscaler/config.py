@@ -75,7 +75,7 @@ class PoolConfig:
     kv_high: float = 0.85
     kv_low: float = 0.5
     kv_pool: str | None = None
-    """`pool` label value of the KV block gauges (default: the pool's name)."""
+    """Select the KV block gauges by this `pool` label value (default: by `model` = the pool's name)."""
     # actuation
     deployment: str | None = None
     """Kubernetes Deployment running this pool (default: the pool's name)."""

@@ -9,13 +9,15 @@ Labels: `model` is the Triton model name of the pool (`prefill`, `decode`, `colo
 (`disaggregated` / `colocated` / `fallback`) on the request-level families; `pool` on the KV block
 gauges; `outcome` on `disagg_requests_total`. Units are seconds and bytes.
 
-What the autoscaler assumes about meaning (tell the serving side if this changes):
+What the autoscaler assumes about meaning (checked against backends/disagg/triton/metrics.py):
 
-- `disagg_prompt_tokens` is observed when a request is admitted (so a burst is visible before its
-  prefill runs);
-- `disagg_prefill_pending_tokens` counts prompt tokens admitted to the prefill pool and not yet
-  prefilled, queued or executing; with `disagg_prefill_queue_requests` at zero too, the pool is idle;
-- `disagg_decode_active_sequences` counts sequences holding a decode slot; zero means drained.
+- `disagg_prefill_pending_tokens` / `disagg_prefill_queue_requests`: prompt tokens / requests queued
+  for prefill (not yet executing). A burst is visible here at admission, before any first token;
+- `disagg_prompt_tokens` is observed when a request ends, so the windowed prompt-length distribution
+  lags by a request's lifetime; it sizes the "own prefill" part of the TTFT budget, not the burst;
+- `disagg_decode_active_sequences`: sequences in the decode batch; zero means the pool is drained;
+- pool gauges are summed over series, which is right only if each instance (or pod) exports its own
+  series; equal label sets from several instances would overwrite each other.
 """
 
 from __future__ import annotations

@@ -45,6 +45,12 @@ def gauge(snapshot: Snapshot, name: str, **match: str) -> float:
     return sum(values.values())
 
 
+def kv_match(pool: PoolConfig) -> dict[str, str]:
+    """Labels selecting a pool's KV block gauges: `pool=<kv_pool>` when configured, else `model=<name>`
+    (the server labels them with both; `pool` carries the role, which two decode pools would share)."""
+    return {"pool": pool.kv_pool} if pool.kv_pool else {"model": pool.name}
+
+
 def inflight(snapshot: Snapshot, pool: PoolConfig) -> float:
     """The pool's in-flight work, as scale-in draining reads it (see contract.py for the meanings)."""
     if pool.role == "prefill":
@@ -118,9 +124,9 @@ class Controller:
 
     def _decode(self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float) -> Decision:
         p, policy = st.pool, cast(DecodePolicy, st.policy)
-        kv_pool = p.kv_pool or p.name
-        used = gauge(cur, KV_USED, pool=kv_pool)
-        free = gauge(cur, KV_FREE, pool=kv_pool)
+        kv = kv_match(p)
+        used = gauge(cur, KV_USED, **kv)
+        free = gauge(cur, KV_FREE, **kv)
         active = gauge(cur, ACTIVE, model=p.name)
         st.latency.add(now, self._delta(prev, cur, TPOT, p))
         window = st.latency.merged(now)
@@ -136,7 +142,7 @@ class Controller:
     def _stale(self, cur: Snapshot, pool: PoolConfig) -> bool:
         if not cur.sample_times:
             return False  # a direct scrape is fresh when it succeeds
-        match = {"pool": pool.kv_pool or pool.name} if pool.role == "decode" else {"model": pool.name}
+        match = kv_match(pool) if pool.role == "decode" else {"model": pool.name}
         names = (KV_USED,) if pool.role == "decode" else (PENDING,)
         oldest = cur.oldest_sample_time(names, **match)
         # No timestamp for a series we read means Prometheus had no recent sample of it at all.

@@ -138,8 +138,8 @@ def decode_exporter(model: str = "decode", path: str = "disaggregated", blocks: 
     ex = FakeExporter()
     ex.declare(TPOT, TIME_BUCKETS, model=model, path=path)
     ex.set(ACTIVE, 0, model=model)
-    ex.set(KV_USED, 0, pool=model)
-    ex.set(KV_FREE, blocks, pool=model)
+    ex.set(KV_USED, 0, model=model, pool="decode")  # labelled as the server does: pool = role
+    ex.set(KV_FREE, blocks, model=model, pool="decode")
     return ex
 
 

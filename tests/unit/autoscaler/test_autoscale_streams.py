@@ -101,8 +101,8 @@ def test_oscillation_around_a_threshold_causes_a_bounded_number_of_scale_events(
     # window = interval, so the percentile follows each interval's values: the harshest case.
     cfg = config([decode_pool(max_size=8)], window_s=10.0)
     h = Harness(cfg, decode_exporter())
-    h.exporter.set(KV_USED, 100, pool="decode")
-    h.exporter.set(KV_FREE, 900, pool="decode")
+    h.exporter.set(KV_USED, 100, model="decode", pool="decode")
+    h.exporter.set(KV_FREE, 900, model="decode", pool="decode")
     h.exporter.set(ACTIVE, 10, model="decode")
     events = []
     for i in range(60):  # 10 minutes, TPOT p99 alternating 1.3x and 0.7x the 50 ms target
@@ -223,3 +223,15 @@ def test_first_reading_is_a_warmup_hold_not_an_error() -> None:
     rec = h.step()["prefill"]
     assert (rec["kind"], rec["reason"], rec["fail_static"]) == (HOLD, "warmup", True)
     assert h.runner.telemetry.last_error is None
+
+
+def test_kv_gauges_are_read_per_model_or_by_the_configured_pool_label() -> None:
+    ex = decode_exporter()
+    ex.set(KV_USED, 950, model="prefill", pool="prefill")  # the prefill pool's KV must not count
+    ex.set(KV_FREE, 50, model="prefill", pool="prefill")
+    h = Harness(config([decode_pool()]), ex)
+    h.step()
+    assert h.step()["decode"]["detail"]["kv_utilisation"] == 0.0
+    h = Harness(config([decode_pool(kv_pool="prefill")]), ex)
+    h.step()
+    assert h.step()["decode"]["detail"]["kv_utilisation"] == 0.95
