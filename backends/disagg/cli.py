@@ -78,6 +78,12 @@ def _repository(argv: list[str]) -> int:
     return main(argv)
 
 
+def _autoscale(argv: list[str]) -> int:
+    from disagg_tools.autoscaler import main
+
+    return main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from disagg.server import serve_main
 
@@ -90,6 +96,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "kvcalc": (_kvcalc, "KV cache bytes per token/request and transfer time per link"),
     "repository": (_repository, "write the model repository (config.pbtxt per model)"),
     "serve": (_serve, "run Triton with the project's model repository"),
+    "autoscale": (_autoscale, "scale the pools from their metrics (log, triton or kubernetes actuator)"),
 }
 
 

@@ -149,13 +149,15 @@ class PoolReporter:
         self,
         pb_utils: Any,
         model: str,
+        instance: str,
         loop: EngineLoop,
         transport: Transport | None,
         interval_s: float = 0.25,
     ) -> None:
         fam = self._fam = Families(pb_utils)  # families must outlive their metrics
         role = loop.role
-        labels = {"model": model, "pool": role}
+        # one series per instance: instances are processes, and a shared series would be overwritten
+        labels = {"model": model, "pool": role, "instance": instance}
         self._loop, self._transport, self._interval = loop, transport, interval_s
         self.used = fam.metric("disagg_kv_blocks_used", labels)
         self.free = fam.metric("disagg_kv_blocks_free", labels)

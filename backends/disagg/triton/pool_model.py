@@ -60,7 +60,9 @@ class PoolModel:
         self.config = PoolConfig.from_dict({"role": self.role, **settings})
         self.loop, self.transport = build_pool(self.config, secret)
         self.loop.start()
-        self.reporter = PoolReporter(pb_utils, args["model_name"], self.loop, self.transport).start()
+        self.reporter = PoolReporter(
+            pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport
+        ).start()
         log.info("%s pool instance %s ready", self.role, args["model_instance_name"])
 
     def execute(self, requests: list[Any]) -> None:
