@@ -79,6 +79,8 @@ def cdf_plots(results: dict[str, Any], records: dict[str, Any], out: Path) -> li
             continue
         left.axvline(slo["ttft_s"] * 1000, color="grey", ls="--", lw=1, label="TTFT SLO")
         right.axvline(slo["tpot_s"] * 1000, color="grey", ls="--", lw=1, label="TPOT SLO")
+        left.set_xlim(left=0)
+        right.set_xlim(left=0)
         left.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"{workload}: TTFT CDF")
         right.set(xlabel="TPOT (ms)", title=f"{workload}: TPOT CDF")
         for ax in (left, right):

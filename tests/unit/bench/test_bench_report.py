@@ -1,0 +1,76 @@
+"""Report and plots rendered from a results dict made of hand-written records."""
+
+from __future__ import annotations
+
+from benchlib import plots, report
+from benchlib.experiment import GoodputResult, InterferenceResult, RateRun
+from benchlib.metrics import RequestRecord, Slo, summarize
+from benchlib.slo import Calibration
+
+SLO = Slo(0.5, 0.05)
+
+
+def run(rate: float, tpot: float, kinds: tuple[str, ...] = ("short",) * 4) -> RateRun:
+    records = [
+        RequestRecord(
+            i, i / rate, i / rate, i / rate + 0.1, i / rate + 0.1 + 9 * tpot, 10, 10, 10, 10, None, k
+        )
+        for i, k in enumerate(kinds)
+    ]
+    return RateRun(rate, summarize(records, SLO), records)
+
+
+def results() -> tuple[dict, dict]:
+    cal = Calibration("codegen", "colocated", 300, 0.1, 0.02, SLO, 3)
+    goodput = {
+        "colocated": GoodputResult("codegen", 1.0, 2, [run(1.0, 0.02), run(2.0, 0.08)]),
+        "vllm": GoodputResult("codegen", 2.0, 2, [run(1.0, 0.02), run(2.0, 0.03), run(4.0, 0.09)]),
+    }
+    inter = InterferenceResult(
+        4.0, 4, 0.2, 300, run(4.0, 0.02), run(4.0, 0.05, ("short", "long", "short", "short"))
+    )
+    res = {
+        "meta": {
+            "command": "python perf/run_all.py --quick", "mode": "quick", "finished": "now",
+            "elapsed_s": 60.0, "machine": "test", "model": "tiny", "token_counting": "pieces", "notes": ["n"],
+        },
+        "slo_rule": "rule",
+        "target_attainment": 0.9,
+        "calibrations": {"codegen": cal.to_dict()},
+        "deployments": {
+            "colocated": {"endpoint": "x", "cores": 2, "note": "c", "available": True, "reason": ""},
+            "disagg": {"endpoint": "x", "cores": 2, "note": "d", "available": False, "reason": "not ready"},
+        },
+        "goodput": {"codegen": {n: g.to_dict() for n, g in goodput.items()}},
+        "interference": {"colocated": inter.to_dict(with_records=False)},
+    }  # fmt: skip
+    records = {"goodput": {"codegen": {n: g.runs[0].to_dict() for n, g in goodput.items()}}}
+    return res, records
+
+
+def test_interference_figures_use_short_requests_only():
+    inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), run(4.0, 0.05, ("long",) * 3 + ("short",)))
+    assert len(inter.short_tpots(inter.mixed)) == 1
+    fig = inter.figures()
+    assert fig["ratio_p99"] == fig["mixed_tpot_p99"] / fig["decode_only_tpot_p99"]
+    assert abs(fig["ratio_p99"] - 2.5) < 1e-9
+
+
+def test_report_states_slos_ratios_and_unique_prompts(tmp_path):
+    res, records = results()
+    written = {
+        "attainment": plots.attainment_plots(res, tmp_path),
+        "cdf": plots.cdf_plots(res, records, tmp_path),
+        "interference": plots.interference_plot(res, tmp_path),
+    }
+    assert [len(v) for v in written.values()] == [1, 1, 1]
+    assert all(
+        p.stat().st_size > 10_000 and p.read_bytes()[:4] == b"\x89PNG" for v in written.values() for p in v
+    )
+    text = report.render(res, {k: [p.name for p in v] for k, v in written.items()})
+    assert report.UNIQUE_PROMPTS_NOTE in text
+    assert "**500.0**" in text and "**50.0**" in text  # the SLOs in ms
+    assert "| vllm | **2.000** | 1.000 | 2.00× | 1.00× |" in text  # goodput, per core, vs colocated, vs vLLM
+    assert "**2.50×**" in text  # interference p99 ratio
+    assert "not measured: not ready" in text
+    assert "![attainment_codegen.png](attainment_codegen.png)" in text
