@@ -361,3 +361,91 @@ def link_backend(backend_directory: Path, name: str, source: Path) -> None:
     link = backend_directory / name
     if not link.is_symlink():
         link.symlink_to(Path(source).resolve())
+
+
+# ---- metrics and timed streams (test_metrics, test_autoscale) ------------------------------------------
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape_metrics(metrics_url: str, prefix: str = "disagg_") -> Samples:
+    """The server's /metrics, parsed with `prometheus_client`: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include all of `labels` (0 when none)."""
+    want = set(labels.items())
+    return sum(v for (n, have), v in samples.items() if n == name and want <= have)
+
+
+def metric_series(samples: Samples, name: str, **labels: str) -> dict[frozenset[tuple[str, str]], float]:
+    """The series called `name` whose labels include all of `labels`."""
+    want = set(labels.items())
+    return {have: v for (n, have), v in samples.items() if n == name and want <= have}
+
+
+@dataclass(frozen=True)
+class TimedStream:
+    """One streamed request as the client saw it: send, first and last non-empty piece, final flag."""
+
+    sent: float
+    first: float | None
+    last: float | None
+    final: float | None
+    pieces: int
+    text: str
+    error: Exception | None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+
+def text_request(prompt: str, max_tokens: int, **extra: Any) -> dict[str, np.ndarray]:
+    """Inputs of the `llm`/`ensemble` interface, shape [1, 1], streaming; `min_length` = `max_tokens`
+    (so exactly `max_tokens` tokens come out) unless given; `extra` adds or overrides inputs."""
+    values: dict[str, Any] = {"min_length": max_tokens, "stream": True, **extra}
+    arrays = {
+        "text_input": np.array([[prompt.encode()]], dtype=np.object_),
+        "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+    }
+    dtypes = {"min_length": np.int32, "stream": bool, "temperature": np.float32, "top_k": np.int32}
+    for name, value in values.items():
+        arrays[name] = np.array([[value]], dtype=dtypes.get(name, np.int32))
+    return arrays
+
+
+def timed_stream(
+    stream: GrpcStream, model: str, values: Mapping[str, np.ndarray], timeout_s: float = 60
+) -> TimedStream:
+    """Send one request on `stream` and time its pieces client-side (monotonic clock) up to the final one."""
+    sent = time.monotonic()
+    stream.send(model, values)
+    first = last = final = None
+    pieces, text, error = 0, [], None
+    for event in stream.until_final(timeout_s):
+        now = time.monotonic()
+        if event.error is not None:
+            error = event.error
+            break
+        output = event.result.as_numpy("text_output")
+        piece = b"" if output is None or output.size == 0 else bytes(output.reshape(-1)[0])
+        if piece:
+            first = now if first is None else first
+            last = now
+            pieces += 1
+            text.append(piece.decode())
+        if event.final:
+            final = now
+    return TimedStream(sent, first, last, final, pieces, "".join(text), error)
