@@ -122,7 +122,8 @@ class EngineLoop:
         self._inbox: deque[tuple[str, object]] = deque()
         self._waiting: deque[Job] = deque()  # not yet in the engine
         self._running: dict[int, Job] = {}  # seq_id -> job (decode / colocated)
-        self._leases: dict[str, int] = {}  # lease id -> held seq id (prefill)
+        self._leases: dict[str, tuple[int, str]] = {}  # lease id -> (held seq id, handle) (prefill)
+        self._lease_of: dict[str, str] = {}  # handle -> lease id, while the lease is held
         self._by_handle: dict[str, Job] = {}
         self._scheduler = ColocatedScheduler(engine) if role == "colocated" else None
         self._stopping = False
@@ -259,10 +260,14 @@ class EngineLoop:
                 job = self._by_handle.get(item)  # type: ignore[arg-type]
                 if job is not None:
                     self._end(job, Failed(ServingError(CANCELLED, "request was stopped")))
+                elif item in self._lease_of and self.transport is not None:
+                    # stopped after its prefill finished: nobody will import the KV
+                    self.transport.abort(self._lease_of[item])  # type: ignore[index]
             elif kind == "released":
-                seq_id = self._leases.pop(item, None)  # type: ignore[arg-type]
-                if seq_id is not None:
-                    self.engine.free(seq_id)
+                held = self._leases.pop(item, None)  # type: ignore[arg-type]
+                if held is not None:
+                    self.engine.free(held[0])
+                    self._lease_of.pop(held[1], None)
 
     def _check_cancelled(self) -> None:
         # Asking a Triton sender is a round trip to the server: not more often than every 20 ms.
@@ -274,10 +279,13 @@ class EngineLoop:
             if job.sink.is_cancelled():
                 self._end(job, Failed(ServingError(CANCELLED, "request was cancelled")))
 
-    def _end(self, job: Job, event: Event) -> None:
-        """Send a job's final event and forget it; frees its sequence unless a lease holds it."""
+    def _end(self, job: Job, event: Event) -> bool:
+        """Send a job's final event and forget it; frees its sequence unless a lease holds it.
+
+        False when the event did not reach the client (the job had already ended, or delivery failed).
+        """
         if job.done:
-            return
+            return False
         job.done = True
         self._by_handle.pop(job.handle, None)
         if job in self._waiting:
@@ -287,13 +295,15 @@ class EngineLoop:
         elif job.seq_id is not None:
             self._running.pop(job.seq_id, None)
             self.engine.free(job.seq_id)
-        self._send(job, event, final=True)
+        return self._send(job, event, final=True)
 
-    def _send(self, job: Job, event: Event, final: bool) -> None:
+    def _send(self, job: Job, event: Event, final: bool) -> bool:
         try:
             job.sink.emit(event, final)
         except Exception:  # a client that went away must not take the loop down
             log.warning("could not deliver a response for %s", job.handle, exc_info=True)
+            return False
+        return True
 
     def _fail_all(self, error: ServingError) -> None:
         for job in list(self._by_handle.values()):
@@ -339,8 +349,10 @@ class EngineLoop:
             self.engine.free(out.seq_id)
             self._end(job, Failed(classify(exc)))
             return
-        self._leases[lease_id] = out.seq_id
-        self._end(job, Prefilled(out.token_id, False, None, token, lease_id, state))
+        self._leases[lease_id] = (out.seq_id, job.handle)
+        self._lease_of[job.handle] = lease_id
+        if not self._end(job, Prefilled(out.token_id, False, None, token, lease_id, state)):
+            self.transport.abort(lease_id)  # type: ignore[union-attr]  # nobody will import it
 
     def _admit_imports(self) -> None:
         transport = self.transport

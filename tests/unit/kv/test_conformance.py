@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import KINDS, SECRET, small_layout
+from kv_support import KINDS, SECRET, small_layout
 from kvpeer import digest, fill
 
 from disagg.kv import DescriptorError, KVLayout, LeaseExpired, LeaseGone

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CROSS_PROCESS_KINDS, SECRET, small_layout
+from kv_support import CROSS_PROCESS_KINDS, SECRET, small_layout
 from kvpeer import digest, exporter_main, fill, importer_main, make_transport
 
 from disagg.kv import TransferError

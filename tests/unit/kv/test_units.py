@@ -8,7 +8,7 @@ import stat
 
 import pytest
 import torch
-from conftest import small_layout
+from kv_support import small_layout
 from kvpeer import fill
 
 from disagg.kv import ChecksumMismatch, DescriptorError, SecretError, TransferError, TransportConfig

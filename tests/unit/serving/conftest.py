@@ -3,42 +3,16 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from disagg.engine.engine import EngineConfig
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.errors import ServingError
 from disagg.serving.local import LocalPools
 from disagg.serving.loop import EngineLoop
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.pool import PoolConfig, build_pool
-
-
-@dataclass
-class Recorder:
-    """A Responder that records what the client would see; can cancel after N pieces."""
-
-    cancel_after: int | None = None
-    pieces: list[str] = field(default_factory=list)
-    finals: int = 0
-    error: ServingError | None = None
-
-    def send(self, text: str, final: bool) -> None:
-        self.pieces.append(text)
-        self.finals += final
-
-    def fail(self, error: ServingError) -> None:
-        self.error = error
-        self.finals += 1
-
-    def is_cancelled(self) -> bool:
-        return self.cancel_after is not None and len(self.pieces) >= self.cancel_after
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 @dataclass
