@@ -175,10 +175,7 @@ class CudaIpcTransport(MappedTransport):
         clock: Clock | None = None,
         on_release: ReleaseCallback | None = None,
     ) -> None:
-        kwargs: dict[str, Any] = {"on_release": on_release}
-        if clock is not None:
-            kwargs["clock"] = clock
-        super().__init__(config, **kwargs)
+        super().__init__(config, clock=clock, on_release=on_release)
         self.cuda = cuda or CudaIpcConfig()
         self.backend: CudaIpcBackend = backend or TorchCudaIpc()
         self._maps: OrderedDict[str, RemoteView] = OrderedDict()

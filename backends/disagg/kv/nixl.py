@@ -90,10 +90,7 @@ class NixlTransport(Transport):
         clock: Clock | None = None,
         on_release: ReleaseCallback | None = None,
     ) -> None:
-        kwargs: dict[str, Any] = {"on_release": on_release}
-        if clock is not None:
-            kwargs["clock"] = clock
-        super().__init__(config, **kwargs)
+        super().__init__(config, clock=clock, on_release=on_release)
         from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.nixl = nixl or NixlConfig()

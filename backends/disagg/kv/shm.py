@@ -168,10 +168,7 @@ class ShmTransport(MappedTransport):
         clock: Clock | None = None,
         on_release: ReleaseCallback | None = None,
     ) -> None:
-        kwargs: dict[str, Any] = {"on_release": on_release}
-        if clock is not None:
-            kwargs["clock"] = clock
-        super().__init__(config, **kwargs)
+        super().__init__(config, clock=clock, on_release=on_release)
         self.shm = shm or ShmConfig()
         self._name_pattern = _name_re(config.prefix)
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()

@@ -126,13 +126,17 @@ class Transport(ABC):
     kind: ClassVar[str] = ""
 
     def __init__(
-        self, config: TransportConfig, *, clock: Clock = time.time, on_release: ReleaseCallback | None = None
+        self,
+        config: TransportConfig,
+        *,
+        clock: Clock | None = None,
+        on_release: ReleaseCallback | None = None,
     ) -> None:
         self.config = config
         self.origin = f"{config.prefix}.{self.kind}.{os.getpid()}.{secrets.token_hex(4)}"
         self.stats = TransferStats()
         self.hooks = TransferHooks()
-        self._clock = clock
+        self._clock = clock or time.time
         self._lock = threading.Lock()
         self._closed = False
         self._regions: dict[str, Region] = {}
