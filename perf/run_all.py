@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import json
 import os
 import sys
 import time
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick")
     mode.add_argument("--full", action="store_const", dest="mode", const="full")
+    mode.add_argument(
+        "--render-only", action="store_true", help="re-render report and plots from the last run's JSON"
+    )
     parser.add_argument("--deployments", default="disagg,colocated,vllm", help="comma-separated names")
     parser.add_argument("--workloads", default="", help="override the profile's workloads")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
@@ -109,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cores", type=int, default=2, help="cores each deployment occupies (per core)")
     parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--note", action="append", default=[], help="a line for the report (e.g. what else ran meanwhile)"
+    )
     parser.add_argument("--out-dir", type=Path, default=PERF / "results" / "bench")
     parser.add_argument("--report", type=Path, default=PERF / "RESULTS.md")
     parser.add_argument("--records", type=Path, default=PERF / "out" / "bench_records.json")
@@ -116,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def vllm_running(args: argparse.Namespace, workdir: Path) -> Iterator[ClientConfig]:
+def vllm_running(args: argparse.Namespace, workdir: Path, notes: list[str]) -> Iterator[ClientConfig]:
     if args.vllm_url:
         yield ClientConfig("openai", args.vllm_url, args.vllm_served_name)
         return
@@ -132,6 +139,9 @@ def vllm_running(args: argparse.Namespace, workdir: Path) -> Iterator[ClientConf
     with VllmServer(config).start() as server:
         server.wait_healthy()
         log(f"vLLM healthy after {time.monotonic() - started:.0f} s")
+        binding = server.binding()
+        if binding:
+            notes.append(f"vLLM CPU thread binding (from its log): {binding}.")
         yield ClientConfig("openai", config.url, config.served_name)
 
 
@@ -219,6 +229,24 @@ def _calibration(d: dict[str, Any]) -> Calibration:
     )  # fmt: skip
 
 
+def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argparse.Namespace) -> None:
+    """bench.json (figures), the records JSON, the PNG plots and the markdown report."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_dir / "bench.json", results)
+    write_json(args.records, records)
+    written = {
+        "attainment": plots.attainment_plots(results, args.out_dir),
+        "cdf": plots.cdf_plots(results, records, args.out_dir),
+        "interference": plots.interference_plot(results, args.out_dir),
+    }
+    base = args.report.resolve().parent
+    rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
+    args.report.write_text(report.render(results, rel))
+    count = sum(map(len, written.values()))
+    minutes = results["meta"]["elapsed_s"] / 60
+    log(f"wrote {args.report}, {args.out_dir / 'bench.json'} and {count} plots in {minutes:.1f} min")
+
+
 async def main_async(args: argparse.Namespace) -> int:
     profile = PROFILES[args.mode]
     if args.workloads:
@@ -251,7 +279,7 @@ async def main_async(args: argparse.Namespace) -> int:
         for name in names:
             if name == "vllm":
                 note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, OMP bind {args.vllm_omp_bind}"
-                endpoint = args.vllm_url or "started here"
+                endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
             else:
                 endpoint = f"{triton_url or '?'} model {TRITON_MODELS[name]}"
@@ -276,7 +304,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 "token_counting": "vLLM: its reported usage.completion_tokens; Triton: one token per "
                 "streamed response (the pipeline streams token by token)",
                 "profile": {k: str(v) for k, v in profile.__dict__.items()},
-                "notes": [],
+                "notes": list(args.note),
             },
             "slo_rule": SLO_RULE,
             "target_attainment": 0.9,
@@ -302,8 +330,14 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             try:
                 if name == "vllm":
-                    with vllm_running(args, workdir) as config:
+                    with vllm_running(args, workdir, results["meta"]["notes"]) as config:
                         dep.config = config
+                        dep.endpoint = config.url if args.vllm_url else f"{config.url} (started here)"
+                        if triton_server is not None:
+                            results["meta"]["notes"].append(
+                                "Triton stayed up, idle, while vLLM was measured (and vLLM was not yet "
+                                "started while Triton deployments were)."
+                            )
                         await measure(dep, profile, factory, results, records, deadline)
                 else:
                     await measure(dep, profile, factory, results, records, deadline)
@@ -321,25 +355,20 @@ async def main_async(args: argparse.Namespace) -> int:
     }  # fmt: skip
     results["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results["meta"]["elapsed_s"] = time.monotonic() - started
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "bench.json", results)
-    write_json(args.records, records)
-    written = {
-        "attainment": plots.attainment_plots(results, args.out_dir),
-        "cdf": plots.cdf_plots(results, records, args.out_dir),
-        "interference": plots.interference_plot(results, args.out_dir),
-    }
-    base = args.report.resolve().parent
-    rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
-    args.report.write_text(report.render(results, rel))
-    count = sum(map(len, written.values()))
-    minutes = results["meta"]["elapsed_s"] / 60
-    log(f"wrote {args.report}, {args.out_dir / 'bench.json'} and {count} plots in {minutes:.1f} min")
+    write_outputs(results, records, args)
     return 0 if results["calibrations"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(main_async(parse_args(argv)))
+    args = parse_args(argv)
+    if args.render_only:
+        # Re-render report and plots from the last run's JSON, measuring nothing.
+        results = json.loads((args.out_dir / "bench.json").read_text())
+        records = json.loads(args.records.read_text())
+        results["meta"]["notes"] += [n for n in args.note if n not in results["meta"]["notes"]]
+        write_outputs(results, records, args)
+        return 0
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

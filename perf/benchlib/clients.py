@@ -9,8 +9,10 @@ Failures come back as `error` text, never as exceptions, so a bad request never 
 Token counts (`StreamOutcome.n_tokens`, by `count_tokens`):
 - `reported`: the server's own count when it gives one (vLLM's `usage.completion_tokens`), else pieces.
 - `pieces`: one token per streamed piece (exact for servers that stream token by token).
-- `retokenize`: the model tokenizer run on the final text; a lower bound, as BPE may merge adjacent
-  generated tokens.
+- `retokenize`: the model tokenizer run on the final text. Only an estimate: decoding then re-encoding
+  does not give back the generated ids (BPE merges differently; partial UTF-8 bytes become replacement
+  characters). On the random default model, 64 random tokens re-encode to 69-97 tokens (1.30x on
+  average), so TPOT computed from it would be off by that factor.
 The Triton client defaults to `pieces` (its pipeline sends one response per generated token); OpenAI to
 `reported`.
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,6 +132,15 @@ class VllmServer:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def binding(self) -> str:
+        """Where vLLM says it bound its compute threads and which CPUs it reserved (from its log)."""
+        try:
+            text = self.config.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        found = re.findall(r"(core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])", text)
+        return ", ".join(dict.fromkeys(found))
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
         """Poll `/health` until `timeout_s` (first start compiles the model: minutes on two cores)."""

@@ -47,7 +47,8 @@ def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
         "arrival is the TTFT origin). TTFT = first token − arrival; TPOT = (last − first)/(n − 1); "
         f"attainment = share of requests meeting both SLOs; goodput = the highest rate with attainment ≥ "
         f"{results['target_attainment'] * 100:.0f} % (bisection on the rate). "
-        f"Output tokens counted: {meta['token_counting']}.",
+        f"Output tokens counted: {meta['token_counting']}. The load generator ran on CPUs "
+        f"{meta.get('loadgen_affinity')}, sharing the cores with the deployments.",
         "",
     ]
     for note in meta.get("notes", []):

@@ -146,8 +146,8 @@ class PromptFactory:
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def count_output(self, text: str) -> int:
-        """Tokens of generated text re-tokenized (no special tokens): a lower bound of tokens generated,
-        since BPE may merge adjacent generated tokens into one."""
+        """Tokens of generated text re-tokenized (no special tokens): an estimate of the tokens generated
+        (see `benchlib.clients` on how far off it can be)."""
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else 0
 
     def make(self, length: int, nonce: str, rng: np.random.Generator) -> str:

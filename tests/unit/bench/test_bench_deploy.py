@@ -1,0 +1,39 @@
+"""vLLM runner configuration: pinned command line, offline environment, binding read from its log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from benchlib.deploy import DeployError, VllmConfig, VllmServer
+
+
+def test_command_pins_cores_and_serves_loopback(tiny_model_dir, tmp_path):
+    config = VllmConfig(model_dir=tiny_model_dir, cpus="0,1", port=8123, log_path=tmp_path / "v.log")
+    argv = config.command()
+    assert argv[:3] == ["taskset", "-c", "0,1"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    env = config.environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["HF_HUB_OFFLINE"] == "1"
+    assert config.url == "http://127.0.0.1:8123"
+
+
+def test_binding_is_read_from_the_log(tiny_model_dir, tmp_path):
+    log = tmp_path / "v.log"
+    log.write_text(
+        "x\n(EngineCore) INFO \tlocal_rank=0, core ids=[0]\n(EngineCore) INFO \treserved_cpus=[1]\n"
+    )
+    server = VllmServer(VllmConfig(model_dir=tiny_model_dir, log_path=log))
+    assert server.binding() == "core ids=[0], reserved_cpus=[1]"
+
+
+def test_validation_and_missing_venv(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError):
+        VllmConfig(model_dir=tmp_path)  # no tokenizer.json
+    with pytest.raises(ValueError):
+        VllmConfig(model_dir=tiny_model_dir, cpus="0;rm")
+    server = VllmServer(VllmConfig(model_dir=tiny_model_dir, venv=Path(tmp_path / "none")))
+    with pytest.raises(DeployError, match="install it with"):
+        server.start()
+    assert server.stop() is None
