@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import plots, report
 from benchlib.clients import ClientConfig, TritonClient, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
+from benchlib.cpuprobe import CpuProbe, group_members
 from benchlib.deploy import VllmConfig, VllmServer, start_triton
 from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
@@ -84,6 +85,8 @@ class Deployment:
     cores: int
     note: str
     endpoint: str = ""
+    pgid: int | None = None
+    """Process group of the server, when started here: its processes are watched by the CPU probe."""
     available: bool = False
     reason: str = ""
 
@@ -100,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--deployments", default="disagg,colocated,vllm", help="comma-separated names")
     parser.add_argument("--workloads", default="", help="override the profile's workloads")
+    parser.add_argument(
+        "--experiments", default="goodput,interference", help="which to run (calibration always runs)"
+    )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--triton-url", default="", help="gRPC host:port of a running Triton")
     parser.add_argument(
@@ -123,9 +129,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def vllm_running(args: argparse.Namespace, workdir: Path, notes: list[str]) -> Iterator[ClientConfig]:
+def vllm_running(
+    args: argparse.Namespace, workdir: Path, notes: list[str]
+) -> Iterator[tuple[ClientConfig, int | None]]:
+    """The vLLM client config and, when started here, its process group id."""
     if args.vllm_url:
-        yield ClientConfig("openai", args.vllm_url, args.vllm_served_name)
+        yield ClientConfig("openai", args.vllm_url, args.vllm_served_name), None
         return
     config = VllmConfig(
         model_dir=args.model_dir.resolve(),
@@ -142,7 +151,7 @@ def vllm_running(args: argparse.Namespace, workdir: Path, notes: list[str]) -> I
         binding = server.binding()
         if binding:
             notes.append(f"vLLM CPU thread binding (from its log): {binding}.")
-        yield ClientConfig("openai", config.url, config.served_name)
+        yield ClientConfig("openai", config.url, config.served_name), server.pid
 
 
 async def triton_ready(config: ClientConfig) -> bool:
@@ -161,6 +170,7 @@ async def measure(
     results: dict[str, Any],
     records: dict[str, Any],
     deadline: float,
+    experiments: tuple[str, ...] = ("goodput", "interference"),
 ) -> None:
     """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
     interference pair; fills `results` and `records` in place."""
@@ -184,7 +194,7 @@ async def measure(
                     f"SLO {name}: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms (idle "
                     f"{cal.idle_ttft_s * 1000:.0f} / {cal.idle_tpot_s * 1000:.1f} ms on {reference})"
                 )
-        for name in profile.workloads:
+        for name in profile.workloads if "goodput" in experiments else ():
             if time.monotonic() > deadline:
                 results["meta"]["notes"].append(f"{dep.name} {name}: skipped, time budget spent")
                 continue
@@ -202,13 +212,22 @@ async def measure(
             best = [r for r in res.runs if r.rate == res.best_rate]
             records["goodput"].setdefault(name, {})[dep.name] = best[0].to_dict() if best else None
             log(f"{dep.name}: {name} goodput {res.best_rate:.3f} req/s ({res.per_core:.3f} per core)")
+        if "interference" not in experiments:
+            return
         if time.monotonic() > deadline:
             results["meta"]["notes"].append(f"{dep.name} interference: skipped, time budget spent")
             return
         decode = _calibration(cals["decode"])
         rate = profile.interference_concurrency / (decode.idle_ttft_s + 63 * decode.idle_tpot_s)
         log(f"{dep.name}: interference at {rate:.2f} req/s, {profile.interference_count} requests per run")
-        inter = await interference(client, factory, rate, profile.interference_count, decode.slo, seed=1)
+        pgid = dep.pgid
+
+        def probe() -> CpuProbe:
+            return CpuProbe(lambda: [os.getpid(), *(group_members(pgid) if pgid else [])])
+
+        inter = await interference(
+            client, factory, rate, profile.interference_count, decode.slo, seed=1, probe=probe
+        )
         results["interference"][dep.name] = inter.to_dict(with_records=False)
         records["interference"][dep.name] = inter.to_dict(with_records=True)
         fig = inter.figures()
@@ -254,6 +273,9 @@ async def main_async(args: argparse.Namespace) -> int:
         if unknown:
             raise SystemExit(f"unknown workloads: {unknown}; known: {sorted(WORKLOADS)}")
         profile = Profile(**{**profile.__dict__, "workloads": tuple(args.workloads.split(","))})
+    experiments = tuple(e.strip() for e in args.experiments.split(",") if e.strip())
+    if not experiments or set(experiments) - {"goodput", "interference"}:
+        raise SystemExit("--experiments takes goodput and/or interference")
     pin_self(args.loadgen_cpus)
     started_wall, started = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
     deadline = started + profile.budget_s
@@ -288,6 +310,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     dep.reason = "no Triton server (--triton-url or --start-triton)"
                 else:
                     dep.config = ClientConfig("triton", triton_url, TRITON_MODELS[name])
+                    dep.pgid = triton_server.pid if triton_server is not None else None
                     dep.available = await triton_ready(dep.config)
                     dep.reason = "" if dep.available else f"model {TRITON_MODELS[name]} not ready"
             dep.endpoint = endpoint
@@ -330,17 +353,17 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             try:
                 if name == "vllm":
-                    with vllm_running(args, workdir, results["meta"]["notes"]) as config:
-                        dep.config = config
+                    with vllm_running(args, workdir, results["meta"]["notes"]) as (config, pgid):
+                        dep.config, dep.pgid = config, pgid
                         dep.endpoint = config.url if args.vllm_url else f"{config.url} (started here)"
                         if triton_server is not None:
                             results["meta"]["notes"].append(
                                 "Triton stayed up, idle, while vLLM was measured (and vLLM was not yet "
                                 "started while Triton deployments were)."
                             )
-                        await measure(dep, profile, factory, results, records, deadline)
+                        await measure(dep, profile, factory, results, records, deadline, experiments)
                 else:
-                    await measure(dep, profile, factory, results, records, deadline)
+                    await measure(dep, profile, factory, results, records, deadline, experiments)
             except Exception as exc:  # one broken deployment is reported, the others still run
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")

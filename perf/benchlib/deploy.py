@@ -119,6 +119,13 @@ class VllmServer:
             )
         return self
 
+    @property
+    def pid(self) -> int:
+        """Process id of the server, also its process group id."""
+        if self._process is None:
+            raise DeployError("vLLM not started")
+        return self._process.pid
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.config.url}/health", timeout=1.0) as response:

@@ -7,11 +7,13 @@ cache lives across runs); the seed alone fixes arrivals and lengths, so runs sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from benchlib.arrivals import count_for
 from benchlib.clients import StreamClient
+from benchlib.cpuprobe import CpuProbe
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
 from benchlib.search import RateSearch, SearchConfig
@@ -46,9 +48,13 @@ class RateRun:
     rate: float
     summary: Summary
     records: list[RequestRecord]
+    cpu: dict[str, dict[str, float]] | None = None
+    """CPU seconds per process and core during the run (`benchlib.cpuprobe`), when probed."""
 
     def to_dict(self, with_records: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"rate": self.rate, "summary": self.summary.to_dict()}
+        if self.cpu is not None:
+            out["cpu"] = self.cpu
         if with_records:
             out["records"] = [r.to_dict() for r in self.records]
         return out
@@ -169,16 +175,22 @@ async def interference(
     long_share: float = 0.2,
     long_prompt_tokens: int = 300,
     drain_timeout_s: float = 60.0,
+    probe: Callable[[], CpuProbe] | None = None,
 ) -> InterferenceResult:
     """The source article's experiment: `count` decode-only requests (10-token prompts) at `rate`, then
-    the same arrivals with `long_share` of them carrying unique `long_prompt_tokens`-token prompts."""
+    the same arrivals with `long_share` of them carrying unique `long_prompt_tokens`-token prompts.
+    `probe` (optional) makes a fresh `CpuProbe` per run, recording where CPU time went."""
     workload = WORKLOADS["decode"]
     load = LoadConfig(max_duration_s=2 * count / rate + 1, drain_timeout_s=drain_timeout_s)
     runs = []
     for share in (0.0, long_share):
         trace = build_trace(workload, factory, rate, count, seed, new_salt(), share, long_prompt_tokens)
-        records = await run_trace(client, trace, load, factory.count_output)
-        runs.append(RateRun(rate, summarize(records, slo), records))
+        watch = probe().start() if probe is not None else None
+        try:
+            records = await run_trace(client, trace, load, factory.count_output)
+        finally:
+            cpu = watch.stop() if watch is not None else None
+        runs.append(RateRun(rate, summarize(records, slo), records, cpu))
     return InterferenceResult(rate, count, long_share, long_prompt_tokens, runs[0], runs[1])
 
 

@@ -31,6 +31,34 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _placement(interference: dict[str, Any], top: int = 8) -> list[str]:
+    """Table of CPU seconds per process and core during each deployment's mixed run (when probed)."""
+    probed = {
+        name: res["mixed"]["cpu"] for name, res in interference.items() if res.get("mixed", {}).get("cpu")
+    }
+    if not probed:
+        return []
+    cpus = sorted(
+        {c for usage in probed.values() for per in usage.values() for c in per}, key=lambda c: int(c[3:])
+    )
+    rows = []
+    for name, usage in probed.items():
+        for process, per in list(usage.items())[:top]:
+            rows.append(
+                [name, process, *(f"{per.get(c, 0.0):.1f}" for c in cpus), f"{sum(per.values()):.1f}"]
+            )
+    return [
+        "### Where CPU time went in the mixed run",
+        "",
+        "CPU seconds per process and core, sampled from /proc every 0.1 s (threads charged to the core they "
+        "were last seen on; the per-process totals are exact). Only processes started by the benchmark "
+        "and the load generator itself are watched.",
+        "",
+        *_table(["deployment", "process", *(f"{c} (s)" for c in cpus), "total (s)"], rows),
+        "",
+    ]
+
+
 def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
     """Markdown for `results` (the JSON of `perf/run_all.py`); `plots` maps a section
     ("attainment", "cdf", "interference") to image paths relative to the report."""
@@ -125,4 +153,5 @@ def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
         ]
     for path in plots.get("interference", []):
         out += [f"![{path}]({path})", ""]
+    out += _placement(results.get("interference", {}))
     return "\n".join(out).rstrip() + "\n"

@@ -26,9 +26,9 @@ def results() -> tuple[dict, dict]:
         "colocated": GoodputResult("codegen", 1.0, 2, [run(1.0, 0.02), run(2.0, 0.08)]),
         "vllm": GoodputResult("codegen", 2.0, 2, [run(1.0, 0.02), run(2.0, 0.03), run(4.0, 0.09)]),
     }
-    inter = InterferenceResult(
-        4.0, 4, 0.2, 300, run(4.0, 0.02), run(4.0, 0.05, ("short", "long", "short", "short"))
-    )
+    mixed = run(4.0, 0.05, ("short", "long", "short", "short"))
+    mixed = RateRun(mixed.rate, mixed.summary, mixed.records, {"stub:decode": {"cpu1": 3.0, "cpu0": 0.5}})
+    inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), mixed)
     res = {
         "meta": {
             "command": "python perf/run_all.py --quick", "mode": "quick", "finished": "now",
@@ -73,4 +73,5 @@ def test_report_states_slos_ratios_and_unique_prompts(tmp_path):
     assert "| vllm | **2.000** | 1.000 | 2.00× | 1.00× |" in text  # goodput, per core, vs colocated, vs vLLM
     assert "**2.50×**" in text  # interference p99 ratio
     assert "not measured: not ready" in text
+    assert "| colocated | stub:decode | 0.5 | 3.0 | 3.5 |" in text  # CPU placement, cores in order
     assert "![attainment_codegen.png](attainment_codegen.png)" in text
