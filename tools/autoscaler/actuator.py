@@ -77,15 +77,28 @@ def instance_count(model_config: Any) -> int:
         raise ActuatorError("model config has a malformed instance_group") from None
 
 
+PYTHON_BASED_RUNTIME = "model.py"
+"""What Triton writes into `runtime` of a model served by a Python-based backend (e.g. `disagg`)."""
+
+
 def with_instance_count(model_config: dict[str, Any], desired: int) -> dict[str, Any]:
     """A copy of `model_config` with `desired` instances in total; the change goes to the last group
-    (a config with several groups, e.g. one per GPU, grows and shrinks its last one, never below 1)."""
+    (a config with several groups, e.g. one per GPU, grows and shrinks its last one, never below 1).
+
+    `runtime: "model.py"` is left out. Triton fills it in when it creates a model of a Python-based
+    backend, so the live config (`GET .../config`) carries it while the config the model was loaded
+    from does not; posted back, that one field makes Triton 2.51 (`ConfigChangeRequiresReload`, which
+    ignores only `instance_group` and `version_policy`) *reload* the whole model, every instance
+    replaced, instead of updating the instance count in place. Left out, Triton fills it in again."""
     groups = [dict(g) for g in (model_config.get("instance_group") or [{"count": 1}])]
     others = sum(int(g.get("count", 1)) for g in groups[:-1])
     if desired - others < 1:
         raise ActuatorError("cannot reach that size by changing the last instance group")
     groups[-1]["count"] = desired - others
-    return {**model_config, "instance_group": groups}
+    updated = {**model_config, "instance_group": groups}
+    if updated.get("runtime") == PYTHON_BASED_RUNTIME:
+        del updated["runtime"]
+    return updated
 
 
 class TritonActuator:

@@ -63,7 +63,13 @@ class PoolConfig:
     cooldown_in_s: float = 120.0
     """Seconds after any size change before the next scale-in."""
     paths: tuple[str, ...] = ()
-    """`path` label values to read (empty: all)."""
+    """`path` label values of the request-level families (TTFT, TPOT, prompt tokens) to read (empty:
+    `disaggregated`, the only path whose requests run on the prefill and decode pools)."""
+    request_models: tuple[str, ...] = ()
+    """`model` label values of the request-level families to read (empty: every model). Those families
+    are observed by the entry point that served the request (`llm`, `orchestrator`), so their `model`
+    label names the entry point, never the pool; pools are told apart by `path`, and by this list
+    where one server runs several disaggregated deployments."""
     # prefill
     ttft_target_s: float | None = None
     capacity_tokens_per_s: float | None = None

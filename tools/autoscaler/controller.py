@@ -32,6 +32,10 @@ READS = (TTFT, TPOT, PROMPT, PENDING, QUEUE, ACTIVE, KV_USED, KV_FREE)
 
 GAUGES_BY_ROLE = {"prefill": (PENDING, QUEUE), "decode": (ACTIVE, KV_USED, KV_FREE)}
 
+REQUEST_PATHS = ("disaggregated",)
+"""Default `path` values of the request-level families a prefill or decode pool reads: requests on the
+`colocated` path never touch those pools."""
+
 
 class MissingMetric(LookupError):
     """A family the pool's policy needs is absent from the snapshot."""
@@ -80,12 +84,14 @@ class Controller:
 
     @staticmethod
     def _delta(prev: Snapshot, cur: Snapshot, family: str, pool: PoolConfig) -> Histogram:
-        if not pool.paths:
-            found = histogram_delta(prev, cur, family, model=pool.name)
-        else:
-            found = None
-            for path in pool.paths:
-                part = histogram_delta(prev, cur, family, model=pool.name, path=path)
+        """A request-level family over the pool's paths, summed over the entry points (`model` label:
+        the model that served the request, not the pool) or over `request_models` when given."""
+        found = None
+        models: tuple[str | None, ...] = pool.request_models or (None,)
+        for path in pool.paths or REQUEST_PATHS:
+            for model in models:
+                match = {"path": path} if model is None else {"path": path, "model": model}
+                part = histogram_delta(prev, cur, family, **match)
                 if part is not None:
                     found = part if found is None else found + part
         if found is None:

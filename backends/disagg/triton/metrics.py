@@ -119,7 +119,11 @@ class OrchestratorMetrics:
         self._counter(outcome_label(error)).increment(1)
 
     def start_refresher(self, interval_s: float = 1.0) -> None:
-        """Keep the SLO gauges current while no request ends (goodput decays as the window slides)."""
+        """Keep the SLO gauges current while no request ends (goodput decays as the window slides).
+
+        Published once at once: a reloaded model's series (same labels) would otherwise show the old
+        instance's last values until the first refresh."""
+        self.refresh()
         stop = self._stop = threading.Event()
 
         def run() -> None:
