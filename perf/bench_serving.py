@@ -70,7 +70,8 @@ async def main_async(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"target": client.config.__dict__, "workload": workload.name}
     try:
         cal = None
-        if args.command == "calibrate" or not (args.ttft_slo and args.tpot_slo):
+        given = getattr(args, "ttft_slo", 0.0), getattr(args, "tpot_slo", 0.0)
+        if args.command == "calibrate" or not all(given):
             cal = await calibrate(client, workload, factory, args.model, reps=getattr(args, "reps", 5))
             out["calibration"] = cal.to_dict()
             log(
@@ -78,7 +79,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"{cal.prompt_tokens} prompt tokens -> SLO TTFT {cal.slo.ttft_s * 1000:.0f} ms, "
                 f"TPOT {cal.slo.tpot_s * 1000:.1f} ms"
             )
-        slo = Slo(args.ttft_slo, args.tpot_slo) if args.ttft_slo and args.tpot_slo else cal.slo  # type: ignore[union-attr]
+        slo = Slo(*given) if all(given) else cal.slo  # type: ignore[union-attr]
         out["slo"] = slo.__dict__
         if args.command == "rate":
             run = await run_rate(client, workload, factory, args.rate, slo, plan)

@@ -324,8 +324,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 "machine": machine(),
                 "model": str(args.model_dir),
                 "loadgen_affinity": sorted(os.sched_getaffinity(0)),
-                "token_counting": "vLLM: its reported usage.completion_tokens; Triton: one token per "
-                "streamed response (the pipeline streams token by token)",
+                "token_counting": "vLLM: its reported usage.completion_tokens; Triton: the requested "
+                "count (min_length = max_tokens forces it; the pipeline's pieces can merge tokens)",
                 "profile": {k: str(v) for k, v in profile.__dict__.items()},
                 "notes": list(args.note),
             },

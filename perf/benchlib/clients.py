@@ -6,15 +6,18 @@ as each piece arrives: when the request left (`sent`), the first and last piece 
 number of pieces, the concatenated text and, where the server reports it, its own output-token count.
 Failures come back as `error` text, never as exceptions, so a bad request never stops a run.
 
-Token counts (`StreamOutcome.n_tokens`, by `count_tokens`):
+Token counts (the records' `n_tokens`, by `count_tokens`), which TPOT divides by:
 - `reported`: the server's own count when it gives one (vLLM's `usage.completion_tokens`), else pieces.
-- `pieces`: one token per streamed piece (exact for servers that stream token by token).
-- `retokenize`: the model tokenizer run on the final text. Only an estimate: decoding then re-encoding
-  does not give back the generated ids (BPE merges differently; partial UTF-8 bytes become replacement
-  characters). On the random default model, 64 random tokens re-encode to 69-97 tokens (1.30x on
-  average), so TPOT computed from it would be off by that factor.
-The Triton client defaults to `pieces` (its pipeline sends one response per generated token); OpenAI to
-`reported`.
+- `requested`: the count asked for. Requests set min = max output tokens (Triton `min_length` =
+  `max_tokens`; vLLM `min_tokens` + `ignore_eos`), so a stream that ends normally produced exactly that
+  many; the piece count stays in the record beside it as a check.
+- `pieces`: one token per streamed piece. Low on the Triton pipeline: its detokenizer holds back
+  incomplete UTF-8 characters and sends several tokens in one response (seen: 119 pieces for 153 tokens
+  on the random default model).
+- `retokenize`: the model tokenizer run on the final text. Decoding then re-encoding does not give back
+  the generated ids (BPE merges differently; partial UTF-8 bytes become replacement characters): seen
+  1.1-1.5x the true count on the default model.
+The Triton client defaults to `requested`, the OpenAI client to `reported`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 
 from benchlib.workload import RequestSpec
 
-COUNT_MODES = ("reported", "pieces", "retokenize")
+COUNT_MODES = ("reported", "requested", "pieces", "retokenize")
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class ClientConfig:
 
     @property
     def count_mode(self) -> str:
-        return self.count_tokens or ("pieces" if self.kind == "triton" else "reported")
+        return self.count_tokens or ("requested" if self.kind == "triton" else "reported")
 
 
 class StreamClient(Protocol):
@@ -87,10 +90,12 @@ class StreamClient(Protocol):
     async def stream(self, spec: RequestSpec) -> StreamOutcome: ...
 
 
-def output_tokens(outcome: StreamOutcome, mode: str, retokenize: Callable[[str], int]) -> int:
+def output_tokens(outcome: StreamOutcome, mode: str, retokenize: Callable[[str], int], requested: int) -> int:
     """Output-token count of an outcome under a COUNT_MODES mode (see module docstring)."""
     if mode == "reported" and outcome.reported_tokens is not None:
         return outcome.reported_tokens
+    if mode == "requested" and outcome.error is None and outcome.n_pieces > 0:
+        return requested
     if mode == "retokenize":
         return retokenize(outcome.text)
     return outcome.n_pieces

@@ -70,7 +70,7 @@ def to_record(
         first_token=rel(outcome.first_piece),
         last_token=rel(outcome.last_piece),
         n_pieces=outcome.n_pieces,
-        n_tokens=output_tokens(outcome, count_mode, retokenize),
+        n_tokens=output_tokens(outcome, count_mode, retokenize, spec.output_tokens),
         prompt_tokens=spec.prompt_tokens,
         target_output_tokens=spec.output_tokens,
         error=failure,

@@ -135,3 +135,17 @@ def test_triton_inputs_follow_the_ensemble_contract(factory):
     assert all(t.shape() == [1, 1] for t in tensors.values())
     for name in ("max_tokens", "min_length"):  # exact output length: min = max
         assert np.frombuffer(tensors[name]._get_content(), dtype=np.int32).tolist() == [spec.output_tokens]
+
+
+def test_token_count_modes():
+    from benchlib.clients import StreamOutcome, output_tokens
+
+    done = StreamOutcome(0.0, 0.1, 0.5, 4, "abcdef", 5, None)
+    failed = StreamOutcome(0.0, 0.1, 0.5, 4, "abcdef", None, "boom")
+    assert output_tokens(done, "reported", len, 7) == 5
+    assert output_tokens(done, "requested", len, 7) == 7  # min = max output tokens forces the count
+    assert output_tokens(failed, "requested", len, 7) == 4  # a broken stream: what was seen
+    assert output_tokens(done, "pieces", len, 7) == 4
+    assert output_tokens(done, "retokenize", len, 7) == 6
+    assert ClientConfig("triton", "127.0.0.1:1", "m").count_mode == "requested"
+    assert ClientConfig("openai", "http://127.0.0.1:1", "m").count_mode == "reported"
