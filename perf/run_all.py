@@ -206,7 +206,7 @@ async def measure(
             )  # fmt: skip
             log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s")
             res = await search_goodput(
-                client, workload, factory, cal.slo, search, profile.plan, dep.cores, log
+                client, workload, factory, cal.slo, search, profile.plan, dep.cores, log, deadline
             )
             results["goodput"].setdefault(name, {})[dep.name] = res.to_dict()
             best = [r for r in res.runs if r.rate == res.best_rate]

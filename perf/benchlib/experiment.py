@@ -7,6 +7,7 @@ cache lives across runs); the seed alone fixes arrivals and lengths, so runs sta
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,11 +106,17 @@ async def search_goodput(
     plan: RunPlan,
     cores: int,
     log: Any = None,
+    deadline: float | None = None,
 ) -> GoodputResult:
-    """Highest arrival rate with attainment >= `search.target` (see `benchlib.search`)."""
+    """Highest arrival rate with attainment >= `search.target` (see `benchlib.search`). No new probe
+    starts after `deadline` (a `time.monotonic()` value): the best rate so far is returned."""
     state = RateSearch(search)
     runs = []
     while (rate := state.next_rate()) is not None:
+        if deadline is not None and time.monotonic() > deadline:
+            if log is not None:
+                log(f"  {workload.name}: time budget spent, search stopped after {len(runs)} probes")
+            break
         run = await run_rate(client, workload, factory, rate, slo, plan)
         state.record(rate, run.summary.attainment)
         runs.append(run)

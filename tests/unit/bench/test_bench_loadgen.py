@@ -149,3 +149,27 @@ def test_token_count_modes():
     assert output_tokens(done, "retokenize", len, 7) == 6
     assert ClientConfig("triton", "127.0.0.1:1", "m").count_mode == "requested"
     assert ClientConfig("openai", "http://127.0.0.1:1", "m").count_mode == "reported"
+
+
+def test_search_stops_probing_past_its_deadline(factory):
+    from benchlib.experiment import RunPlan, search_goodput
+    from benchlib.search import SearchConfig
+
+    async def main():
+        async with FakeOpenAIServer(token_delay_s=0.0) as server:
+            client = OpenAIClient(ClientConfig("openai", server.url, "fake"))
+            await client.open()
+            try:
+                plan = RunPlan(duration_s=0.2, min_requests=2, max_requests=4, drain_timeout_s=5)
+                search = SearchConfig(start=10.0, max_probes=8)
+                # A deadline already passed: no probe starts, and the search reports nothing passed.
+                deadline = time.monotonic()
+                return await search_goodput(
+                    client, WORKLOADS["decode"], factory, Slo(5.0, 5.0), search, plan, 2, None, deadline
+                )
+            finally:
+                await client.close()
+
+    result = asyncio.run(main())
+    assert result.runs == []
+    assert result.best_rate == 0.0
