@@ -73,7 +73,7 @@ class Profile:
 PROFILES = {
     "quick": Profile("quick", ("codegen",), RunPlan(12, 12, 60, 30), 4, 0.15, 3, 40, 4.0, 540),
     "full": Profile(
-        "full", ("codegen", "chat", "summarize"), RunPlan(30, 20, 150, 60), 5, 0.1, 5, 100, 4.0, 2580
+        "full", ("codegen", "chat", "summarize"), RunPlan(25, 16, 150, 60), 5, 0.1, 5, 100, 4.0, 2580
     ),
 }
 
