@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from serving_support import Recorder
+from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.sampling import SamplingParams
