@@ -26,11 +26,10 @@ def pin_cpu(cores: tuple[int, ...] | None, num_threads: int | None = None) -> No
     its intra-op threads onto a neighbour's cores.
     """
     if cores:
-        available = os.sched_getaffinity(0)
-        unknown = sorted(set(cores) - available)
-        if unknown:
-            raise ValueError(f"cores {unknown} are not available to this process")
-        os.sched_setaffinity(0, set(cores))
+        try:  # the calling thread and the threads it starts later (an engine loop) run there
+            os.sched_setaffinity(0, set(cores))
+        except (OSError, ValueError):
+            raise ValueError(f"cores {sorted(cores)} are not available to this process") from None
     threads = num_threads or (len(cores) if cores else None)
     if threads:
         torch.set_num_threads(threads)

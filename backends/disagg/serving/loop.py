@@ -17,9 +17,11 @@ Roles:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -128,16 +130,23 @@ class EngineLoop:
         self._scheduler = ColocatedScheduler(engine) if role == "colocated" else None
         self._stopping = False
         self._healthy = True
-        self._last_cancel_check = 0.0
         self._active = 0  # sequences in the engine's batch, as of the last iteration
         # seconds of each KV import (decode), drained by the metrics reporter
         self.transfer_times: deque[float] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name=f"engine-{role}", daemon=True)
+        # Responses and cancellation checks are round trips to the server: a dispatcher thread does
+        # them, so the engine thread never waits on one between steps.
+        self._outbox: queue.SimpleQueue[tuple[Job, Event, bool, Callable[[], None] | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._watched: dict[str, Job] = {}  # jobs the dispatcher polls for cancellation (under _cond)
+        self._dispatcher = threading.Thread(target=self._dispatch, name=f"responses-{role}", daemon=True)
 
     # ------------------------------------------------------------- other threads
 
     def start(self) -> EngineLoop:
         self._thread.start()
+        self._dispatcher.start()
         return self
 
     @property
@@ -214,6 +223,9 @@ class EngineLoop:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self._outbox.put(None)  # after the loop's last final responses
+        if self._dispatcher.is_alive():
+            self._dispatcher.join(timeout_s)
 
     # ------------------------------------------------------------- the loop thread
 
@@ -227,7 +239,6 @@ class EngineLoop:
                         self._cond.wait(self.idle_wait_s)
                     inbox, self._inbox = list(self._inbox), deque()
                 self._take(inbox)
-                self._check_cancelled()
                 self._work()
                 self._active = len(self.engine.active_sequences())
         except BaseException as exc:  # an engine fault: nobody can be served any more
@@ -249,6 +260,8 @@ class EngineLoop:
             if kind == "job":
                 job: Job = item  # type: ignore[assignment]
                 self._by_handle[job.handle] = job
+                with self._cond:
+                    self._watched[job.handle] = job
                 if self._scheduler is None:
                     self._waiting.append(job)
                     continue
@@ -256,10 +269,11 @@ class EngineLoop:
                     self._scheduler.submit(job.handle, job.request)  # type: ignore[arg-type]
                 except Exception as exc:
                     self._end(job, Failed(classify(exc)))
-            elif kind == "stop":
+            elif kind in ("stop", "cancelled"):
                 job = self._by_handle.get(item)  # type: ignore[arg-type]
                 if job is not None:
-                    self._end(job, Failed(ServingError(CANCELLED, "request was stopped")))
+                    why = "request was stopped" if kind == "stop" else "request was cancelled"
+                    self._end(job, Failed(ServingError(CANCELLED, why)))
                 elif item in self._lease_of and self.transport is not None:
                     # stopped after its prefill finished: nobody will import the KV
                     self.transport.abort(self._lease_of[item])  # type: ignore[index]
@@ -269,25 +283,17 @@ class EngineLoop:
                     self.engine.free(held[0])
                     self._lease_of.pop(held[1], None)
 
-    def _check_cancelled(self) -> None:
-        # Asking a Triton sender is a round trip to the server: not more often than every 20 ms.
-        now = time.monotonic()
-        if now - self._last_cancel_check < 0.02:
-            return
-        self._last_cancel_check = now
-        for job in list(self._by_handle.values()):
-            if job.sink.is_cancelled():
-                self._end(job, Failed(ServingError(CANCELLED, "request was cancelled")))
-
-    def _end(self, job: Job, event: Event) -> bool:
+    def _end(self, job: Job, event: Event, on_undelivered: Callable[[], None] | None = None) -> None:
         """Send a job's final event and forget it; frees its sequence unless a lease holds it.
 
-        False when the event did not reach the client (the job had already ended, or delivery failed).
+        ``on_undelivered`` runs (on the dispatcher thread) if the event cannot reach the client.
         """
         if job.done:
-            return False
+            return
         job.done = True
         self._by_handle.pop(job.handle, None)
+        with self._cond:
+            self._watched.pop(job.handle, None)
         if job in self._waiting:
             self._waiting.remove(job)
         if self._scheduler is not None:
@@ -295,15 +301,50 @@ class EngineLoop:
         elif job.seq_id is not None:
             self._running.pop(job.seq_id, None)
             self.engine.free(job.seq_id)
-        return self._send(job, event, final=True)
+        self._send(job, event, final=True, on_undelivered=on_undelivered)
 
-    def _send(self, job: Job, event: Event, final: bool) -> bool:
-        try:
-            job.sink.emit(event, final)
-        except Exception:  # a client that went away must not take the loop down
-            log.warning("could not deliver a response for %s", job.handle, exc_info=True)
-            return False
-        return True
+    def _send(
+        self, job: Job, event: Event, final: bool, on_undelivered: Callable[[], None] | None = None
+    ) -> None:
+        self._outbox.put((job, event, final, on_undelivered))
+
+    # ------------------------------------------------------------- the dispatcher thread
+
+    def _dispatch(self) -> None:
+        """Deliver events in order; between deliveries, poll live jobs for cancellation (every 20 ms)."""
+        last_poll = 0.0
+        while True:
+            try:
+                item = self._outbox.get(timeout=0.02)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                job, event, final, on_undelivered = item
+                try:
+                    job.sink.emit(event, final)
+                except Exception:  # a client that went away must not stop the others
+                    log.warning("could not deliver a response for %s", job.handle, exc_info=True)
+                    if on_undelivered is not None:
+                        on_undelivered()
+            now = time.monotonic()
+            if now - last_poll >= 0.02:
+                last_poll = now
+                self._poll_cancelled()
+
+    def _poll_cancelled(self) -> None:
+        with self._cond:
+            jobs = list(self._watched.values())
+        for job in jobs:
+            try:
+                cancelled = job.sink.is_cancelled()
+            except Exception:
+                cancelled = True  # its request is gone
+            if cancelled:
+                with self._cond:
+                    self._watched.pop(job.handle, None)
+                self._post("cancelled", job.handle)
 
     def _fail_all(self, error: ServingError) -> None:
         for job in list(self._by_handle.values()):
@@ -351,8 +392,12 @@ class EngineLoop:
             return
         self._leases[lease_id] = (out.seq_id, job.handle)
         self._lease_of[job.handle] = lease_id
-        if not self._end(job, Prefilled(out.token_id, False, None, token, lease_id, state)):
-            self.transport.abort(lease_id)  # type: ignore[union-attr]  # nobody will import it
+        transport = self.transport
+        self._end(
+            job,
+            Prefilled(out.token_id, False, None, token, lease_id, state),
+            on_undelivered=lambda: transport.abort(lease_id),  # type: ignore[union-attr]  # nobody will import it
+        )
 
     def _admit_imports(self) -> None:
         transport = self.transport
