@@ -1,0 +1,215 @@
+"""What serving through Triton adds to the time per output token, at low load (one stream at a time).
+
+Measured side by side, interleaved, in one run:
+  - engine step: ``Engine.decode_step()`` alone at batch 1 on the decode core (the floor);
+  - engine loop: the decode pool's ``EngineLoop`` without Triton, fed by an in-process prefill loop
+    over the shm transport; token times taken where the loop hands each token to its response sink;
+  - ``ensemble`` and ``llm`` through a real Triton (gRPC streaming), token times at the client.
+TPOT = (last token - first token) / (n - 1), with n fixed by ``min_length = max_tokens``. The Triton
+figures count time per token from piece arrival; pieces can merge tokens, never split them, so the
+first-to-last span still covers n - 1 token intervals.
+
+    python perf/orchestration_cost.py [--triton-url 127.0.0.1:GRPC_PORT] [--reps 5] [--tokens 64]
+
+Without --triton-url a server is started on model_repository/. Writes
+perf/results/orchestration_cost.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.clients import ClientConfig, TritonClient
+from benchlib.deploy import start_triton
+from benchlib.workload import RequestSpec
+
+from disagg.engine.engine import EngineConfig
+from disagg.engine.sampling import SamplingParams
+from disagg.engine.sequence import Request
+from disagg.engine.tokenizer import Tokenizer
+from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
+from disagg.serving.loop import Failed, Job, Prefilled
+from disagg.serving.pool import PoolConfig, build_pool
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PREFILL_CORE, DECODE_CORE = 0, 1  # as in the default repository
+
+
+class _Sink:
+    """Stamps every event as the loop hands it over; signals the final one."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.events: list[object] = []
+        self.done = threading.Event()
+
+    def emit(self, event: object, final: bool) -> None:
+        self.times.append(time.perf_counter())
+        self.events.append(event)
+        if final:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class LocalPools:
+    """A prefill and a decode engine loop in this process, pinned like the default repository."""
+
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        secret = secrets.token_bytes(32)
+        prefix = f"oc{os.getpid()}"
+        self.loops = {}
+        self.transports = []
+        for role, core in (("prefill", PREFILL_CORE), ("decode", DECODE_CORE)):
+            engine = EngineConfig(model_dir=model_dir, dtype=dtype, cores=(core,), kv_cache_mb=64)
+            loop, transport = build_pool(PoolConfig(role=role, engine=engine, prefix=prefix), secret)
+            self.loops[role] = loop.start()  # the loop thread inherits this thread's pinning
+            self.transports.append(transport)
+        os.sched_setaffinity(0, {PREFILL_CORE})
+
+    def tpot(self, prompt: list[int], tokens: int, handle: str) -> float:
+        params = SamplingParams(max_tokens=tokens, min_length=tokens)
+        sink = _Sink()
+        self.loops["prefill"].submit(Job(handle, sink, request=Request(tuple(prompt), params)))
+        sink.done.wait(60)
+        first = sink.events[-1]
+        if not isinstance(first, Prefilled) or first.descriptor is None:
+            raise RuntimeError(f"prefill failed: {first}")
+        sink = _Sink()
+        self.loops["decode"].submit(Job(handle + "d", sink, state=first.state, descriptor=first.descriptor))
+        sink.done.wait(120)
+        if any(isinstance(e, Failed) for e in sink.events):
+            raise RuntimeError(f"decode failed: {sink.events[-1]}")
+        # the first token came from prefill: decode's n - 1 tokens span n - 2 intervals
+        return (sink.times[-1] - sink.times[0]) / (len(sink.times) - 1)
+
+    def step_time(self, prompt: list[int], steps: int = 32) -> float:
+        """decode_step() alone, on the decode core, with the loops idle."""
+        engine = self.loops["decode"].engine
+        os.sched_setaffinity(0, {DECODE_CORE})
+        try:
+            (out,) = engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=steps + 8))])
+            for _ in range(3):
+                engine.decode_step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.decode_step()
+            return (time.perf_counter() - start) / steps
+        finally:
+            engine.free(out.seq_id)
+            os.sched_setaffinity(0, {PREFILL_CORE})
+
+    def close(self) -> None:
+        for loop in self.loops.values():
+            loop.shutdown()
+        for transport in self.transports:
+            if transport is not None:
+                transport.close()
+
+
+async def triton_tpot(
+    url: str, model: str, prompt: str, prompt_tokens: int, tokens: int, index: int
+) -> float:
+    client = TritonClient(ClientConfig(kind="triton", url=url, model=model))
+    await client.open()
+    try:
+        outcome = await client.stream(RequestSpec(index, 0.0, prompt, prompt_tokens, tokens))
+    finally:
+        await client.close()
+    if outcome.error or outcome.first_piece is None or outcome.last_piece is None:
+        raise RuntimeError(f"{model}: {outcome.error}")
+    return (outcome.last_piece - outcome.first_piece) / (tokens - 1)
+
+
+def run(url: str, model_dir: Path, reps: int, tokens: int) -> dict:
+    tokenizer = Tokenizer(model_dir)
+    local = LocalPools(model_dir, "bfloat16")
+    samples: dict[str, list[float]] = {"engine step": [], "engine loop": [], "ensemble": [], "llm": []}
+    try:
+        for rep in range(reps + 1):  # the first round warms every path up and is dropped
+            prompt = f"Request {rep}: tell a long story about the sea"
+            ids = tokenizer.encode(prompt)
+            row = {
+                "engine step": local.step_time(ids),
+                "engine loop": local.tpot(ids, tokens, f"oc-{rep}"),
+                "ensemble": asyncio.run(triton_tpot(url, "ensemble", prompt, len(ids), tokens, rep)),
+                "llm": asyncio.run(triton_tpot(url, "llm", prompt, len(ids), tokens, rep)),
+            }
+            if rep:
+                for name, value in row.items():
+                    samples[name].append(value)
+    finally:
+        local.close()
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    base = medians["engine loop"]
+    return {
+        "tokens": tokens,
+        "reps": reps,
+        "dtype": "bfloat16",
+        "tpot_ms": {k: v * 1e3 for k, v in medians.items()},
+        "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in samples.items()},
+        "overhead_vs_engine_loop": {k: medians[k] / base - 1 for k in ("ensemble", "llm")},
+        "loop_overhead_vs_step": medians["engine loop"] / medians["engine step"] - 1,
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Orchestration cost at low load",
+        "",
+        f"One stream at a time, {result['tokens']} tokens, bf16, median of {result['reps']} interleaved "
+        "repetitions; TPOT = (last - first) / (n - 1).",
+        "",
+        "| path | TPOT (ms) | vs engine loop |",
+        "|---|---:|---:|",
+    ]
+    base = result["tpot_ms"]["engine loop"]
+    for name, value in result["tpot_ms"].items():
+        lines.append(f"| {name} | {value:.2f} | {value / base - 1:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--triton-url", help="gRPC host:port of a running server (default: start one)")
+    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else .models/tiny)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    model_dir = ensure_model(resolve_model_dir(args.model))
+    server = None
+    url = args.triton_url
+    if url is None:
+        server = start_triton(REPO_ROOT / "model_repository", Path(tempfile.mkdtemp(prefix="oc-")))
+        url = server.config.grpc_url
+    try:
+        result = run(url, model_dir, args.reps, args.tokens)
+    finally:
+        if server is not None:
+            server.stop()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "orchestration_cost.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (args.out_dir / "orchestration_cost.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
