@@ -129,6 +129,7 @@ class EngineLoop:
         self._by_handle: dict[str, Job] = {}
         self._scheduler = ColocatedScheduler(engine) if role == "colocated" else None
         self._stopping = False
+        self._draining = False
         self._healthy = True
         self._active = 0  # sequences in the engine's batch, as of the last iteration
         # seconds of each KV import (decode), drained by the metrics reporter
@@ -174,7 +175,7 @@ class EngineLoop:
     def submit(self, job: Job) -> None:
         """Queue a job; raises ServingError(UNAVAILABLE) when the queue is full or the loop is down."""
         with self._cond:
-            if self._stopping or not self._healthy:
+            if self._stopping or self._draining or not self._healthy:
                 raise ServingError(UNAVAILABLE, f"{self.role} pool is not serving")
             queued = len(self._waiting) + sum(1 for kind, _ in self._inbox if kind == "job")
             if queued >= self.max_queue:
@@ -216,6 +217,22 @@ class EngineLoop:
             healthy=self.healthy,
         )
 
+    def drain(self, timeout_s: float) -> bool:
+        """Stop taking jobs, then wait (bounded) until the ones taken have ended and, on a prefill
+        pool, until every exported KV lease has been acked or has expired: an instance removed by a
+        scale-in or a shutdown then strands no request and no importer. True when fully drained."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.healthy:
+            with self._cond:
+                busy = self._inbox or self._by_handle or self._leases or self._has_work()
+                if not busy:
+                    return True
+                self._cond.wait(0.05)  # woken by each loop iteration; the deadline bounds the wait
+        return False
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop taking jobs, fail the queued ones, end the running ones, join the thread."""
         with self._cond:
@@ -241,6 +258,9 @@ class EngineLoop:
                 self._take(inbox)
                 self._work()
                 self._active = len(self.engine.active_sequences())
+                if self._draining:
+                    with self._cond:
+                        self._cond.notify_all()
         except BaseException as exc:  # an engine fault: nobody can be served any more
             log.exception("%s engine loop failed", self.role)
             self._healthy = False

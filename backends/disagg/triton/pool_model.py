@@ -17,6 +17,8 @@ from disagg.triton.metrics import PoolReporter
 
 log = logging.getLogger(__name__)
 
+DRAIN_TIMEOUT_S = 10.0  # within Triton's default exit timeout of the launcher (15 s)
+
 # config.pbtxt parameters read by the adapter rather than by PoolConfig
 ADAPTER_KEYS = ("role", "secret_file")
 
@@ -107,6 +109,10 @@ class PoolModel:
             self.loop.abort_lease(str(control.get("lease_id", "")))
 
     def finalize(self) -> None:
+        # Finish what Triton already handed over and let exported KV be pulled before the memory
+        # goes: bounded, since Triton's exit timeout bounds the whole unload.
+        if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S)):
+            log.warning("%s pool instance unloads with work or KV leases still outstanding", self.role)
         self.reporter.stop()
         self.loop.shutdown()
         if self.transport is not None:

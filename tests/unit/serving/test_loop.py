@@ -1,0 +1,70 @@
+"""Engine loop lifecycle: draining before an instance goes away."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import pytest
+
+from disagg.engine.engine import EngineConfig
+from disagg.engine.sampling import SamplingParams
+from disagg.engine.sequence import Request
+from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.serving.loop import Job, Prefilled, Token
+from disagg.serving.pool import PoolConfig, build_pool
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.done = threading.Event()
+
+    def emit(self, event: object, final: bool) -> None:
+        self.events.append(event)
+        if final:
+            self.done.set()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def pools(tiny_model_dir):
+    secret, prefix = secrets.token_bytes(32), f"drain{secrets.token_hex(3)}"
+    built = {}
+    for role in ("prefill", "decode"):
+        engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=32, block_size=16)
+        built[role] = build_pool(
+            PoolConfig(role=role, engine=engine, prefix=prefix, lease_ttl_s=30.0), secret
+        )
+    loops = {role: loop.start() for role, (loop, _) in built.items()}
+    yield loops
+    for loop in loops.values():
+        loop.shutdown()
+    for _, transport in built.values():
+        transport.close()
+
+
+def test_drain_waits_for_exported_kv_to_be_pulled(pools):
+    prefill, decode = pools["prefill"], pools["decode"]
+    sink = Sink()
+    prefill.submit(Job("r1", sink, request=Request((1, 5, 6, 7), SamplingParams(max_tokens=4))))
+    assert sink.done.wait(30)
+    first = sink.events[-1]
+    assert isinstance(first, Prefilled) and prefill.stats().held_leases == 1
+
+    assert prefill.drain(0.2) is False, "a held lease keeps the instance from draining"
+    with pytest.raises(ServingError) as refused:
+        prefill.submit(Job("r2", Sink(), request=Request((1, 2), SamplingParams(max_tokens=2))))
+    assert refused.value.code == UNAVAILABLE
+
+    drained = []
+    waiter = threading.Thread(target=lambda: drained.append(prefill.drain(20.0)))
+    waiter.start()
+    out = Sink()
+    decode.submit(Job("r1", out, state=first.state, descriptor=first.descriptor))
+    assert out.done.wait(30) and isinstance(out.events[-1], Token) and out.events[-1].finished
+    waiter.join(30)
+    assert drained == [True], "the importer's ack released the lease and the drain completed"
+    assert prefill.engine.pool.free_blocks == prefill.engine.pool.num_blocks
