@@ -34,6 +34,7 @@ class Layout:
     block_size: int = 16
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 600.0
+    prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
 
 
 def _dims(dims: Iterable[int]) -> str:
@@ -100,6 +101,8 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
     }
     if role != "colocated":
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
+    if role == "prefill" and layout.prefill_nice:
+        params["nice"] = str(layout.prefill_nice)
     return _model(name, role, inputs, outputs, max_batch=0, decoupled=True, params=params)
 
 

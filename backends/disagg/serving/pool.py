@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,6 +21,10 @@ class PoolConfig:
     lease_ttl_s: float = 30.0
     checksum: bool = False
     max_queue: int = 256
+    # Scheduling niceness of the whole instance process (0..19). A prefill pool sharing its cores with
+    # the token relay (orchestrator, text steps, Triton's own threads) runs nicer, so relaying a
+    # token preempts a long prefill at once instead of waiting out its time slice.
+    nice: int = 0
     # Names the deployment's KV regions; exporter and importer must agree (one per deployment).
     prefix: str = "disagg"
 
@@ -30,6 +35,8 @@ class PoolConfig:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError("max_queue must be a positive integer")
+        if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            raise ValueError("nice must be an integer in [0, 19]")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolConfig:
@@ -48,6 +55,8 @@ def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport
 
     The caller starts the loop and, on shutdown, stops it and closes the transport.
     """
+    if config.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
     transport: Transport | None = None
     relay: list[EngineLoop] = []
     if config.role in ("prefill", "decode"):

@@ -1,0 +1,28 @@
+"""The committed model repository is exactly what the generator writes."""
+
+from __future__ import annotations
+
+from disagg.paths import REPO_ROOT
+from disagg.serving.interface import ALL_INPUTS
+from disagg_tools.repository import Layout, main, render
+
+
+def test_committed_repository_matches_the_generator():
+    repo = REPO_ROOT / "model_repository"
+    rendered = render(Layout())
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == sorted(rendered)
+    for name, text in rendered.items():
+        assert (repo / name / "config.pbtxt").read_text() == text, f"regenerate: disagg repository ({name})"
+        assert (repo / name / "1").is_dir()
+
+
+def test_entry_points_declare_every_input_and_pools_are_pinned(tmp_path):
+    rendered = render(Layout(prefill_cores="2", decode_cores="3"))
+    for entry in ("ensemble", "ensemble_colocated", "llm", "preprocessing"):
+        for spec in ALL_INPUTS:
+            assert f'name: "{spec.name}"' in rendered[entry]
+    assert 'key: "cores", value: { string_value: "2" }' in rendered["prefill"]
+    assert 'key: "cores", value: { string_value: "3" }' in rendered["decode"]
+    assert 'key: "nice"' in rendered["prefill"] and 'key: "nice"' not in rendered["decode"]
+    assert main(["--out", str(tmp_path), "--dtype", "float32"]) == 0
+    assert 'string_value: "float32"' in (tmp_path / "decode" / "config.pbtxt").read_text()
