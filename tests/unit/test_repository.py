@@ -26,3 +26,19 @@ def test_entry_points_declare_every_input_and_pools_are_pinned(tmp_path):
     assert 'key: "nice"' in rendered["prefill"] and 'key: "nice"' not in rendered["decode"]
     assert main(["--out", str(tmp_path), "--dtype", "float32"]) == 0
     assert 'string_value: "float32"' in (tmp_path / "decode" / "config.pbtxt").read_text()
+
+
+def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
+    """Every parameter the repository gives a pool converts and validates as the adapter does it."""
+    import re
+
+    from disagg.serving.pool import PoolConfig
+    from disagg.triton.pool_model import ADAPTER_KEYS, _typed
+
+    for name in ("prefill", "decode", "colocated"):
+        text = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        settings = _typed({k: v for k, v in params.items() if k not in ADAPTER_KEYS and k != "cores"})
+        config = PoolConfig.from_dict({"role": params["role"], "model_dir": tiny_model_dir, **settings})
+        assert config.engine.dtype == "bfloat16"
+        assert config.nice == (10 if name == "prefill" else 0)

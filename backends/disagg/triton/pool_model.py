@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
+from disagg.engine.engine import EngineConfig
 from disagg.engine.sequence import Request
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import classify, invalid
@@ -125,29 +127,23 @@ def _default_model_dir() -> str:
     return str(resolve_model_dir())
 
 
-_INTS = {
-    "block_size",
-    "num_blocks",
-    "kv_cache_mb",
-    "max_batch_size",
-    "max_tokens_cap",
-    "num_threads",
-    "max_queue",
-}
-_FLOATS = {"lease_ttl_s"}
-_BOOLS = {"checksum"}
+def _field_types() -> dict[str, str]:
+    """Setting name -> annotation text, from the config dataclasses themselves (no list to keep in step)."""
+    return {f.name: str(f.type) for cls in (PoolConfig, EngineConfig) for f in fields(cls)}
 
 
 def _typed(settings: dict[str, str]) -> dict[str, Any]:
-    """config.pbtxt parameters are strings: convert the known numeric and boolean ones."""
+    """config.pbtxt parameters are strings: convert each to its config field's scalar type."""
+    types = _field_types()
     out: dict[str, Any] = {}
     for key, value in settings.items():
+        kind = types.get(key, "str").split("|")[0].strip()
         try:
-            if key in _INTS:
+            if kind == "int":
                 out[key] = int(value)
-            elif key in _FLOATS:
+            elif kind == "float":
                 out[key] = float(value)
-            elif key in _BOOLS:
+            elif kind == "bool":
                 out[key] = value.strip().lower() in ("1", "true", "yes")
             else:
                 out[key] = value
