@@ -131,31 +131,62 @@ class Transformer:
         """One step for B sequences: tokens/positions [B], block_table [B, MB]; logits [B, V].
 
         Each sequence's new KV goes to the slot of its position; it then attends to positions
-        0..position of its own blocks.
+        0..position of its own blocks. Attention runs per group of sequences of similar length
+        (block counts within a factor of 4), so a short sequence never pays for the padding of the
+        longest one in the batch.
         """
-        cfg = self.cfg
-        batch, max_blocks = block_table.shape
         bs = cache.shape[3]
         slot_block = block_table.gather(1, (positions // bs)[:, None])[:, 0]  # [B]
         slot_offset = positions % bs
-        span = max_blocks * bs
-        mask = torch.arange(span, device=tokens.device)[None, :] <= positions[:, None]  # [B, L]
-        mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        flat_table = block_table.reshape(-1)
+        groups = self._length_groups(positions, block_table, bs)
         x = self.embed[tokens]  # [B, H]
         for n, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, positions)  # q [B, nh, hd]
             cache[slot_block, n, 0, slot_offset] = k
             cache[slot_block, n, 1, slot_offset] = v
-            # [B * MB, bs, nkv, hd] -> [B, nkv, L, hd]
-            keys = cache[:, n, 0].index_select(0, flat_table).view(batch, span, cfg.num_kv_heads, -1)
-            values = cache[:, n, 1].index_select(0, flat_table).view(batch, span, cfg.num_kv_heads, -1)
-            attn = F.scaled_dot_product_attention(
-                q[:, :, None, :],  # [B, nh, 1, hd]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask,
-                enable_gqa=True,
-            )  # [B, nh, 1, hd]
-            x = self._finish_layer(layer, x, attn.reshape(batch, self.q_size))
+            if len(groups) == 1:
+                attn = self._attend(q, cache, n, *groups[0][1:])
+            else:
+                attn = torch.empty_like(q)
+                for rows, *group in groups:
+                    attn[rows] = self._attend(q[rows], cache, n, *group)
+            x = self._finish_layer(layer, x, attn.reshape(-1, self.q_size))
         return self._logits(x)
+
+    @staticmethod
+    def _length_groups(
+        positions: torch.Tensor, block_table: torch.Tensor, bs: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+        """(rows, flat block ids [b * width], span, mask [b, 1, 1, span]) per group of sequences."""
+        max_blocks = block_table.shape[1]
+        by_width: dict[int, list[int]] = {}
+        for row, position in enumerate(positions.tolist()):
+            width = 1
+            while width * bs <= position:
+                width *= 4
+            by_width.setdefault(min(width, max_blocks), []).append(row)
+        groups = []
+        for width, rows in by_width.items():
+            index = torch.tensor(rows, device=positions.device)
+            span = width * bs
+            mask = torch.arange(span, device=positions.device)[None, :] <= positions[index][:, None]
+            table = block_table[index, :width].reshape(-1)
+            groups.append((index, table, span, mask[:, None, None, :]))  # mask [b, 1, 1, span]
+        return groups
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        layer: int,
+        table: torch.Tensor,
+        span: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [b, nh, hd] over the cached KV of its sequences' blocks -> [b, nh, hd]."""
+        batch, kv_heads = q.shape[0], self.cfg.num_kv_heads
+        # [b * width, bs, nkv, hd] -> [b, nkv, span, hd]
+        keys = cache[:, layer, 0].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
+        values = cache[:, layer, 1].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
+        return out[:, :, 0]  # [b, nh, hd]
