@@ -3,6 +3,11 @@
 Triton 2.51's BLS response iterator blocks and has no ``cancel()``: responses are pulled off the
 event loop on a thread pool (pulling on the loop would serialise every request of the instance), and
 a sequence is stopped with a ``control`` request to its pool, keyed by the request handle.
+
+A pool instance whose stub process dies (``kill -9``, OOM) never completes its open requests on
+Triton 2.51, and the stub is not restarted: a wait for its next response would block forever. So
+while a response is overdue the pool is probed (a ``stop`` of a handle nobody holds, answered at
+once by a live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import numpy as np
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import INTERNAL, ServingError
+from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
 from disagg.serving.loop import Prefilled, Token
 from disagg.triton import glue, wire
 
 _END = object()
+PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
+PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
+PROBE_HANDLE = "liveness-probe"  # no request has this handle: stopping it is a no-op
 
 
 class TritonPools:
@@ -44,15 +52,28 @@ class TritonPools:
         )
         return await request.async_exec(decoupled=True)
 
-    async def _responses(self, responses: Iterator[Any]) -> AsyncIterator[Any]:
+    async def _responses(self, responses: Iterator[Any], pool: str | None = None) -> AsyncIterator[Any]:
+        """Responses of one BLS call; with ``pool``, a pool that stops answering raises UNAVAILABLE."""
         loop = asyncio.get_running_loop()
         while True:
-            response = await loop.run_in_executor(self._executor, next, responses, _END)
+            pending = loop.run_in_executor(self._executor, next, responses, _END)
+            response = await (pending if pool is None else self._while_alive(pool, pending))
             if response is _END:
                 return
             if response.has_error():
                 raise glue.serving_error(self._pb, response.error())
             yield response
+
+    async def _while_alive(self, pool: str, pending: asyncio.Future[Any]) -> Any:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=PROBE_AFTER_S)
+            if done:
+                return pending.result()
+            try:
+                await asyncio.wait_for(self.stop(pool, PROBE_HANDLE), PROBE_TIMEOUT_S)
+            except (ServingError, TimeoutError):
+                # the thread blocked in next() stays blocked: the iterator has no cancel() here
+                raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding") from None
 
     def _tensor(self, response: Any, name: str) -> bytes | None:
         tensor = self._pb.get_output_tensor_by_name(response, name)
@@ -69,7 +90,7 @@ class TritonPools:
         return inputs
 
     async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
-        async for response in self._responses(await self._call(pool, inputs)):
+        async for response in self._responses(await self._call(pool, inputs), pool):
             raw = self._tensor(response, "event")
             if raw is None:
                 continue  # the bare final flag

@@ -1,0 +1,186 @@
+"""Helpers for the serving tests on the project's model repository: the engine oracle, text requests
+over HTTP and gRPC, the pool gauges of `/metrics`, and the server's stub processes.
+
+Plain functions (no fixtures); import them as `from serving_support import ...`.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from triton_support import REPO_ROOT, GrpcStream, http_json, http_sse
+
+from disagg.paths import resolve_model_dir
+
+REPOSITORY = REPO_ROOT / "model_repository"
+ENTRY_POINTS = ("ensemble", "llm", "ensemble_colocated")
+POOLS = ("prefill", "decode", "colocated")
+POOL_GAUGES = ("disagg_kv_blocks_used", "disagg_kv_blocks_free", "disagg_decode_active_sequences")
+
+
+def engine_texts(prompts: Iterable[str], max_tokens: int) -> dict[str, str]:
+    """Greedy text of each prompt from the reference engine in bfloat16, as `disagg generate --dtype
+    bfloat16` prints it: the oracle every entry point must match."""
+    from disagg.engine.engine import Engine, EngineConfig
+    from disagg.engine.sampling import SamplingParams
+    from disagg.engine.scheduler import generate
+    from disagg.engine.sequence import Request
+    from disagg.engine.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir()
+    tokenizer = Tokenizer(model_dir)
+    engine = Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16", kv_cache_mb=64))
+    texts = {}
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        token_ids, _ = generate(engine, Request(tuple(ids), SamplingParams(max_tokens=max_tokens)))
+        texts[prompt] = tokenizer.decode(token_ids)
+    return texts
+
+
+# ---- requests --------------------------------------------------------------------------------------
+
+
+def text_inputs(prompt: str | bytes, max_tokens: int, **extra: Any) -> dict[str, np.ndarray]:
+    """The ensemble tensors of one request as numpy arrays of shape [1, 1] (batch 1, dims [1])."""
+    raw = prompt.encode() if isinstance(prompt, str) else prompt
+    values = {
+        "text_input": np.array([[raw]], dtype=np.object_),
+        "max_tokens": np.array([[max_tokens]], dtype=np.int32),
+    }
+    for name, value in extra.items():
+        values[name] = value if isinstance(value, np.ndarray) else np.array([[value]])
+    return values
+
+
+def generate(server: Any, model: str, body: Mapping[str, Any]) -> tuple[int, Any]:
+    """HTTP `generate` (unary): (status, parsed body)."""
+    return http_json(f"http://{server.config.http_url}/v2/models/{model}/generate", body, timeout_s=120)
+
+
+def generate_stream(server: Any, model: str, body: Mapping[str, Any]) -> list[Any]:
+    """HTTP `generate_stream` (SSE): the parsed events."""
+    url = f"http://{server.config.http_url}/v2/models/{model}/generate_stream"
+    return http_sse(url, {**body, "stream": True}, timeout_s=120)
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    pieces: list[str]
+    error: str | None
+    final: bool
+
+
+def read_stream(stream: GrpcStream, timeout_s: float = 120.0) -> StreamResult:
+    """Drain one request of `stream` to its final response or error."""
+    pieces: list[str] = []
+    for event in stream.until_final(timeout_s):
+        if event.error is not None:
+            return StreamResult(pieces, str(event.error), False)
+        output = event.result.as_numpy("text_output")
+        if output is not None:
+            pieces.append(output.reshape(-1)[0].decode("utf-8"))
+        if event.final:
+            return StreamResult(pieces, None, True)
+    raise AssertionError("stream ended without a final response")  # until_final always ends on one
+
+
+def grpc_stream(
+    server: Any, model: str, values: Mapping[str, np.ndarray], timeout_s: float = 120
+) -> StreamResult:
+    """One request over its own gRPC stream, read to the end."""
+    with GrpcStream(server.config.grpc_url) as stream:
+        stream.send(model, values)
+        return read_stream(stream, timeout_s)
+
+
+def grpc_error(server: Any, model: str, values: Mapping[str, np.ndarray]) -> str:
+    """The error text of a request that must fail (gRPC streaming carries no status code, only text)."""
+    result = grpc_stream(server, model, values, timeout_s=60)
+    assert result.error is not None, f"{model} accepted the request: {result}"
+    return result.error
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$", re.M)
+
+
+def metric_samples(server: Any) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(server.config.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    samples = []
+    for name, labels, value in _SAMPLE.findall(text):
+        pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        samples.append((name, pairs, float(value)))
+    return samples
+
+
+def pool_gauges(server: Any) -> dict[tuple[str, str], float]:
+    """(family, pool) -> value summed over the pool's instances, for the families in `POOL_GAUGES`."""
+    gauges: dict[tuple[str, str], float] = {}
+    for name, labels, value in metric_samples(server):
+        if name in POOL_GAUGES and "pool" in labels:
+            key = (name, labels["pool"])
+            gauges[key] = gauges.get(key, 0.0) + value
+    return gauges
+
+
+def metric_sum(server: Any, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(
+        value
+        for sample, have, value in metric_samples(server)
+        if sample == name and all(have.get(k) == v for k, v in labels.items())
+    )
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+
+def stub_pids(server_pid: int, model: str) -> list[int]:
+    """The Python backend stub processes of `model` started by this server.
+
+    A stub is a direct child of `tritonserver`; its argv holds the model's `<model>/<version>/model.py`
+    path and its instance name `<model>_<group>_<index>`. Only this server's children are considered:
+    other servers on the machine run stubs with the same instance names.
+    """
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) != server_pid or state == "Z" or not argv[0].endswith(b"triton_python_backend_stub"):
+            continue
+        if any(re.fullmatch(rf"{re.escape(model)}_\d+_\d+".encode(), arg) for arg in argv[1:]):
+            pids.append(int(entry.name))
+    return pids
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process of a process group (the server and its stubs)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+            continue
+        match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        total += int(match.group(1)) * 1024 if match else 0
+    return total
