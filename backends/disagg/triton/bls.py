@@ -13,6 +13,7 @@ once by a live pool); a probe that fails or does not answer in time ends the req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,14 @@ from disagg.serving.loop import Prefilled, Token
 from disagg.triton import glue, wire
 
 _END = object()
+
+
+def _drain(responses: Iterator[Any]) -> None:
+    """Consume a BLS call's remaining responses (on an executor thread)."""
+    for _ in responses:
+        pass
+
+
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
 PROBE_HANDLE = "liveness-probe"  # no request has this handle: stopping it is a no-op
@@ -53,16 +62,31 @@ class TritonPools:
         return await request.async_exec(decoupled=True)
 
     async def _responses(self, responses: Iterator[Any], pool: str | None = None) -> AsyncIterator[Any]:
-        """Responses of one BLS call; with ``pool``, a pool that stops answering raises UNAVAILABLE."""
+        """Responses of one BLS call; with ``pool``, a pool that stops answering raises UNAVAILABLE.
+
+        A caller that stops early (cancel, stop string, error) leaves the call's remaining responses
+        to a background drain: the BLS request must see its final response, or the orchestrator's
+        model keeps a request in flight and cannot unload.
+        """
         loop = asyncio.get_running_loop()
-        while True:
-            pending = loop.run_in_executor(self._executor, next, responses, _END)
-            response = await (pending if pool is None else self._while_alive(pool, pending))
-            if response is _END:
-                return
-            if response.has_error():
-                raise glue.serving_error(self._pb, response.error())
-            yield response
+        pending: asyncio.Future[Any] | None = None
+        finished = False
+        try:
+            while True:
+                pending = loop.run_in_executor(self._executor, next, responses, _END)
+                response = await (pending if pool is None else self._while_alive(pool, pending))
+                pending = None
+                if response is _END:
+                    finished = True
+                    return
+                if response.has_error():
+                    raise glue.serving_error(self._pb, response.error())
+                yield response
+        finally:
+            if pending is not None and not pending.done():  # a thread is inside next(): drain after it
+                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses))
+            elif not finished:
+                self._executor.submit(_drain, responses)
 
     async def _while_alive(self, pool: str, pending: asyncio.Future[Any]) -> Any:
         while True:
@@ -90,27 +114,32 @@ class TritonPools:
         return inputs
 
     async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
-        async for response in self._responses(await self._call(pool, inputs), pool):
-            raw = self._tensor(response, "event")
-            if raw is None:
-                continue  # the bare final flag
-            yield wire.decode_event(raw, self._tensor(response, "descriptor") if pool == "prefill" else None)
+        # aclosing: an early exit closes the inner generator now, not whenever it is collected
+        async with contextlib.aclosing(self._responses(await self._call(pool, inputs), pool)) as responses:
+            async for response in responses:
+                raw = self._tensor(response, "event")
+                if raw is None:
+                    continue  # the bare final flag
+                descriptor = self._tensor(response, "descriptor") if pool == "prefill" else None
+                yield wire.decode_event(raw, descriptor)
 
     async def prefill(self, handle: str, request: Request) -> Prefilled:
         inputs = self._job_inputs(
             handle, input_ids=list(request.prompt_token_ids), sampling=wire.encode_sampling(request.params)
         )
         result = None
-        async for event in self._events("prefill", inputs):
-            result = event
+        async with contextlib.aclosing(self._events("prefill", inputs)) as events:
+            async for event in events:
+                result = event
         if not isinstance(result, Prefilled):
             raise ServingError(INTERNAL, "prefill pool answered out of protocol")
         return result
 
     async def _tokens(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token]:
-        async for event in self._events(pool, inputs):
-            if isinstance(event, Token):
-                yield event
+        async with contextlib.aclosing(self._events(pool, inputs)) as events:
+            async for event in events:
+                if isinstance(event, Token):
+                    yield event
 
     def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
         inputs = self._job_inputs(handle, state=json.dumps(state.to_dict()), descriptor=descriptor)
@@ -124,8 +153,9 @@ class TritonPools:
 
     async def _control(self, pool: str, body: dict[str, Any]) -> None:
         inputs = [glue.bytes_tensor(self._pb, "control", json.dumps(body))]
-        async for _ in self._responses(await self._call(pool, inputs)):
-            pass
+        async with contextlib.aclosing(self._responses(await self._call(pool, inputs))) as responses:
+            async for _ in responses:
+                pass
 
     async def stop(self, pool: str, handle: str) -> None:
         await self._control(pool, {"op": "stop", "handle": handle})
