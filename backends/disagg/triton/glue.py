@@ -12,7 +12,7 @@ import numpy as np
 
 from disagg.kv.errors import SecretError
 from disagg.kv.secret import load_secret
-from disagg.serving.errors import CANCELLED, DEADLINE, INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import CANCELLED, CODES, DEADLINE, INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,9 @@ def deployment_secret(path: str = "", wait_s: float = 10.0) -> bytes:
             time.sleep(0.05)  # another instance is between creating and writing the file
 
 
-def triton_error(pb_utils: Any, error: ServingError) -> Any:
+def triton_error(pb_utils: Any, error: ServingError, *, tagged: bool = False) -> Any:
+    """A Triton error for ``error``. ``tagged`` (pool -> orchestrator) also writes the code into the
+    message: Triton 2.51 hands a BLS caller every error with code INTERNAL, whatever was sent."""
     codes = {
         INVALID_ARG: pb_utils.TritonError.INVALID_ARG,
         UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
@@ -63,18 +65,22 @@ def triton_error(pb_utils: Any, error: ServingError) -> Any:
         DEADLINE: pb_utils.TritonError.UNAVAILABLE,
         INTERNAL: pb_utils.TritonError.INTERNAL,
     }
-    return pb_utils.TritonError(error.message, codes[error.code])
+    message = f"{_TAG}{error.code}:{error.message}" if tagged else error.message
+    return pb_utils.TritonError(message, codes[error.code])
+
+
+_TAG = "disagg-code:"
 
 
 def serving_error(pb_utils: Any, error: Any) -> ServingError:
-    """The inverse of triton_error, for errors coming back from a BLS call."""
-    code = error.code() if hasattr(error, "code") else None
-    names = {
-        pb_utils.TritonError.INVALID_ARG: INVALID_ARG,
-        pb_utils.TritonError.UNAVAILABLE: UNAVAILABLE,
-        pb_utils.TritonError.CANCELLED: CANCELLED,
-    }
-    return ServingError(names.get(code, INTERNAL if code is not None else UNAVAILABLE), error.message())
+    """The inverse of triton_error(tagged=True), for errors coming back from a BLS call."""
+    message = error.message()
+    if message.startswith(_TAG):
+        code, _, text = message[len(_TAG) :].partition(":")
+        if code in CODES:
+            return ServingError(code, text)
+    # Not one of ours (Triton's own, e.g. an unhealthy stub): the pool is not serving.
+    return ServingError(UNAVAILABLE, message)
 
 
 def bytes_tensor(pb_utils: Any, name: str, value: bytes | str, shape: tuple[int, ...] = (1,)) -> Any:
@@ -102,6 +108,6 @@ def request_parameters(request: Any) -> dict[str, Any]:
     return json.loads(raw) if raw else {}
 
 
-def send_error(pb_utils: Any, sender: Any, error: ServingError) -> None:
-    response = pb_utils.InferenceResponse(error=triton_error(pb_utils, error))
+def send_error(pb_utils: Any, sender: Any, error: ServingError, *, tagged: bool = False) -> None:
+    response = pb_utils.InferenceResponse(error=triton_error(pb_utils, error, tagged=tagged))
     sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -37,7 +37,8 @@ class TritonSink:
         pb = self._pb
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if isinstance(event, Failed):
-            self._sender.send(pb.InferenceResponse(error=glue.triton_error(pb, event.error)), flags=flags)
+            error = glue.triton_error(pb, event.error, tagged=True)
+            self._sender.send(pb.InferenceResponse(error=error), flags=flags)
             return
         outputs = [glue.bytes_tensor(pb, "event", wire.encode_event(event))]
         if self._descriptor_output:
@@ -75,7 +76,7 @@ class PoolModel:
             try:
                 self._handle(request, sender)
             except Exception as exc:
-                glue.send_error(self._pb, sender, classify(exc))
+                glue.send_error(self._pb, sender, classify(exc), tagged=True)
         return None
 
     def _handle(self, request: Any, sender: Any) -> None:
