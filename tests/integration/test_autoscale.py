@@ -279,11 +279,6 @@ def kv_regions(server: TritonServer) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="scale-in: the removed prefill instance's stub stays alive (its KV region with it) for more "
-    "than 15 s after Triton reports 1 instance; under investigation",
-    strict=False,
-)
 def test_autoscaler_scales_prefill_out_and_in_under_load_without_failed_requests(
     triton_factory: TritonFactory, tmp_path: Path
 ) -> None:
@@ -306,6 +301,7 @@ def test_autoscaler_scales_prefill_out_and_in_under_load_without_failed_requests
             # an in-place update: the first instance (and its region) kept, one region added
             assert regions_before < regions_out and len(regions_out) == 2
             wait_until(lambda: load.done() >= during_out + 4, 60, "requests served by the larger pool")
+            assert load.errors == [], "no request may fail while the pool scales out"
 
             with autoscaler(tmp_path, server, ttft_target_s=100.0) as scaler:
                 wait_until(lambda: instance_count(server) == 1, 120, "prefill scaled in to 1")
@@ -313,7 +309,13 @@ def test_autoscaler_scales_prefill_out_and_in_under_load_without_failed_requests
             # the removed instance's region leaves /dev/shm. Its series stay on /metrics with their last
             # values: the stub exits without deleting its metric objects (not fixed here).
             remaining = prefill_instances(server)
-            wait_until(lambda: len(kv_regions(server)) == 1, 15, "removed instance's region unlinked")
+            try:  # the instance first drains: its queued work and KV leases (bounded at 10 s)
+                wait_until(lambda: len(kv_regions(server)) == 1, 30, "removed instance's region unlinked")
+            except AssertionError:
+                pytest.xfail(
+                    "open: after a scale-in under load the removed prefill instance (and its KV region) "
+                    "outlived Triton's report of 1 instance by more than 30 s"
+                )
             after_in = load.done()
             wait_until(lambda: load.done() >= after_in + 4, 60, "requests served after the scale-in")
         print(f"load: {load.completed} requests, errors {load.errors}; prefill instance left: {remaining}")
