@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from disagg_tools.autoscaler.config import AutoscalerConfig, build_config
+from disagg_tools.autoscaler.controller import ACTIVE, KV_FREE, KV_USED, PENDING, PROMPT, QUEUE, TPOT, TTFT
 from disagg_tools.autoscaler.snapshot import Snapshot, parse_exposition
 
 # Percentiles are only as fine as the buckets: bounds near the SLO targets matter.
@@ -20,15 +21,6 @@ TIME_BUCKETS = (
     *(1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
 )
 TOKEN_BUCKETS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
-
-TTFT = "disagg_time_to_first_token_seconds"
-TPOT = "disagg_time_per_output_token_seconds"
-PROMPT = "disagg_prompt_tokens"
-PENDING = "disagg_prefill_pending_tokens"
-QUEUE = "disagg_prefill_queue_requests"
-ACTIVE = "disagg_decode_active_sequences"
-KV_USED = "disagg_kv_blocks_used"
-KV_FREE = "disagg_kv_blocks_free"
 
 LabelKey = tuple[tuple[str, str], ...]
 
