@@ -20,7 +20,7 @@ from typing import Protocol
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
-from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify, invalid
+from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify
 from disagg.serving.interface import TextRequest
 from disagg.serving.loop import Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
@@ -252,8 +252,3 @@ class _Run:
         self.finished = True
         self.outcome.error = error
         self.out.fail(error)
-
-
-def check_prompt(prompt_ids: Sequence[int]) -> None:
-    if not prompt_ids:
-        raise invalid("prompt encodes to 0 tokens")

@@ -20,24 +20,34 @@ from typing import Any
 from disagg.engine.sampling import SamplingParams
 from disagg.engine.sequence import SequenceState
 from disagg.serving.errors import invalid
-from disagg.serving.loop import Event, Failed, Prefilled, Token
+from disagg.serving.loop import Event, Prefilled, Token
 
 POOL_INPUTS = ("input_ids", "sampling", "state", "descriptor", "handle", "control")
 MAX_HANDLE = 128
 
 
 def encode_sampling(params: SamplingParams) -> str:
-    return json.dumps({**asdict(params), "stop_token_ids": list(params.stop_token_ids)})
+    return json.dumps(_sampling_dict(params))
+
+
+def _sampling_dict(params: SamplingParams) -> dict[str, Any]:
+    return {**asdict(params), "stop_token_ids": list(params.stop_token_ids)}
 
 
 def decode_sampling(raw: bytes) -> SamplingParams:
     try:
-        data = json.loads(raw)
+        return _sampling_from(json.loads(raw))
+    except ValueError:
+        raise invalid("malformed sampling parameters") from None
+
+
+def _sampling_from(data: Any) -> SamplingParams:
+    """SamplingParams from parsed JSON; unknown keys are errors (values are validated by the engine)."""
+    try:
         known = set(SamplingParams.__dataclass_fields__)
         if not isinstance(data, dict) or not set(data) <= known:
             raise ValueError
-        data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
-        return SamplingParams(**data)
+        return SamplingParams(**{**data, "stop_token_ids": tuple(data.get("stop_token_ids", ()))})
     except (ValueError, TypeError):
         raise invalid("malformed sampling parameters") from None
 
@@ -98,15 +108,12 @@ def decode_event(raw: bytes, descriptor: bytes | None) -> Token | Prefilled:
     )
 
 
-__all__ = ["POOL_INPUTS", "Failed", "decode_event", "encode_event"]
-
-
 def encode_text_request(text: Any) -> str:
     """A validated TextRequest, from preprocessing to the orchestrator."""
     return json.dumps(
         {
             "prompt": text.prompt,
-            "sampling": json.loads(encode_sampling(text.params)),
+            "sampling": _sampling_dict(text.params),
             "stream": text.stream,
             "exclude_input_in_output": text.exclude_input_in_output,
             "stop_words": list(text.stop_words),
@@ -121,7 +128,7 @@ def decode_text_request(raw: bytes) -> Any:
         data = json.loads(raw)
         return TextRequest(
             prompt=str(data["prompt"]),
-            params=decode_sampling(json.dumps(data["sampling"]).encode()),
+            params=_sampling_from(data["sampling"]),
             stream=bool(data["stream"]),
             exclude_input_in_output=bool(data["exclude_input_in_output"]),
             stop_words=tuple(str(w) for w in data["stop_words"]),
