@@ -300,19 +300,26 @@ def test_a5_invalid_utf8_and_nul(server: TritonServer, model: str) -> None:
     assert "contains a NUL character" in grpc_error(server, model, text_inputs(b"ab\x00cd", 4))
 
 
-@pytest.mark.xfail(
-    reason="failed once with the 24 MiB tolerance; the growth is not yet measured", strict=False
-)
 def test_a5_ten_megabyte_prompts_leave_memory_stable(server: TritonServer) -> None:
+    """Refused 10 MB prompts do not accumulate: after a warm-up of each kind of request (the Python
+    backend's shared-memory regions grow once to hold a request, the allocators keep their high-water
+    mark), forty more (400 MB sent) must not grow the server's resident memory by more than a small
+    fraction of that. A request kept alive by a reference cycle costs 10 MB each (seen: +640 MiB)."""
     big = "x" * (10 << 20)
-    refused(server, "llm", {"text_input": big, "max_tokens": 4}, "larger than 1048576 bytes")
-    refused(server, "ensemble", {"text_input": big, "max_tokens": 4}, "larger than 1048576 bytes")
+
+    def send_each_kind() -> None:
+        for model in ("llm", "ensemble"):
+            refused(server, model, {"text_input": big, "max_tokens": 4}, "larger than 1048576 bytes")
+            assert "larger than" in grpc_error(server, model, text_inputs(big, 4))
+
+    for _ in range(2):
+        send_each_kind()
     before = group_rss_bytes(server.pid)
-    for model in ("llm", "ensemble", "llm", "ensemble"):
-        refused(server, model, {"text_input": big, "max_tokens": 4}, "larger than 1048576 bytes")
-    assert "larger than" in grpc_error(server, "llm", text_inputs(big, 4))
+    for _ in range(10):
+        send_each_kind()
     grown = group_rss_bytes(server.pid) - before
-    assert grown < 24 << 20, f"server memory grew by {grown / 2**20:.1f} MiB over five 10 MB requests"
+    print(f"A5: server memory {grown / 2**20:+.1f} MiB over 40 refused 10 MB prompts after warm-up")
+    assert grown < 32 << 20, f"server memory grew by {grown / 2**20:.1f} MiB over forty 10 MB requests"
 
 
 POOL_JOB = {"input_ids": [1, 42, 305], "sampling": json.dumps({"max_tokens": 4}), "handle": "h-1"}
@@ -347,15 +354,13 @@ def test_a6_forged_descriptor_to_decode_refused_before_work(server: TritonServer
 # ---- 6. SIGTERM with streams in flight (last: it stops the module's server) -----------------------
 
 
-@pytest.mark.xfail(
-    reason="open: with three llm streams in flight at SIGTERM the streams drain, every other model "
-    "unloads, but `llm` stays live until Triton's exit timeout forces the exit (seen 2 of 2 runs with 3 "
-    "streams; with 1 stream the server exited in 5 s)",
-    strict=False,
-)
 def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
     triton_factory: TritonFactory, server: TritonServer, expected: dict[str, str]
 ) -> None:
+    """Three `llm` streams in flight at SIGTERM: each finishes, then the server exits 0 within its
+    exit timeout. Each client closes its gRPC stream when its request ends, as a client does when it
+    has nothing more to send: on Triton 2.51 a stream left open keeps the server from exiting at all
+    (next test)."""
     triton_factory.release(server)  # this test stops the server and checks the outcome itself
     streams = [GrpcStream(server.config.grpc_url) for _ in range(3)]
     results: list[Any] = [None] * len(streams)
@@ -371,12 +376,15 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
 
         def read(i: int) -> None:
             results[i] = read_stream(streams[i], timeout_s=60)
+            streams[i].close()
 
         readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
         for reader in readers:
             reader.start()
+        signalled = time.monotonic()
         server.signal(signal.SIGTERM)  # to the process group, as `make serve` does on Ctrl-C / SIGTERM
         status = server.wait(server.config.exit_timeout_s + 20)
+        exited_after = time.monotonic() - signalled
         for reader in readers:
             reader.join(30)
     finally:
@@ -384,6 +392,7 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
             stream.close()
         server.stop(grace_s=5)
     assert status == 0, server.log_tail()
+    assert exited_after < server.config.exit_timeout_s, "the exit timeout forced the exit"
     for result in results:
         assert result is not None, "a stream was left hanging"
         # drained: each stream in flight at the signal either finished or ended with an error

@@ -205,6 +205,7 @@ class GrpcStream:
         import tritonclient.grpc as grpcclient
 
         self.client = grpcclient.InferenceServerClient(url)
+        self._closed = False
         self.events: queue.Queue[StreamEvent] = queue.Queue()
         self.client.start_stream(callback=self._on_response, headers=dict(headers or {}))
 
@@ -237,6 +238,10 @@ class GrpcStream:
                 return
 
     def close(self) -> None:
+        """Idempotent: a reader may close its stream when its request ends, and the test again."""
+        if self._closed:
+            return
+        self._closed = True
         self.client.stop_stream()
         self.client.close()
 

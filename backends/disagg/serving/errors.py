@@ -33,9 +33,14 @@ def invalid(message: str) -> ServingError:
 
 
 def classify(exc: BaseException) -> ServingError:
-    """Map any exception to a client-safe ServingError; unexpected ones are logged, not echoed."""
+    """Map any exception to a client-safe ServingError; unexpected ones are logged, not echoed.
+
+    The result is always a fresh value without a traceback: a caught exception kept in a local
+    variable references its own frame through ``__traceback__``, a cycle that holds the frame's
+    request (a 10 MB input, a Triton response sender) until the cyclic collector happens to run.
+    """
     if isinstance(exc, ServingError):
-        return exc
+        return ServingError(exc.code, exc.message)
     if isinstance(exc, InvalidRequest):
         return ServingError(INVALID_ARG, str(exc))
     if isinstance(exc, OutOfBlocks):
