@@ -85,8 +85,11 @@ class PoolConfig:
     # actuation
     deployment: str | None = None
     """Kubernetes Deployment running this pool (default: the pool's name)."""
-    drain_max_inflight: float = 0.0
-    """Scale-in waits until the pool's in-flight gauge is at most this."""
+    drain_max_inflight: float | None = None
+    """triton actuator: unset (default), a scale-in is sent at once and the removed instance drains
+    itself (Triton stops routing to it; it finishes what it was handed and waits, bounded, for its
+    exported KV to be pulled). Set, a scale-in first waits until the pool's in-flight gauge is at most
+    this, for up to `drain_timeout_s` (a pool under steady load then never scales in)."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def _check_pool(pool: PoolConfig, where: str, interval_s: float) -> None:
         _positive(pool.tpot_target_s, f"{where}.tpot_target_s")
         if not 0 < pool.kv_low < pool.kv_high <= 1:
             raise ConfigError(f"{where}: need 0 < kv_low < kv_high <= 1")
-    if pool.drain_max_inflight < 0:
+    if pool.drain_max_inflight is not None and pool.drain_max_inflight < 0:
         raise ConfigError(f"{where}.drain_max_inflight: must be >= 0")
 
 

@@ -46,7 +46,14 @@ DESCRIPTIONS = {
 
 
 class Families:
-    """Creates each family once per process."""
+    """Creates each family once per process.
+
+    Families and their metrics live as long as the process. Deleting them when an instance goes is
+    not safe on Triton 2.51: a reloaded model's new instance holds series with the same labels before
+    the old one is finalized, and Triton drops a series when any one holder deletes it (seen: the new
+    instance's requests and the next reload hung). A retiring pool instance zeroes its gauges
+    instead (``PoolReporter.retire``).
+    """
 
     def __init__(self, pb_utils: Any) -> None:
         self._pb = pb_utils
@@ -91,6 +98,7 @@ class OrchestratorMetrics:
         self._outcomes: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
+        self._refresher: threading.Thread | None = None
 
     def _counter(self, outcome: str) -> Any:
         with self._lock:
@@ -133,11 +141,14 @@ class OrchestratorMetrics:
                 except Exception:
                     log.warning("refreshing SLO gauges failed", exc_info=True)
 
-        threading.Thread(target=run, name="metrics-slo", daemon=True).start()
+        self._refresher = threading.Thread(target=run, name="metrics-slo", daemon=True)
+        self._refresher.start()
 
     def stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
+        if self._refresher is not None and self._refresher.is_alive():
+            self._refresher.join(timeout=5)
 
     def refresh(self) -> None:
         """Publish the window's attainment (1.0 while empty: nothing missed) and goodput."""
@@ -185,6 +196,15 @@ class PoolReporter:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    def retire(self) -> None:
+        """Stop publishing and zero this instance's gauges: its series stay on /metrics (see
+        ``Families``), but an instance removed by a scale-in or an unload no longer adds its last
+        queue, sequences or KV blocks to the pool's sums. Counters keep their totals."""
+        self.stop()
+        for gauge in (self.used, self.free, self.queue, self.pending, self.active):
+            if gauge is not None:
+                gauge.set(0)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

@@ -116,7 +116,7 @@ class PoolModel:
         # goes: bounded, since Triton's exit timeout bounds the whole unload.
         if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S)):
             log.warning("%s pool instance unloads with work or KV leases still outstanding", self.role)
-        self.reporter.stop()
+        self.reporter.retire()
         self.loop.shutdown()
         if self.transport is not None:
             self.transport.close()

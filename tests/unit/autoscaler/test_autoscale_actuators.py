@@ -90,12 +90,25 @@ def test_triton_actuator_errors_are_actuator_errors_without_the_key() -> None:
         TritonActuator(ActuatorConfig(kind="triton"), FakeClock(), lambda p: 0.0, environ={})
 
 
+WAITING_POOL = config([prefill_pool(drain_max_inflight=0.0)]).pools[0]
+
+
+def test_scale_in_is_sent_at_once_by_default_the_instance_drains_itself() -> None:
+    state = {"config": with_instance_count(MODEL_CONFIG, 3)}
+    with http_fake(triton_handler(state)) as (url, records):
+        act, clock = triton_actuator(url, inflight=lambda pool: 99.0)
+        act.apply(POOL, 3, 2)
+    assert clock.waits == []
+    assert instance_count(state["config"]) == 2
+    assert [r.method for r in records].count("POST") == 1
+
+
 def test_scale_in_waits_for_the_pool_to_drain_then_reloads() -> None:
     state = {"config": with_instance_count(MODEL_CONFIG, 3)}
     loads = iter([7.0, 2.0, None, 0.0])  # None: the probe could not read the gauge (not drained)
     with http_fake(triton_handler(state)) as (url, records):
         act, clock = triton_actuator(url, inflight=lambda pool: next(loads))
-        act.apply(POOL, 3, 2)
+        act.apply(WAITING_POOL, 3, 2)
     assert clock.waits == [1.0, 1.0, 1.0]
     assert instance_count(state["config"]) == 2
     assert [r.method for r in records].count("POST") == 1
@@ -106,7 +119,7 @@ def test_scale_in_is_deferred_when_the_pool_does_not_drain() -> None:
     with http_fake(triton_handler(state)) as (url, records):
         act, clock = triton_actuator(url, inflight=lambda pool: 5.0)
         with pytest.raises(DrainTimeout):
-            act.apply(POOL, 3, 2)
+            act.apply(WAITING_POOL, 3, 2)
     assert not any(r.method == "POST" for r in records)
     assert instance_count(state["config"]) == 3
     assert sum(clock.waits) >= 10.0
@@ -116,7 +129,7 @@ def test_scale_out_does_not_wait_for_drain() -> None:
     state = {"config": MODEL_CONFIG}
     with http_fake(triton_handler(state)) as (url, _):
         act, clock = triton_actuator(url, inflight=lambda pool: 99.0)
-        act.apply(POOL, 1, 2)
+        act.apply(WAITING_POOL, 1, 2)
     assert clock.waits == []
 
 
