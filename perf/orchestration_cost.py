@@ -9,7 +9,14 @@ TPOT = (last token - first token) / (n - 1), with n fixed by ``min_length = max_
 figures count time per token from piece arrival; pieces can merge tokens, never split them, so the
 first-to-last span still covers n - 1 token intervals.
 
-    python perf/orchestration_cost.py [--triton-url 127.0.0.1:GRPC_PORT] [--reps 5] [--tokens 64]
+Where the difference goes: the decode engine's own time per step is read beside each TPOT, in this
+process from the loop's counters and inside the server from the decode instance's
+``disagg_engine_busy_seconds_total`` / ``disagg_engine_steps_total`` on /metrics. TPOT minus that step
+time is what happens between two steps (response hand-off, the loop itself); the step time inside the
+server minus the one here is the engine running slower inside the server (the relay and Triton's own
+threads busy on the other core of the same chip).
+
+    python perf/orchestration_cost.py [--triton-url HOST:GRPC_PORT --metrics-url URL] [--reps 5]
 
 Without --triton-url a server is started on model_repository/. Writes
 perf/results/orchestration_cost.{json,md}.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -27,6 +35,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,6 +89,10 @@ class LocalPools:
             self.loops[role] = loop.start()  # the loop thread inherits this thread's pinning
             self.transports.append(transport)
         os.sched_setaffinity(0, {PREFILL_CORE})
+
+    def decode_counters(self) -> tuple[int, float]:
+        stats = self.loops["decode"].stats()
+        return stats.engine_steps, stats.engine_busy_s
 
     def tpot(self, prompt: list[int], tokens: int, handle: str) -> float:
         params = SamplingParams(max_tokens=tokens, min_length=tokens)
@@ -134,33 +148,75 @@ async def triton_tpot(
     return (outcome.last_piece - outcome.first_piece) / (tokens - 1)
 
 
-def run(url: str, model_dir: Path, reps: int, tokens: int) -> dict:
+def server_decode_counters(metrics_url: str) -> tuple[int, float]:
+    """Engine steps and busy seconds of the server's decode pool (all instances) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    totals = {"disagg_engine_steps_total": 0.0, "disagg_engine_busy_seconds_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals and sample.labels.get("pool") == "decode":
+                totals[sample.name] += sample.value
+    return int(totals["disagg_engine_steps_total"]), totals["disagg_engine_busy_seconds_total"]
+
+
+def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float], steps: int) -> float:
+    """Mean engine step since `before`, once the counters show at least `steps` more steps (they are
+    published a quarter of a second apart, so this polls for up to five seconds)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        after = read()
+        if after[0] - before[0] >= steps or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    done = after[0] - before[0]
+    if done < steps:
+        raise RuntimeError(f"decode counters show {done} steps, expected {steps}")
+    return (after[1] - before[1]) / done
+
+
+def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: int) -> dict:
     tokenizer = Tokenizer(model_dir)
     local = LocalPools(model_dir, "bfloat16")
-    samples: dict[str, list[float]] = {"engine step": [], "engine loop": [], "ensemble": [], "llm": []}
+    paths = ("engine step", "engine loop", "ensemble", "llm")
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    steps: dict[str, list[float]] = {name: [] for name in paths[1:]}
+    decode_steps = tokens - 1  # the first token comes from prefill; batch 1: one token per step
     try:
         for rep in range(reps + 1):  # the first round warms every path up and is dropped
             prompt = f"Request {rep}: tell a long story about the sea"
             ids = tokenizer.encode(prompt)
-            row = {
-                "engine step": local.step_time(ids),
-                "engine loop": local.tpot(ids, tokens, f"oc-{rep}"),
-                "ensemble": asyncio.run(triton_tpot(url, "ensemble", prompt, len(ids), tokens, rep)),
-                "llm": asyncio.run(triton_tpot(url, "llm", prompt, len(ids), tokens, rep)),
-            }
+            row = {"engine step": local.step_time(ids)}
+            step_row = {}
+            before = local.decode_counters()
+            row["engine loop"] = local.tpot(ids, tokens, f"oc-{rep}")
+            step_row["engine loop"] = step_during(local.decode_counters, before, decode_steps)
+            for model in ("ensemble", "llm"):
+                before = server_decode_counters(metrics_url) if metrics_url else None
+                row[model] = asyncio.run(triton_tpot(url, model, prompt, len(ids), tokens, rep))
+                if metrics_url and before is not None:
+                    read = functools.partial(server_decode_counters, metrics_url)
+                    step_row[model] = step_during(read, before, decode_steps)
             if rep:
                 for name, value in row.items():
                     samples[name].append(value)
+                for name, value in step_row.items():
+                    steps[name].append(value)
     finally:
         local.close()
     medians = {name: statistics.median(values) for name, values in samples.items()}
+    step_medians = {name: statistics.median(values) for name, values in steps.items() if values}
     base = medians["engine loop"]
     return {
         "tokens": tokens,
         "reps": reps,
         "dtype": "bfloat16",
         "tpot_ms": {k: v * 1e3 for k, v in medians.items()},
+        "decode_engine_step_ms": {k: v * 1e3 for k, v in step_medians.items()},
         "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in samples.items()},
+        "step_samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in steps.items()},
         "overhead_vs_engine_loop": {k: medians[k] / base - 1 for k in ("ensemble", "llm")},
         "loop_overhead_vs_step": medians["engine loop"] / medians["engine step"] - 1,
     }
@@ -173,12 +229,22 @@ def markdown(result: dict) -> str:
         f"One stream at a time, {result['tokens']} tokens, bf16, median of {result['reps']} interleaved "
         "repetitions; TPOT = (last - first) / (n - 1).",
         "",
-        "| path | TPOT (ms) | vs engine loop |",
-        "|---|---:|---:|",
+        "| path | TPOT (ms) | vs engine loop | decode engine step (ms) | TPOT - step (ms) |",
+        "|---|---:|---:|---:|---:|",
     ]
     base = result["tpot_ms"]["engine loop"]
+    steps = result.get("decode_engine_step_ms", {})
     for name, value in result["tpot_ms"].items():
-        lines.append(f"| {name} | {value:.2f} | {value / base - 1:+.1%} |")
+        step = value if name == "engine step" else steps.get(name)
+        cells = ("-", "-") if step is None else (f"{step:.2f}", f"{value - step:.2f}")
+        lines.append(f"| {name} | {value:.2f} | {value / base - 1:+.1%} | {cells[0]} | {cells[1]} |")
+    lines += [
+        "",
+        "Decode engine step: time inside `decode_step()` per step, from the loop's counters here and",
+        "from the decode instance's `disagg_engine_busy_seconds_total` / `disagg_engine_steps_total`",
+        "through Triton. TPOT - step: time between steps (response hand-off, the loop). A step slower",
+        "through Triton than in the engine loop is the engine slowed by the work on the other core.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -187,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--triton-url", help="gRPC host:port of a running server (default: start one)")
+    parser.add_argument("--metrics-url", help="that server's /metrics URL (for its decode engine step)")
     parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else .models/tiny)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
@@ -194,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_dir = ensure_model(resolve_model_dir(args.model))
     server = None
-    url = args.triton_url
+    url, metrics_url = args.triton_url, args.metrics_url
     if url is None:
         server = start_triton(REPO_ROOT / "model_repository", Path(tempfile.mkdtemp(prefix="oc-")))
-        url = server.config.grpc_url
+        url, metrics_url = server.config.grpc_url, server.config.metrics_url
     try:
-        result = run(url, model_dir, args.reps, args.tokens)
+        result = run(url, metrics_url, model_dir, args.reps, args.tokens)
     finally:
         if server is not None:
             server.stop()

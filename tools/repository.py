@@ -1,10 +1,15 @@
 """Write the model repository: config.pbtxt per model plus a version folder, no code.
 
     disagg repository [--out model_repository] [--dtype bfloat16] [--prefill-cores 0] [--decode-cores 1]
+    disagg repository --out gpu_repository --prefill-gpus 0 --decode-gpus 1 --colocated-gpus 0
 
 Every model uses the project's Python-based backend (``backend: "disagg"``); its ``role`` parameter
 picks the adapter. The default layout is for a 2-core machine: prefill (and the text steps and the
 orchestrator) on core 0, decode on core 1, the colocated baseline on both.
+
+With ``--prefill-gpus`` / ``--decode-gpus`` (disjoint lists) the pools are ``KIND_GPU`` instance groups,
+one instance per listed GPU, the engine on that GPU and the KV hand-off over CUDA IPC. NOT verified:
+no GPU was available where this was written; the CUDA paths are tested only against fakes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,28 @@ class Layout:
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 600.0
     prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
+    # GPU ids ("0" or "0,1"); set: the pool is a KIND_GPU group with one instance per GPU
+    prefill_gpus: str = ""
+    decode_gpus: str = ""
+    colocated_gpus: str = ""
+
+    def __post_init__(self) -> None:
+        ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
+        if bool(ids["prefill"]) != bool(ids["decode"]):
+            raise ValueError("prefill_gpus and decode_gpus go together (the KV hand-off is GPU to GPU)")
+        if set(ids["prefill"]) & set(ids["decode"]):
+            raise ValueError("prefill_gpus and decode_gpus must be disjoint")
+
+    def gpus(self, pool: str) -> list[int]:
+        """The GPU ids of a pool (empty: it runs on CPU)."""
+        text = getattr(self, f"{pool}_gpus")
+        try:
+            ids = [int(g) for g in text.split(",")] if text.strip() else []
+        except ValueError:
+            raise ValueError(f"{pool}_gpus must list GPU ids, e.g. '0' or '0,1'; got {text!r}") from None
+        if any(g < 0 for g in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"{pool}_gpus must list distinct GPU ids >= 0; got {text!r}")
+        return ids
 
 
 def _dims(dims: Iterable[int]) -> str:
@@ -71,13 +98,16 @@ def _model(
     max_batch: int,
     decoupled: bool,
     params: dict[str, str],
-    instances: int = 1,
+    gpus: list[int] | None = None,
 ) -> str:
     text = HEADER + f'name: "{name}"\nbackend: "disagg"\nmax_batch_size: {max_batch}\n'
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     text += _block("input", inputs) + _block("output", outputs)
-    text += f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]\n"
+    if gpus:
+        text += f"instance_group [ {{ kind: KIND_GPU, count: 1, gpus: {_dims(gpus)} }} ]\n"
+    else:
+        text += "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
     return text + _parameters({"role": role, **params})
 
 
@@ -103,7 +133,12 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
-    return _model(name, role, inputs, outputs, max_batch=0, decoupled=True, params=params)
+    gpus = layout.gpus(role)
+    if gpus:  # the instance's GPU id comes from Triton; NOT verified on a GPU
+        params["device"] = "cuda"
+        if role != "colocated":
+            params["transport"] = "cuda_ipc"
+    return _model(name, role, inputs, outputs, max_batch=0, decoupled=True, params=params, gpus=gpus)
 
 
 def _orchestrator(name: str, mode: str, layout: Layout) -> str:
@@ -216,13 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg repository", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("model_repository"))
     defaults = Layout()
-    for field in ("prefill_cores", "decode_cores", "colocated_cores", "frontend_cores", "dtype"):
+    fields = ("prefill_cores", "decode_cores", "colocated_cores", "frontend_cores", "dtype")
+    for field in (*fields, "prefill_gpus", "decode_gpus", "colocated_gpus"):
         parser.add_argument("--" + field.replace("_", "-"), default=getattr(defaults, field))
     parser.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_mb)
     parser.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     args = parser.parse_args(argv)
-    layout = Layout(
+    try:
+        layout = _layout(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in write(args.out, layout):
+        print(path, file=sys.stderr)
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    return Layout(
         prefill_cores=args.prefill_cores,
         decode_cores=args.decode_cores,
         colocated_cores=args.colocated_cores,
@@ -231,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_mb=args.kv_cache_mb,
         lease_ttl_s=args.lease_ttl_s,
         request_timeout_s=args.request_timeout_s,
+        prefill_gpus=args.prefill_gpus,
+        decode_gpus=args.decode_gpus,
+        colocated_gpus=args.colocated_gpus,
     )
-    for path in write(args.out, layout):
-        print(path, file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

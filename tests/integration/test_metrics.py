@@ -115,6 +115,7 @@ def test_exports_every_contract_family(server: TritonServer) -> None:
 
 def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServer) -> None:
     url = server.config.metrics_url
+    started = time.monotonic()
     before = scrape_metrics(url)
     tokenizer = Tokenizer(resolve_model_dir())
     block, bytes_per_block = block_bytes(server)
@@ -150,7 +151,11 @@ def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServ
         moved = metric_sum(now, "disagg_kv_transfer_bytes_total", model="decode") - metric_sum(
             before, "disagg_kv_transfer_bytes_total", model="decode"
         )
-        return now if moved >= expected_bytes and pool_baseline(now) == baseline else None
+        prefilled = metric_sum(now, "disagg_engine_steps_total", model="prefill") - metric_sum(
+            before, "disagg_engine_steps_total", model="prefill"
+        )
+        counted = moved >= expected_bytes and prefilled >= len(disagg_token_counts)
+        return now if counted and pool_baseline(now) == baseline else None
 
     after = wait_until(settled, timeout_s=15, what="pool gauges back to baseline and KV bytes counted")
 
@@ -161,6 +166,13 @@ def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServ
     assert delta("disagg_kv_transfer_bytes_total", model="colocated") == 0
     assert delta("disagg_kv_transfer_failures_total") == 0
     assert delta("disagg_kv_transfer_seconds_count", model="decode") == len(disagg_token_counts)
+    # engine calls: one prefill per disaggregated prompt; decode steps are shared by the streams of a
+    # batch, so between one stream's worth and every stream's; busy time within the test's wall time
+    n_disagg = len(disagg_token_counts)
+    assert delta("disagg_engine_steps_total", model="prefill") == n_disagg
+    assert TOKENS - 1 <= delta("disagg_engine_steps_total", model="decode") <= n_disagg * (TOKENS - 1)
+    for pool in ("prefill", "decode", "colocated"):
+        assert 0 < delta("disagg_engine_busy_seconds_total", model=pool) < time.monotonic() - started
 
     report = {}
     for (model, path), runs in timed.items():

@@ -42,3 +42,52 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
         config = PoolConfig.from_dict({"role": params["role"], "model_dir": tiny_model_dir, **settings})
         assert config.engine.dtype == "bfloat16"
         assert config.nice == (10 if name == "prefill" else 0)
+
+
+def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_path, tiny_model_dir):
+    """`--prefill-gpus/--decode-gpus`: KIND_GPU groups (one instance per listed GPU), the engine on the
+    instance's GPU, CUDA IPC between prefill and decode. Rendered and validated here; NOT run on a GPU."""
+    import re
+
+    from disagg.serving.pool import PoolConfig, transport_options
+    from disagg.triton import glue
+    from disagg.triton.pool_model import ADAPTER_KEYS, _typed
+
+    argv = ["--out", str(tmp_path), "--prefill-gpus", "0", "--decode-gpus", "1,2", "--colocated-gpus", "3"]
+    assert main(argv) == 0
+    text = {
+        name: (tmp_path / name / "config.pbtxt").read_text() for name in ("prefill", "decode", "colocated")
+    }
+    assert "instance_group [ { kind: KIND_GPU, count: 1, gpus: [ 0 ] } ]" in text["prefill"]
+    assert "instance_group [ { kind: KIND_GPU, count: 1, gpus: [ 1, 2 ] } ]" in text["decode"]
+    assert "instance_group [ { kind: KIND_GPU, count: 1, gpus: [ 3 ] } ]" in text["colocated"]
+    assert "KIND_GPU" not in (tmp_path / "llm" / "config.pbtxt").read_text()  # the front end stays on CPU
+    for name, body in text.items():
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        assert params["device"] == "cuda"
+        settings = _typed({k: v for k, v in params.items() if k not in ADAPTER_KEYS and k != "cores"})
+        # what the adapter adds for the instance Triton placed on GPU 2 (decode's second)
+        settings["device"] = glue.instance_device(
+            {"model_instance_kind": "GPU", "model_instance_device_id": "2"}
+        )
+        config = PoolConfig.from_dict({"role": params["role"], "model_dir": tiny_model_dir, **settings})
+        assert config.engine.device == "cuda:2"
+        if name == "colocated":
+            assert "transport" not in params and transport_options(config) == {}
+        else:
+            assert config.transport == "cuda_ipc"
+            assert transport_options(config)["cuda"].device == "cuda:2"  # its regions on its own GPU
+    assert glue.instance_device({"model_instance_kind": "CPU", "model_instance_device_id": "0"}) is None
+
+
+def test_gpu_variant_refuses_shared_or_one_sided_gpus():
+    import pytest
+
+    with pytest.raises(ValueError, match="disjoint"):
+        Layout(prefill_gpus="0,1", decode_gpus="1")
+    with pytest.raises(ValueError, match="go together"):
+        Layout(prefill_gpus="0")
+    with pytest.raises(ValueError, match="GPU ids"):
+        Layout(prefill_gpus="0", decode_gpus="gpu1")
+    with pytest.raises(SystemExit):
+        main(["--prefill-gpus", "0", "--decode-gpus", "0"])

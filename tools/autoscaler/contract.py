@@ -51,6 +51,8 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_kv_transfer_failures_total": COUNTER,
         "disagg_kv_lease_expired_total": COUNTER,
         "disagg_fallbacks_total": COUNTER,
+        "disagg_engine_steps_total": COUNTER,
+        "disagg_engine_busy_seconds_total": COUNTER,
     }
 )
 """Every family the server must export: name -> kind. The serving side may import this."""

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from disagg.engine.engine import Engine
 from disagg.engine.errors import OutOfBlocks
@@ -33,6 +33,8 @@ from disagg.kv.transport import Transport
 from disagg.serving.errors import CANCELLED, INVALID_ARG, UNAVAILABLE, ServingError, classify
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -99,6 +101,8 @@ class LoopStats:
     blocks_used: int
     blocks_free: int
     healthy: bool
+    engine_steps: int  # engine calls so far: prefills (prefill), batch steps (decode, colocated)
+    engine_busy_s: float  # seconds spent inside them
 
 
 class EngineLoop:
@@ -134,6 +138,9 @@ class EngineLoop:
         self._active = 0  # sequences in the engine's batch, as of the last iteration
         # seconds of each KV import (decode), drained by the metrics reporter
         self.transfer_times: deque[float] = deque(maxlen=4096)
+        # engine calls and the seconds spent in them (written by the loop thread only)
+        self._steps = 0
+        self._busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"engine-{role}", daemon=True)
         # Responses and cancellation checks are round trips to the server: a dispatcher thread does
         # them, so the engine thread never waits on one between steps.
@@ -215,6 +222,8 @@ class EngineLoop:
             blocks_used=pool.used_blocks,
             blocks_free=pool.free_blocks,
             healthy=self.healthy,
+            engine_steps=self._steps,
+            engine_busy_s=self._busy_s,
         )
 
     def drain(self, timeout_s: float) -> bool:
@@ -373,6 +382,15 @@ class EngineLoop:
             if self.transport is not None:
                 self.transport.abort(lease_id)
 
+    def _timed(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """One engine call, counted with its duration (``disagg_engine_*`` metrics)."""
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._busy_s += time.perf_counter() - started
+            self._steps += 1
+
     def _work(self) -> None:
         if self.role == "prefill":
             self._prefill_one()
@@ -387,7 +405,7 @@ class EngineLoop:
             return
         job = self._waiting[0]
         try:
-            (out,) = self.engine.prefill([job.request], decode=False)  # type: ignore[list-item]
+            (out,) = self._timed(self.engine.prefill, [job.request], decode=False)  # type: ignore[list-item]
         except OutOfBlocks:
             if self._leases:
                 return  # blocks come back as leases end; try again then
@@ -448,7 +466,7 @@ class EngineLoop:
     def _decode_step(self) -> None:
         if not self._running:
             return
-        for out in self.engine.decode_step():
+        for out in self._timed(self.engine.decode_step):
             job = self._running.get(out.seq_id)
             if job is None:
                 continue
@@ -462,7 +480,7 @@ class EngineLoop:
 
     def _colocated_step(self) -> None:
         try:
-            events = self._scheduler.step()  # type: ignore[union-attr]
+            events = self._timed(self._scheduler.step)  # type: ignore[union-attr]
         except OutOfBlocks:
             return
         for ev in events:

@@ -50,6 +50,16 @@ class PoolConfig:
         return cls(engine=engine, **{k: v for k, v in data.items() if k in mine})
 
 
+def transport_options(config: PoolConfig) -> dict[str, Any]:
+    """Transport settings that follow from the engine: ``cuda_ipc`` regions live on its GPU."""
+    if config.transport != "cuda_ipc":
+        return {}
+    from disagg.kv.cuda_ipc import CudaIpcConfig
+
+    device = config.engine.device
+    return {"cuda": CudaIpcConfig(device=device if ":" in device else f"{device}:0")}
+
+
 def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport | None]:
     """Create the engine (its KV memory from the transport for prefill), the transport, the loop.
 
@@ -67,6 +77,7 @@ def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport
             ),
             # the loop exists only after the engine, which needs the transport's memory first
             on_release=lambda lease_id, reason: relay[0].lease_released(lease_id, reason) if relay else None,
+            **transport_options(config),
         )
     try:
         memory = None

@@ -37,6 +37,13 @@ def parse_cores(text: str, instance_name: str) -> tuple[int, ...] | None:
         raise ValueError(f"cores parameter {text!r} is not a list of core numbers") from None
 
 
+def instance_device(args: dict[str, Any]) -> str | None:
+    """``cuda:N`` for a ``KIND_GPU`` instance (Triton passes its kind and device id), else None."""
+    if str(args.get("model_instance_kind", "")).upper() != "GPU":
+        return None
+    return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+
+
 def instance_index(instance_name: str) -> int:
     """Triton names instances ``<group>_<index>``; the trailing number is this instance's index."""
     tail = instance_name.rsplit("_", 1)[-1]

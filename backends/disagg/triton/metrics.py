@@ -42,6 +42,14 @@ DESCRIPTIONS = {
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
     "disagg_kv_lease_expired_total": ("COUNTER", "KV leases that expired before the importer acked"),
     "disagg_fallbacks_total": ("COUNTER", "Requests served by a fallback path"),
+    "disagg_engine_steps_total": (
+        "COUNTER",
+        "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",
+    ),
+    "disagg_engine_busy_seconds_total": (
+        "COUNTER",
+        "Seconds a pool instance's engine spent computing; its rate is the instance's utilisation",
+    ),
 }
 
 
@@ -183,7 +191,9 @@ class PoolReporter:
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
         self.expired = fam.metric("disagg_kv_lease_expired_total", labels)
         self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
-        self._seen = {"bytes": 0.0, "failures": 0.0, "expired": 0.0}
+        self.steps = fam.metric("disagg_engine_steps_total", labels)
+        self.busy = fam.metric("disagg_engine_busy_seconds_total", labels)
+        self._seen = {"bytes": 0.0, "failures": 0.0, "expired": 0.0, "steps": 0.0, "busy": 0.0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
 
@@ -202,6 +212,10 @@ class PoolReporter:
         ``Families``), but an instance removed by a scale-in or an unload no longer adds its last
         queue, sequences or KV blocks to the pool's sums. Counters keep their totals."""
         self.stop()
+        try:
+            self.publish()  # the counters' last increments
+        except Exception:
+            log.warning("publishing pool metrics failed", exc_info=True)
         for gauge in (self.used, self.free, self.queue, self.pending, self.active):
             if gauge is not None:
                 gauge.set(0)
@@ -222,6 +236,8 @@ class PoolReporter:
             self.pending.set(stats.queued_prompt_tokens)
         if self.active is not None:
             self.active.set(stats.active_sequences)
+        self._add(self.steps, "steps", stats.engine_steps)
+        self._add(self.busy, "busy", stats.engine_busy_s)
         if self._transport is None:
             return
         snap = self._transport.stats.snapshot()

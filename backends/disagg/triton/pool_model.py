@@ -61,6 +61,9 @@ class PoolModel:
         settings["cores"] = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
         if settings["cores"] is None:
             del settings["cores"]
+        device = glue.instance_device(args)
+        if device is not None:  # KIND_GPU: the GPU Triton placed this instance on (NOT verified on a GPU)
+            settings["device"] = device
         settings.setdefault("model_dir", _default_model_dir())
         self.config = PoolConfig.from_dict({"role": self.role, **settings})
         self.loop, self.transport = build_pool(self.config, secret)

@@ -68,3 +68,22 @@ def test_drain_waits_for_exported_kv_to_be_pulled(pools):
     waiter.join(30)
     assert drained == [True], "the importer's ack released the lease and the drain completed"
     assert prefill.engine.pool.free_blocks == prefill.engine.pool.num_blocks
+
+
+def test_engine_calls_are_counted_with_their_time(pools):
+    """The counters behind `disagg_engine_steps_total` / `disagg_engine_busy_seconds_total`: one call
+    per prompt prefilled, one per decode batch step, and the seconds spent inside them."""
+    prefill, decode = pools["prefill"], pools["decode"]
+    assert (prefill.stats().engine_steps, decode.stats().engine_steps) == (0, 0)
+    sink = Sink()
+    params = SamplingParams(max_tokens=5, min_length=5)
+    prefill.submit(Job("r1", sink, request=Request((1, 5, 6, 7), params)))
+    assert sink.done.wait(30)
+    first = sink.events[-1]
+    out = Sink()
+    decode.submit(Job("r1", out, state=first.state, descriptor=first.descriptor))
+    assert out.done.wait(30) and out.events[-1].finished
+    prefilled, decoded = prefill.stats(), decode.stats()
+    assert prefilled.engine_steps == 1
+    assert decoded.engine_steps == 4, "tokens 2..5, one decode step each"
+    assert prefilled.engine_busy_s > 0 and decoded.engine_busy_s > 0
