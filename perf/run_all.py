@@ -198,6 +198,8 @@ async def measure(
             if time.monotonic() > deadline:
                 results["meta"]["notes"].append(f"{dep.name} {name}: skipped, time budget spent")
                 continue
+            if _server_lost(dep, name, results):
+                continue
             workload, cal = WORKLOADS[name], _calibration(cals[name])
             start = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
             search = SearchConfig(
@@ -208,6 +210,8 @@ async def measure(
             res = await search_goodput(
                 client, workload, factory, cal.slo, search, profile.plan, dep.cores, log, deadline
             )
+            if _server_lost(dep, name, results):
+                continue  # it died during this search: its last probes measured errors
             results["goodput"].setdefault(name, {})[dep.name] = res.to_dict()
             best = [r for r in res.runs if r.rate == res.best_rate]
             records["goodput"].setdefault(name, {})[dep.name] = best[0].to_dict() if best else None
@@ -216,6 +220,8 @@ async def measure(
             return
         if time.monotonic() > deadline:
             results["meta"]["notes"].append(f"{dep.name} interference: skipped, time budget spent")
+            return
+        if _server_lost(dep, "interference", results):
             return
         decode = _calibration(cals["decode"])
         rate = profile.interference_concurrency / (decode.idle_ttft_s + 63 * decode.idle_tpot_s)
@@ -228,6 +234,8 @@ async def measure(
         inter = await interference(
             client, factory, rate, profile.interference_count, decode.slo, seed=1, probe=probe
         )
+        if _server_lost(dep, "interference", results):
+            return
         results["interference"][dep.name] = inter.to_dict(with_records=False)
         records["interference"][dep.name] = inter.to_dict(with_records=True)
         fig = inter.figures()
@@ -237,6 +245,28 @@ async def measure(
         )
     finally:
         await client.close()
+
+
+def server_alive(pid: int | None) -> bool:
+    """False once the benchmarked server process has exited (a zombie counts as exited)."""
+    if pid is None:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _server_lost(dep: Deployment, what: str, results: dict[str, Any]) -> bool:
+    """Note and report a server that died: what it served from then on are errors, not measurements."""
+    if server_alive(dep.pgid):
+        return False
+    note = f"{dep.name} {what}: not measured, the Triton server had exited (see perf/out/tritonserver.log)"
+    if note not in results["meta"]["notes"]:
+        results["meta"]["notes"].append(note)
+        log(note)
+    return True
 
 
 def _calibration(d: dict[str, Any]) -> Calibration:
