@@ -210,6 +210,7 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
     step_medians = {name: statistics.median(values) for name, values in steps.items() if values}
     base = medians["engine loop"]
     return {
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "tokens": tokens,
         "reps": reps,
         "dtype": "bfloat16",

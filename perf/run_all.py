@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -290,7 +291,9 @@ def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argpar
     }
     base = args.report.resolve().parent
     rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
-    args.report.write_text(report.render(results, rel))
+    orchestration_json = PERF / "results" / "orchestration_cost.json"
+    orchestration = json.loads(orchestration_json.read_text()) if orchestration_json.exists() else None
+    args.report.write_text(report.render(results, rel, orchestration))
     count = sum(map(len, written.values()))
     minutes = results["meta"]["elapsed_s"] / 60
     log(f"wrote {args.report}, {args.out_dir / 'bench.json'} and {count} plots in {minutes:.1f} min")
@@ -406,6 +409,14 @@ async def main_async(args: argparse.Namespace) -> int:
             "available": d.available, "reason": d.reason}
         for n, d in deployments.items()
     }  # fmt: skip
+    if profile.name == "full" and triton_url and args.start_triton is not None:
+        # the orchestration cost (one stream, its own server) is part of the full report
+        log("orchestration cost: perf/orchestration_cost.py --reps 3 ...")
+        cost = subprocess.run(
+            [sys.executable, str(PERF / "orchestration_cost.py"), "--reps", "3"], check=False
+        )
+        if cost.returncode:
+            results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")
     results["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results["meta"]["elapsed_s"] = time.monotonic() - started
     write_outputs(results, records, args)

@@ -59,9 +59,87 @@ def _placement(interference: dict[str, Any], top: int = 8) -> list[str]:
     ]
 
 
-def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
+def _verdict(ok: bool | None) -> str:
+    return "–" if ok is None else ("met" if ok else "**missed**")
+
+
+def _targets(results: dict[str, Any], orchestration: dict[str, Any] | None) -> list[str]:
+    """The issue's targets, checked against this run's figures (a reading, not a timed test)."""
+    rows = []
+    codegen = results.get("goodput", {}).get("codegen", {})
+    disagg, coloc = (
+        codegen.get("disagg", {}).get("goodput_rps"),
+        codegen.get("colocated", {}).get("goodput_rps"),
+    )
+    ratio = disagg / coloc if disagg and coloc else None
+    rows.append(["codegen goodput, disaggregated vs colocated", "≥ 2×", _ratio(disagg, coloc),
+                 _verdict(None if ratio is None else ratio >= 2)])  # fmt: skip
+    inter = results.get("interference", {})
+
+    def p99_ratio(name: str) -> float | None:
+        res = inter.get(name)
+        if not res or not res.get("mixed_tpot_p99") or not res.get("decode_only_tpot_p99"):
+            return None
+        return res["mixed_tpot_p99"] / res["decode_only_tpot_p99"]
+
+    own = p99_ratio("disagg")
+    others = ", ".join(f"{n} {r:.2f}×" for n in ("colocated", "vllm") if (r := p99_ratio(n)) is not None)
+    rows.append(["interference: disaggregated short-request TPOT p99, mixed / decode-only", "≤ 1.3×",
+                 "–" if own is None else f"{own:.2f}× ({others})" if others else f"{own:.2f}×",
+                 _verdict(None if own is None else own <= 1.3)])  # fmt: skip
+    if orchestration:
+        worst = max(orchestration["overhead_vs_engine_loop"].values())
+        shown = ", ".join(f"{k} {v:+.1%}" for k, v in orchestration["overhead_vs_engine_loop"].items())
+        rows.append(["orchestration: TPOT through Triton vs the decode engine loop, one stream", "< 5 %",
+                     shown, _verdict(worst < 0.05)])  # fmt: skip
+    for workload, per_dep in results.get("goodput", {}).items():
+        ours, peer = per_dep.get("disagg", {}).get("goodput_rps"), per_dep.get("vllm", {}).get("goodput_rps")
+        rows.append([f"{workload} goodput, disaggregated vs vLLM CPU", "goal: ≥ 1×", _ratio(ours, peer),
+                     _verdict(None if not ours or not peer else ours >= peer)])  # fmt: skip
+    return ["## Targets", "", *_table(["target", "wanted", "this run", ""], rows), ""]
+
+
+def _orchestration(orchestration: dict[str, Any] | None) -> list[str]:
+    if not orchestration:
+        return []
+    tpot, steps = orchestration["tpot_ms"], orchestration.get("decode_engine_step_ms", {})
+    rows = []
+    for name, value in tpot.items():
+        step = value if name == "engine step" else steps.get(name)
+        cells = ("–", "–") if step is None else (f"{step:.2f}", f"{value - step:.2f}")
+        rows.append([name, f"{value:.2f}", f"{value / tpot['engine loop'] - 1:+.1%}", *cells])
+    out = [
+        "## Orchestration cost (one stream, low load)",
+        "",
+        f"`python perf/orchestration_cost.py` (run {orchestration.get('finished', 'earlier')}; "
+        f"{orchestration['tokens']} tokens, bf16, median of "
+        f"{orchestration['reps']} interleaved repetitions): TPOT through `ensemble` and `llm` beside the "
+        "decode pool's engine loop without Triton, and the decode engine's own time per step in each case "
+        "(in-process counters; inside the server, its `disagg_engine_busy_seconds_total` / "
+        "`disagg_engine_steps_total`).",
+        "",
+        *_table(["path", "TPOT (ms)", "vs engine loop", "decode engine step (ms)", "TPOT − step (ms)"], rows),
+        "",
+    ]
+    loop_step = steps.get("engine loop")
+    for name in ("ensemble", "llm"):
+        if name in steps and loop_step:
+            slower, between = steps[name] - loop_step, tpot[name] - steps[name]
+            gap = tpot[name] - tpot["engine loop"]
+            out.append(
+                f"- `{name}`: {gap:+.2f} ms per token over the engine loop; the decode engine step itself "
+                f"is {slower:+.2f} ms slower inside the server, and {between:.2f} ms pass between steps "
+                f"(engine loop: {tpot['engine loop'] - loop_step:.2f} ms)."
+            )
+    return [*out, ""]
+
+
+def render(
+    results: dict[str, Any], plots: dict[str, list[str]], orchestration: dict[str, Any] | None = None
+) -> str:
     """Markdown for `results` (the JSON of `perf/run_all.py`); `plots` maps a section
-    ("attainment", "cdf", "interference") to image paths relative to the report."""
+    ("attainment", "cdf", "interference") to image paths relative to the report; `orchestration` is
+    the JSON of `perf/orchestration_cost.py`, when there is one."""
     meta = results["meta"]
     out = [
         "# Serving benchmark: disaggregated vs colocated vs vLLM CPU",
@@ -83,6 +161,7 @@ def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
         out.append(f"> {note}")
         out.append("")
 
+    out += _targets(results, orchestration)
     out += ["## Deployments", ""]
     rows = []
     for name, dep in results["deployments"].items():
@@ -154,4 +233,5 @@ def render(results: dict[str, Any], plots: dict[str, list[str]]) -> str:
     for path in plots.get("interference", []):
         out += [f"![{path}]({path})", ""]
     out += _placement(results.get("interference", {}))
+    out += ["", *_orchestration(orchestration)]
     return "\n".join(out).rstrip() + "\n"

@@ -81,3 +81,29 @@ def test_report_states_slos_ratios_and_unique_prompts():
     assert "not measured: not ready" in text
     assert "| colocated | stub:decode | 0.5 | 3.0 | 3.5 |" in text  # CPU placement, cores in order
     assert "![attainment_codegen.png](attainment_codegen.png)" in text
+
+
+def test_report_checks_the_targets_and_splits_the_orchestration_cost():
+    res, _ = results()
+    disagg = GoodputResult("codegen", 2.5, 2, [run(2.5, 0.02)])
+    res["goodput"]["codegen"]["disagg"] = disagg.to_dict()
+    inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), run(4.0, 0.024))
+    res["interference"]["disagg"] = inter.to_dict(with_records=False)
+    orchestration = {
+        "finished": "t",
+        "tokens": 64,
+        "reps": 3,
+        "tpot_ms": {"engine step": 10.0, "engine loop": 10.2, "ensemble": 11.0, "llm": 10.6},
+        "decode_engine_step_ms": {"engine loop": 10.0, "ensemble": 10.5, "llm": 10.4},
+        "overhead_vs_engine_loop": {"ensemble": 11.0 / 10.2 - 1, "llm": 10.6 / 10.2 - 1},
+    }
+    text = report.render(res, {}, orchestration)
+    # goodput 2.5 vs colocated 1.0: met; interference 1.20x (colocated's 2.50x beside it): met
+    assert "| codegen goodput, disaggregated vs colocated | ≥ 2× | 2.50× | met |" in text
+    assert "| ≤ 1.3× | 1.20× (colocated 2.50×) | met |" in text
+    assert "ensemble +7.8%, llm +3.9% | **missed** |" in text  # the worse path decides
+    assert "| codegen goodput, disaggregated vs vLLM CPU | goal: ≥ 1× | 1.25× | met |" in text
+    # ensemble: +0.80 ms over the loop = the step 0.50 ms slower in the server + 0.30 ms more between steps
+    assert "`ensemble`: +0.80 ms per token over the engine loop" in text
+    assert "is +0.50 ms slower inside the server, and 0.50 ms pass between steps" in text
+    assert "(engine loop: 0.20 ms)" in text
