@@ -87,7 +87,10 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
     res, _ = results()
     disagg = GoodputResult("codegen", 2.5, 2, [run(2.5, 0.02)])
     res["goodput"]["codegen"]["disagg"] = disagg.to_dict()
-    inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), run(4.0, 0.024))
+    mixed = run(4.0, 0.024)
+    cpu = {"stub:decode": {"cpu1": 20.0, "cpu0": 0.2}, "tritonserver": {"cpu1": 1.0, "cpu0": 2.0}}
+    mixed = RateRun(mixed.rate, mixed.summary, mixed.records, {**cpu, "load generator": {"cpu1": 2.0}})
+    inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), mixed)
     res["interference"]["disagg"] = inter.to_dict(with_records=False)
     orchestration = {
         "finished": "t",
@@ -107,3 +110,6 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
     assert "`ensemble`: +0.80 ms per token over the engine loop" in text
     assert "is +0.50 ms slower inside the server, and 0.50 ms pass between steps" in text
     assert "(engine loop: 0.20 ms)" in text
+    # what shared the decode core in the mixed run, measured
+    assert "the decode engine ran on cpu1 (20.0 s); other processes took 3.0 s of that core" in text
+    assert "(15% of decode's time; most: load generator 2.0 s, tritonserver 1.0 s)" in text
