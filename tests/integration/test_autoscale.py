@@ -222,7 +222,9 @@ class Autoscaler:
 
 
 @contextmanager
-def autoscaler(tmp_path: Path, server: TritonServer, ttft_target_s: float) -> Iterator[Autoscaler]:
+def autoscaler(
+    tmp_path: Path, server: TritonServer, ttft_target_s: float, cooldown_out_s: float = 1.0
+) -> Iterator[Autoscaler]:
     config = {
         "source": {"kind": "triton", "url": server.config.metrics_url},
         "actuator": {
@@ -244,7 +246,7 @@ def autoscaler(tmp_path: Path, server: TritonServer, ttft_target_s: float) -> It
                 "min_samples": 3,
                 "scale_out_after": 1,
                 "scale_in_after": 1,
-                "cooldown_out_s": 1.0,
+                "cooldown_out_s": cooldown_out_s,
                 "cooldown_in_s": 1.0,
             }
         ],
@@ -305,8 +307,11 @@ def test_autoscaler_scales_prefill_out_and_in_under_load_without_failed_requests
             wait_until(lambda: load.done() >= during_out + 4, 60, "requests served by the larger pool")
             assert load.errors == [], "no request may fail while the pool scales out"
 
-            # Scale-in under the same steady load: sent at once, the removed instance drains itself.
-            with autoscaler(tmp_path, server, ttft_target_s=100.0) as scaler:
+            # Scale-in under the same steady load: sent at once, the removed instance drains itself. No
+            # scale-out may follow: on two cores the instances share core 0, so the per-instance prefill
+            # capacity learned at size 2 is half the real one, and the token-load rule can ask for the
+            # second instance back right after the scale-in (seen once in a full run).
+            with autoscaler(tmp_path, server, ttft_target_s=100.0, cooldown_out_s=600.0) as scaler:
                 wait_until(lambda: instance_count(server) == 1, 120, "prefill scaled in to 1")
                 wait_until(lambda: scaler.applied("scale_in"), 10, "scale-in record")
             # it finishes its queued work and waits (bounded at 10 s) for its KV leases to be pulled
