@@ -4,8 +4,8 @@ A background load streams requests to `llm` the whole time and counts every erro
 as its own process (`disagg autoscale --config ...`) and is watched, never slept on:
 
 1. with an impossible TTFT target (1 ms) it scales the prefill pool out to 2 instances;
-2. with a generous one (100 s) it scales it back in to 1 under the same load: the removed instance
-   drains itself, its KV region goes and its gauges on /metrics read 0.
+2. then, bounded to one instance (max_size 1, a generous 100 s target), it scales back in under the
+   same load: the removed instance drains itself, its KV region goes and its gauges read 0.
 
 This machine (CI) has 2 cores: the added prefill instance shares core 0 with the first, so the test
 checks the change of instance count and its safety (no failed request, no region left behind), not a
@@ -223,7 +223,7 @@ class Autoscaler:
 
 @contextmanager
 def autoscaler(
-    tmp_path: Path, server: TritonServer, ttft_target_s: float, cooldown_out_s: float = 1.0
+    tmp_path: Path, server: TritonServer, ttft_target_s: float, max_size: int = 2
 ) -> Iterator[Autoscaler]:
     config = {
         "source": {"kind": "triton", "url": server.config.metrics_url},
@@ -242,11 +242,11 @@ def autoscaler(
                 "role": "prefill",
                 "ttft_target_s": ttft_target_s,
                 "min_size": 1,
-                "max_size": 2,
+                "max_size": max_size,
                 "min_samples": 3,
                 "scale_out_after": 1,
                 "scale_in_after": 1,
-                "cooldown_out_s": cooldown_out_s,
+                "cooldown_out_s": 1.0,
                 "cooldown_in_s": 1.0,
             }
         ],
@@ -307,11 +307,13 @@ def test_autoscaler_scales_prefill_out_and_in_under_load_without_failed_requests
             wait_until(lambda: load.done() >= during_out + 4, 60, "requests served by the larger pool")
             assert load.errors == [], "no request may fail while the pool scales out"
 
-            # Scale-in under the same steady load: sent at once, the removed instance drains itself. No
-            # scale-out may follow: on two cores the instances share core 0, so the per-instance prefill
-            # capacity learned at size 2 is half the real one, and the token-load rule can ask for the
-            # second instance back right after the scale-in (seen once in a full run).
-            with autoscaler(tmp_path, server, ttft_target_s=100.0, cooldown_out_s=600.0) as scaler:
+            # Scale-in under the same steady load: sent at once, the removed instance drains itself.
+            # Forced by the bound (max_size 1): whether the policy itself scales in under this load
+            # depends on the capacity it learned, and on two cores the instances share core 0, so the
+            # per-instance capacity learned at size 2 is half the real one (seen: a scale-in followed by
+            # a scale-out at once, and in another run no scale-in within 120 s). The policy's rules are
+            # unit-tested; here it is the change under load that is checked.
+            with autoscaler(tmp_path, server, ttft_target_s=100.0, max_size=1) as scaler:
                 wait_until(lambda: instance_count(server) == 1, 120, "prefill scaled in to 1")
                 wait_until(lambda: scaler.applied("scale_in"), 10, "scale-in record")
             # it finishes its queued work and waits (bounded at 10 s) for its KV leases to be pulled
