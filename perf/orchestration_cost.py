@@ -35,12 +35,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchlib import report
 from benchlib.clients import ClientConfig, TritonClient
 from benchlib.deploy import start_triton
 from benchlib.workload import RequestSpec
@@ -52,6 +52,8 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
 from disagg.serving.loop import Failed, Job, Prefilled
 from disagg.serving.pool import PoolConfig, build_pool
+from disagg_tools.autoscaler.snapshot import parse_exposition
+from disagg_tools.autoscaler.source import http_get
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFILL_CORE, DECODE_CORE = 0, 1  # as in the default repository
@@ -150,16 +152,10 @@ async def triton_tpot(
 
 def server_decode_counters(metrics_url: str) -> tuple[int, float]:
     """Engine steps and busy seconds of the server's decode pool (all instances) from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    totals = {"disagg_engine_steps_total": 0.0, "disagg_engine_busy_seconds_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals and sample.labels.get("pool") == "decode":
-                totals[sample.name] += sample.value
-    return int(totals["disagg_engine_steps_total"]), totals["disagg_engine_busy_seconds_total"]
+    snapshot = parse_exposition(http_get(metrics_url, 10.0).decode(), time.time())
+    steps = snapshot.select("disagg_engine_steps_total", pool="decode").values()
+    busy = snapshot.select("disagg_engine_busy_seconds_total", pool="decode").values()
+    return int(sum(steps)), sum(busy)
 
 
 def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float], steps: int) -> float:
@@ -224,29 +220,7 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
 
 
 def markdown(result: dict) -> str:
-    lines = [
-        "# Orchestration cost at low load",
-        "",
-        f"One stream at a time, {result['tokens']} tokens, bf16, median of {result['reps']} interleaved "
-        "repetitions; TPOT = (last - first) / (n - 1).",
-        "",
-        "| path | TPOT (ms) | vs engine loop | decode engine step (ms) | TPOT - step (ms) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    base = result["tpot_ms"]["engine loop"]
-    steps = result.get("decode_engine_step_ms", {})
-    for name, value in result["tpot_ms"].items():
-        step = value if name == "engine step" else steps.get(name)
-        cells = ("-", "-") if step is None else (f"{step:.2f}", f"{value - step:.2f}")
-        lines.append(f"| {name} | {value:.2f} | {value / base - 1:+.1%} | {cells[0]} | {cells[1]} |")
-    lines += [
-        "",
-        "Decode engine step: time inside `decode_step()` per step, from the loop's counters here and",
-        "from the decode instance's `disagg_engine_busy_seconds_total` / `disagg_engine_steps_total`",
-        "through Triton. TPOT - step: time between steps (response hand-off, the loop). A step slower",
-        "through Triton than in the engine loop is the engine slowed by the work on the other core.",
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(["# Orchestration cost at low load", "", *report.orchestration_section(result)])
 
 
 def main(argv: list[str] | None = None) -> int:

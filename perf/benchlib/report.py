@@ -115,9 +115,8 @@ def _targets(results: dict[str, Any], orchestration: dict[str, Any] | None) -> l
     return ["## Targets", "", *_table(["target", "wanted", "this run", ""], rows), ""]
 
 
-def _orchestration(orchestration: dict[str, Any] | None) -> list[str]:
-    if not orchestration:
-        return []
+def orchestration_section(orchestration: dict[str, Any]) -> list[str]:
+    """The orchestration-cost table and its split, for this report and `perf/orchestration_cost.py`."""
     tpot, steps = orchestration["tpot_ms"], orchestration.get("decode_engine_step_ms", {})
     rows = []
     for name, value in tpot.items():
@@ -125,8 +124,6 @@ def _orchestration(orchestration: dict[str, Any] | None) -> list[str]:
         cells = ("–", "–") if step is None else (f"{step:.2f}", f"{value - step:.2f}")
         rows.append([name, f"{value:.2f}", f"{value / tpot['engine loop'] - 1:+.1%}", *cells])
     out = [
-        "## Orchestration cost (one stream, low load)",
-        "",
         f"`python perf/orchestration_cost.py` (run {orchestration.get('finished', 'earlier')}; "
         f"{orchestration['tokens']} tokens, bf16, median of "
         f"{orchestration['reps']} interleaved repetitions): TPOT through `ensemble` and `llm` beside the "
@@ -249,5 +246,6 @@ def render(
     for path in plots.get("interference", []):
         out += [f"![{path}]({path})", ""]
     out += _placement(results.get("interference", {}))
-    out += ["", *_orchestration(orchestration)]
+    if orchestration:
+        out += ["", "## Orchestration cost (one stream, low load)", "", *orchestration_section(orchestration)]
     return "\n".join(out).rstrip() + "\n"

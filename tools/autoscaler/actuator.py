@@ -16,8 +16,9 @@ not promise what happens to work still held by an instance that an update remove
 models, whose streams outlive `execute()`, are not covered). The pool instances make it safe
 themselves: Triton stops routing to the removed instance, then finalizes it, and its finalize drains
 (the jobs it was handed finish, its exported KV leases are pulled or expire; bounded at 10 s) before
-its memory goes. Measured under a steady load (`tests/integration/test_autoscale.py`): prefill 2 -> 1
-with no failed request, the removed instance's KV region and metric series gone within seconds.
+its memory goes; it zeroes its gauges (its series stay on /metrics). Measured under a steady load
+(`tests/integration/test_autoscale.py`): prefill 2 -> 1 with no failed request, the removed instance's
+KV region gone within seconds.
 So by default a scale-in is sent at once. A pool may also ask to wait first (`drain_max_inflight`):
 until the pool's in-flight gauge (prefill: pending tokens + queued requests; decode: active sequences)
 is at most that, polling for up to `drain_timeout_s`; if it does not drain, the scale-in is not sent
