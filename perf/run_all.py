@@ -42,6 +42,8 @@ from benchlib.search import SearchConfig
 from benchlib.slo import REFERENCE_DEPLOYMENT, TPOT_FACTOR, TTFT_FACTOR, Calibration, calibrate
 from benchlib.workload import WORKLOADS, PromptFactory
 
+from disagg.serverconfig import parse_cpus
+
 PERF = Path(__file__).resolve().parent
 SLO_RULE = (
     f"Per workload: TTFT SLO = {TTFT_FACTOR:g} × idle TTFT of `{REFERENCE_DEPLOYMENT}` at the workload's "
@@ -119,6 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument("--cores", type=int, default=2, help="cores each deployment occupies (per core)")
     parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
+    parser.add_argument(
+        "--server-cpus",
+        default="",
+        help="with --start-triton: pin tritonserver's own threads, e.g. '0' (off the decode core)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--note", action="append", default=[], help="a line for the report (e.g. what else ran meanwhile)"
@@ -327,7 +334,7 @@ async def main_async(args: argparse.Namespace) -> int:
         if any(n in TRITON_MODELS for n in names) and not triton_url and args.start_triton is not None:
             log(f"starting Triton on {args.start_triton} ...")
             try:
-                triton_server = start_triton(args.start_triton, workdir)
+                triton_server = start_triton(args.start_triton, workdir, cpus=parse_cpus(args.server_cpus))
                 triton_url = triton_server.config.grpc_url
             except Exception as exc:  # a broken repository must not cost the vLLM measurement
                 log(f"Triton did not start: {exc}")
@@ -357,6 +364,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 "machine": machine(),
                 "model": str(args.model_dir),
                 "loadgen_affinity": sorted(os.sched_getaffinity(0)),
+                "server_cpus": list(parse_cpus(args.server_cpus)) if triton_server is not None else None,
                 "token_counting": "vLLM: its reported usage.completion_tokens; Triton: the requested "
                 "count (min_length = max_tokens forces it; the pipeline's pieces can merge tokens)",
                 "profile": {k: str(v) for k, v in profile.__dict__.items()},

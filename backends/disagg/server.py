@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg.serverconfig import (
@@ -45,6 +45,7 @@ from disagg.serverconfig import (
     build_command,
     build_environment,
     load_or_create_admin_key,
+    parse_cpus,
     redact,
     server_config,
 )
@@ -119,6 +120,18 @@ def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> list[st
     return removed
 
 
+def _pinning(cpus: tuple[int, ...]) -> Callable[[], None] | None:
+    """A pre-exec step pinning the child to `cpus` (one system call: safe between fork and exec)."""
+    if not cpus:
+        return None
+    chosen = set(cpus)
+
+    def pin() -> None:
+        os.sched_setaffinity(0, chosen)
+
+    return pin
+
+
 class TritonServer:
     """A `tritonserver` process started from a `ServerConfig`, in its own process group."""
 
@@ -160,7 +173,12 @@ class TritonServer:
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
                 start_new_session=True,
+                preexec_fn=_pinning(self.config.cpus),
             )
+        except subprocess.SubprocessError as exc:  # the child could not pin itself: cpus not available
+            raise ServerError(
+                f"could not start tritonserver on cpus {list(self.config.cpus)} ({exc})"
+            ) from None
         except OSError as exc:
             raise ServerError(f"could not execute tritonserver ({type(exc).__name__})") from None
         finally:
@@ -281,6 +299,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit-timeout", type=int, default=DEFAULT_EXIT_TIMEOUT_S, metavar="SECONDS")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
     parser.add_argument("--address", default="0.0.0.0", help="bind address of HTTP and gRPC")
+    parser.add_argument(
+        "--cpus",
+        default="",
+        help="pin tritonserver's own threads, e.g. '0' to keep them off a decode core (pools and "
+        "orchestrators still pin themselves to their `cores`); default: unpinned",
+    )
     args = parser.parse_args(argv)
     stopping: list[int] = []
     holder: list[TritonServer] = []
@@ -299,6 +323,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 exit_timeout_s=args.exit_timeout,
                 log_verbose=args.log_verbose,
                 address=args.address,
+                cpus=parse_cpus(args.cpus),
             )
             server = TritonServer(config)
             holder.append(server)

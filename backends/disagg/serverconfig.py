@@ -109,6 +109,9 @@ class ServerConfig:
     log_verbose: int = 0
     shm_prefix: str = field(default_factory=_new_shm_prefix)
     extra_args: tuple[str, ...] = ()
+    # CPUs of tritonserver's own threads (HTTP, gRPC, ensemble scheduling); empty: unpinned. Its
+    # stubs start there too; the pools and orchestrators then pin themselves to their `cores`.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("model_repository", "backend_directory"):
@@ -140,6 +143,12 @@ class ServerConfig:
             flag = arg.split("=", 1)[0]
             if flag in _MANAGED_FLAGS:
                 raise ValueError(f"extra_args must not set {flag}: it is a ServerConfig field")
+        if not isinstance(self.cpus, tuple) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpus
+        ):
+            raise ValueError("cpus must be a tuple of CPU numbers")
+        if len(set(self.cpus)) != len(self.cpus):
+            raise ValueError("cpus must not repeat a CPU")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerConfig:
@@ -154,6 +163,10 @@ class ServerConfig:
                 kwargs[name] = Path(kwargs[name])
         if isinstance(kwargs.get("extra_args"), list):
             kwargs["extra_args"] = tuple(kwargs["extra_args"])
+        if isinstance(kwargs.get("cpus"), str):
+            kwargs["cpus"] = parse_cpus(kwargs["cpus"])
+        elif isinstance(kwargs.get("cpus"), list):
+            kwargs["cpus"] = tuple(kwargs["cpus"])
         return cls(**kwargs)
 
     def client_host(self, address: str) -> str:
@@ -186,6 +199,23 @@ class ServerConfig:
         if protocol == "grpc":
             return {GRPC_ADMIN_HEADER: self.admin_key}
         raise ValueError("protocol must be 'http' or 'grpc'")
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``"0"``, ``"0,1"`` or ``"0-3"`` (ranges and lists mix); empty: ``()``."""
+    cpus: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"cpus {text!r} is not a list of CPU numbers or ranges") from None
+        if first > last:
+            raise ValueError(f"cpus range {part!r} runs backwards")
+        cpus.extend(range(first, last + 1))
+    return tuple(cpus)
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:

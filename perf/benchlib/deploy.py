@@ -188,9 +188,12 @@ class VllmServer:
         self.stop()
 
 
-def start_triton(repository: Path, workdir: Path, ready_timeout_s: float = 300.0) -> Any:
+def start_triton(
+    repository: Path, workdir: Path, ready_timeout_s: float = 300.0, cpus: tuple[int, ...] = ()
+) -> Any:
     """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
-    running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs)."""
+    running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs).
+    `cpus`: where tritonserver's own threads run (empty: unpinned)."""
     from disagg.server import ServerError, TritonServer, server_config
 
     config = server_config(
@@ -201,6 +204,7 @@ def start_triton(repository: Path, workdir: Path, ready_timeout_s: float = 300.0
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
+        cpus=cpus,
     )
     server = TritonServer(config, workdir / "tritonserver.log").start()
     try:

@@ -76,3 +76,22 @@ def test_server_with_a_dead_stub_still_stops_without_leftovers(server: TritonSer
     server.stop(grace_s=5)  # SIGTERM to the group; SIGKILL after the exit timeout if it must
     wait_until(lambda: not live_group_members(server.pid), 10, "no process of the server left")
     assert not shm_entries(server.config.shm_prefix)
+
+
+def test_stubs_exit_when_their_server_dies_unreaped(triton_factory: TritonFactory) -> None:
+    """`kill -9` of tritonserver itself, with nobody reaping it yet (it stays a zombie): the stubs'
+    own parent check (`kill(pid, 0)`) still sees it; the project's watch (`disagg.triton.watchdog`)
+    ends them and the pools unlink their KV regions."""
+    kv_before = shm_entries("disagg-")
+    server = triton_factory.start(REPOSITORY, exit_timeout_s=10)
+    triton_factory.release(server)
+    try:
+        stubs = live_group_members(server.pid) - {server.pid}
+        assert len(stubs) >= 5, stubs
+        assert shm_entries("disagg-") - kv_before, "the pools created no KV region"
+        os.kill(server.pid, signal.SIGKILL)  # not waited for: the server stays a zombie meanwhile
+        wait_until(lambda: not live_group_members(server.pid), 20, "every stub gone after the server died")
+        assert not shm_entries("disagg-") - kv_before, "KV regions outlived their pools"
+    finally:
+        server.stop(grace_s=5)  # reaps the zombie, removes the Python backend's regions
+    assert not shm_entries(server.config.shm_prefix)

@@ -15,9 +15,11 @@ from disagg.server import (
     GRPC_ADMIN_HEADER,
     ServerConfig,
     ServerError,
+    TritonServer,
     build_command,
     build_environment,
     load_or_create_admin_key,
+    parse_cpus,
     remove_shm_regions,
     serve_main,
     server_config,
@@ -90,6 +92,10 @@ def test_unknown_keys_are_errors() -> None:
         ({"extra_args": ("--exit-timeout-secs=1",)}, "must not set --exit-timeout-secs"),
         ({"extra_args": ("--http-restricted-api=health:k=v",)}, "must not set --http-restricted-api"),
         ({"extra_args": "--log-info=true"}, "extra_args must be a tuple"),
+        ({"cpus": (0, 0)}, "cpus must not repeat"),
+        ({"cpus": (-1,)}, "cpus must be a tuple of CPU numbers"),
+        ({"cpus": "0-x"}, "not a list of CPU numbers"),
+        ({"cpus": "3-1"}, "runs backwards"),
     ],
 )
 def test_invalid_values_are_refused(overrides: dict[str, object], message: str) -> None:
@@ -271,3 +277,33 @@ def test_serve_main_reports_a_missing_repository(
     err = capsys.readouterr().err
     assert "model repository not found" in err
     assert str(tmp_path) not in err and KEY not in err
+
+
+def test_cpus_parse_lists_and_ranges() -> None:
+    assert parse_cpus("") == ()
+    assert parse_cpus("0") == (0,)
+    assert parse_cpus("0,2-4") == (0, 2, 3, 4)
+    assert make_config(cpus="1").cpus == (1,)
+    assert make_config(cpus=[0, 1]).cpus == (0, 1)
+
+
+def test_server_process_starts_on_its_cpus(tmp_path: Path, files: TritonFiles) -> None:
+    """The pinning is applied in the child before exec: a stand-in 'tritonserver' reports its own."""
+    report = tmp_path / "affinity"
+    files.server.write_text(f"#!/bin/sh\ngrep Cpus_allowed_list /proc/self/status > {report}\n")
+    files.server.chmod(0o755)
+    (tmp_path / "models").mkdir()
+    core = min(os.sched_getaffinity(0))
+    config = make_config(model_repository=tmp_path / "models", backend_directory=tmp_path / "b", cpus=(core,))
+    server = TritonServer(config).start(files)
+    assert server.wait(30) == 0
+    assert report.read_text().split() == ["Cpus_allowed_list:", str(core)]
+
+
+def test_server_refuses_cpus_it_cannot_have(tmp_path: Path, files: TritonFiles) -> None:
+    (tmp_path / "models").mkdir()
+    config = make_config(
+        model_repository=tmp_path / "models", backend_directory=tmp_path / "b", cpus=(10_000,)
+    )
+    with pytest.raises(ServerError, match="could not start tritonserver on cpus"):
+        TritonServer(config).start(files)

@@ -8,6 +8,10 @@ A pool instance whose stub process dies (``kill -9``, OOM) never completes its o
 Triton 2.51, and the stub is not restarted: a wait for its next response would block forever. So
 while a response is overdue the pool is probed (a ``stop`` of a handle nobody holds, answered at
 once by a live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE.
+
+A finished iterator is never simply dropped: it goes to the ``Graveyard``, which releases it once the
+stub has dropped its own reference (Triton 2.51 would otherwise free its responses without the GIL;
+see ``graveyard``).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
 from disagg.serving.loop import Prefilled, Token
 from disagg.triton import glue, wire
+from disagg.triton.graveyard import Graveyard
 
 _END = object()
 
 
-def _drain(responses: Iterator[Any]) -> None:
-    """Consume a BLS call's remaining responses (on an executor thread)."""
+def _drain(responses: Iterator[Any], graveyard: Graveyard) -> None:
+    """Consume a BLS call's remaining responses (on an executor thread), then bury the iterator."""
     for _ in responses:
         pass
+    graveyard.bury(responses)
 
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
@@ -47,9 +53,11 @@ class TritonPools:
         self._signer = signer
         self.models = models  # pool -> Triton model name
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bls")
+        self.graveyard = Graveyard()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.graveyard.release_all()
 
     async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
         pb = self._pb
@@ -78,15 +86,16 @@ class TritonPools:
                 pending = None
                 if response is _END:
                     finished = True
+                    self.graveyard.bury(responses)
                     return
                 if response.has_error():
                     raise glue.serving_error(self._pb, response.error())
                 yield response
         finally:
             if pending is not None and not pending.done():  # a thread is inside next(): drain after it
-                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses))
+                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses, self.graveyard))
             elif not finished:
-                self._executor.submit(_drain, responses)
+                self._executor.submit(_drain, responses, self.graveyard)
 
     async def _while_alive(self, pool: str, pending: asyncio.Future[Any]) -> Any:
         while True:

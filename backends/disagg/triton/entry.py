@@ -7,10 +7,22 @@ import sys
 from typing import Any
 
 from disagg.triton import glue
+from disagg.triton.watchdog import ParentWatch
 
 
 def create_adapter(args: dict[str, Any], pb_utils: Any) -> Any:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    adapter = _adapter(args, pb_utils)
+    # one model instance per stub process: its watch ends the process if the server dies
+    ParentWatch(getattr(adapter, "abandon", _nothing)).start()
+    return adapter
+
+
+def _nothing() -> None:
+    pass
+
+
+def _adapter(args: dict[str, Any], pb_utils: Any) -> Any:
     role = glue.model_parameters(args).get("role", "")
     if role in ("prefill", "decode", "colocated"):
         from disagg.triton.pool_model import PoolModel

@@ -81,6 +81,38 @@ class Families:
     def metric(self, name: str, labels: dict[str, str]) -> Any:
         return self[name].Metric(labels=labels)
 
+    def gauge(self, name: str, labels: dict[str, str]) -> Gauge:
+        return Gauge(self.metric(name, labels))
+
+
+class Gauge:
+    """A Triton gauge moved by increments only.
+
+    On Triton 2.51 ``Metric.set()`` (like ``value()``) holds the GIL across its round trip to the
+    server, while ``increment()`` releases it: every set stalls the stub's other Python threads (the
+    engine loop, the orchestrator's event loop) for that round trip, and once the server is gone it
+    blocks forever with the GIL held, so nothing else in the stub runs again (not even the watch that
+    would end it, ``disagg.triton.watchdog``). This keeps the value it published and sends the
+    difference, and nothing when unchanged. Several holders of one series (a reloaded instance and
+    the one it replaces) then add up: each zeroes its share when it retires.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._value = 0.0  # a new Triton gauge starts at 0
+
+    @property
+    def value(self) -> float:
+        """What this holder has published (no round trip)."""
+        return self._value
+
+    def set(self, value: float) -> None:
+        value = float(value)
+        delta = value - self._value
+        if delta:
+            self._metric.increment(delta)
+            self._value = value
+
 
 def outcome_label(error: ServingError | None) -> str:
     return "ok" if error is None else error.code.lower()
@@ -89,7 +121,7 @@ def outcome_label(error: ServingError | None) -> str:
 class OrchestratorMetrics:
     """Per-request histograms, outcome counters and the live SLO gauges of one entry point."""
 
-    def __init__(self, pb_utils: Any, model: str, path: str, window: SloWindow) -> None:
+    def __init__(self, pb_utils: Any, model: str, path: str, window: SloWindow, instance: str = "") -> None:
         fam = Families(pb_utils)
         labels = {"model": model, "path": path}
         self._labels = labels
@@ -100,8 +132,10 @@ class OrchestratorMetrics:
         self.latency = fam.histogram("disagg_request_latency_seconds", labels, TIME_BUCKETS)
         self.prompt = fam.histogram("disagg_prompt_tokens", labels, TOKEN_BUCKETS)
         self.output = fam.histogram("disagg_output_tokens", labels, TOKEN_BUCKETS)
-        self.attainment = fam.metric("disagg_slo_attainment_ratio", labels)
-        self.goodput = fam.metric("disagg_goodput_requests_per_second", labels)
+        # the window is this instance's: one series per instance (dashboards average or sum them)
+        own = {**labels, "instance": instance} if instance else labels
+        self.attainment = fam.gauge("disagg_slo_attainment_ratio", own)
+        self.goodput = fam.gauge("disagg_goodput_requests_per_second", own)
         self.fallbacks = fam.metric("disagg_fallbacks_total", labels)
         self._outcomes: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -153,10 +187,13 @@ class OrchestratorMetrics:
         self._refresher.start()
 
     def stop(self) -> None:
+        """Stop refreshing and take this instance's share out of its gauges (see ``Gauge``)."""
         if self._stop is not None:
             self._stop.set()
         if self._refresher is not None and self._refresher.is_alive():
             self._refresher.join(timeout=5)
+        self.attainment.set(0)
+        self.goodput.set(0)
 
     def refresh(self) -> None:
         """Publish the window's attainment (1.0 while empty: nothing missed) and goodput."""
@@ -182,11 +219,11 @@ class PoolReporter:
         # one series per instance: instances are processes, and a shared series would be overwritten
         labels = {"model": model, "pool": role, "instance": instance}
         self._loop, self._transport, self._interval = loop, transport, interval_s
-        self.used = fam.metric("disagg_kv_blocks_used", labels)
-        self.free = fam.metric("disagg_kv_blocks_free", labels)
-        self.queue = fam.metric("disagg_prefill_queue_requests", labels) if role == "prefill" else None
-        self.pending = fam.metric("disagg_prefill_pending_tokens", labels) if role == "prefill" else None
-        self.active = fam.metric("disagg_decode_active_sequences", labels) if role != "prefill" else None
+        self.used = fam.gauge("disagg_kv_blocks_used", labels)
+        self.free = fam.gauge("disagg_kv_blocks_free", labels)
+        self.queue = fam.gauge("disagg_prefill_queue_requests", labels) if role == "prefill" else None
+        self.pending = fam.gauge("disagg_prefill_pending_tokens", labels) if role == "prefill" else None
+        self.active = fam.gauge("disagg_decode_active_sequences", labels) if role != "prefill" else None
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
         self.expired = fam.metric("disagg_kv_lease_expired_total", labels)

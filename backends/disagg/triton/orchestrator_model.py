@@ -22,15 +22,17 @@ from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
+from disagg.triton.graveyard import Graveyard
 from disagg.triton.metrics import OrchestratorMetrics
 
 log = logging.getLogger(__name__)
 
 
 class TritonResponder:
-    def __init__(self, pb_utils: Any, sender: Any) -> None:
+    def __init__(self, pb_utils: Any, sender: Any, graveyard: Graveyard) -> None:
         self._pb = pb_utils
         self._sender = sender
+        self._graveyard = graveyard
 
     def send(self, text: str, final: bool) -> None:
         pb = self._pb
@@ -45,7 +47,8 @@ class TritonResponder:
         glue.send_error(self._pb, self._sender, error)
 
     def is_cancelled(self) -> bool:
-        return self._sender.is_cancelled()
+        # the check is a round trip through the stub's queue: it also frees finished BLS iterators
+        return self._graveyard.checked(self._sender.is_cancelled)
 
 
 class OrchestratorModel:
@@ -55,9 +58,9 @@ class OrchestratorModel:
         params = glue.model_parameters(args)
         cores = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
         if cores:
-            from disagg.engine.device import pin_cpu
+            from disagg.engine.device import pin_process
 
-            pin_cpu(cores)
+            pin_process(cores)  # the stub's own threads too, not only those started from here
         self.max_inflight = int(params.get("max_inflight", "256"))
         self.config = OrchestratorConfig(
             mode=params.get("mode", "disaggregated"),
@@ -78,7 +81,9 @@ class OrchestratorModel:
             tpot_s=float(params.get("slo_tpot_s", "0.1")),
             window_s=float(params.get("slo_window_s", "60")),
         )
-        self.metrics = OrchestratorMetrics(pb_utils, args["model_name"], self.config.mode, SloWindow(slo))
+        self.metrics = OrchestratorMetrics(
+            pb_utils, args["model_name"], self.config.mode, SloWindow(slo), args["model_instance_name"]
+        )
         self.metrics.start_refresher()
 
     def execute(self, requests: list[Any]) -> Any:
@@ -90,7 +95,7 @@ class OrchestratorModel:
     async def _one(self, request: Any) -> None:
         arrival = time.monotonic()
         sender = request.get_response_sender()
-        responder = TritonResponder(self._pb, sender)
+        responder = TritonResponder(self._pb, sender, self.pools.graveyard)
         try:
             if self._inflight >= self.max_inflight:
                 raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")

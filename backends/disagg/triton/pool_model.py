@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from disagg.engine.device import pin_process
 from disagg.engine.engine import EngineConfig
 from disagg.engine.sequence import Request
 from disagg.serving.auth import PARAMETER, TokenSigner
@@ -67,6 +68,8 @@ class PoolModel:
         settings.setdefault("model_dir", _default_model_dir())
         self.config = PoolConfig.from_dict({"role": self.role, **settings})
         self.loop, self.transport = build_pool(self.config, secret)
+        if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
+            pin_process(self.config.engine.cores)
         self.loop.start()
         self.reporter = PoolReporter(
             pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport
@@ -121,6 +124,13 @@ class PoolModel:
             log.warning("%s pool instance unloads with work or KV leases still outstanding", self.role)
         self.reporter.retire()
         self.loop.shutdown()
+        if self.transport is not None:
+            self.transport.close()
+
+    def abandon(self) -> None:
+        """The server died without unloading us: unlink the KV regions (the process exits next).
+
+        The engine may still hold views of them: their mappings then stay until the exit."""
         if self.transport is not None:
             self.transport.close()
 

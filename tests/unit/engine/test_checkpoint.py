@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
 
 from disagg.engine.checkpoint import load_config, parse_config, parse_rope
-from disagg.engine.device import pin_cpu
+from disagg.engine.device import pin_cpu, pin_process
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import CheckpointError
 from disagg.engine.rope import inverse_frequencies
@@ -127,3 +128,29 @@ def test_pin_cpu_restricts_affinity():
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
+
+
+def test_pin_process_moves_threads_started_before_it():
+    before = os.sched_getaffinity(0)
+    started, release = threading.Event(), threading.Event()
+    native: list[int] = []
+
+    def idle() -> None:
+        native.append(threading.get_native_id())
+        started.set()
+        release.wait()
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    try:
+        started.wait()
+        core = min(before)
+        assert pin_process((core,)) >= 2  # this thread and the one already running
+        assert os.sched_getaffinity(native[0]) == {core}
+        assert os.sched_getaffinity(0) == {core}
+        with pytest.raises(ValueError, match="not available"):
+            pin_process((10_000,))
+    finally:
+        release.set()
+        thread.join()
+        os.sched_setaffinity(0, before)
