@@ -27,6 +27,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from disagg.regions import DEFAULT_DIRECTORY as KV_DIRECTORY
+from disagg.regions import DEFAULT_PREFIX as KV_PREFIX
+from disagg.regions import clean_stale_regions
 from disagg.serverconfig import (
     ADMIN_HEADER,
     ADMIN_KEY_FILE,
@@ -268,6 +271,9 @@ class TritonServer:
             time.sleep(0.05)  # orphaned stubs are reaped by init, not by us: nothing to wait on
         if not self._group_alive():
             remove_shm_regions(self.config.shm_prefix)
+            # KV regions of pool processes that died without closing them (kill -9, a crash); a live
+            # owner's regions, another server's included, are left alone
+            clean_stale_regions(KV_DIRECTORY, KV_PREFIX)
         return self._process.returncode
 
     def signal_group_members(self, signum: int) -> None:

@@ -23,6 +23,7 @@ The Triton client defaults to `requested`, the OpenAI client to `reported`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -283,8 +284,12 @@ class TritonClient:
         except Exception as exc:  # transport failure or timeout: a failed request, not a crashed run
             return pieces.outcome(f"{type(exc).__name__}: {str(exc)[:200]}")
         finally:
-            done.set()
-            responses.cancel()
+            done.set()  # half-closes the request side; the server then ends the stream
+        with contextlib.suppress(Exception):
+            # read to the server's end of the stream rather than cancel it: on Triton 2.51, streams
+            # cancelled after their final response leave the model live at volume (README: Serving)
+            async for _ in responses:
+                pass
         return pieces.outcome(None)
 
 

@@ -1,10 +1,11 @@
-"""Process faults on the project's model repository (RELIABILITY.md D1): `kill -9` of the decode
-instance's stub mid-stream, on a server of its own (it leaves that server without a decode pool).
+"""Process faults on the project's model repository (RELIABILITY.md D1, D2), each on a server of its
+own: `kill -9` of the decode instance's stub mid-stream, of the prefill instance's stub with requests
+arriving, and of tritonserver itself (its stubs must not outlive it).
 
 Seen on Triton 2.51: the Python backend does not restart the stub of a decoupled model, and the
 requests the dead stub held never get a response from Triton. The orchestrator notices an overdue
 pool (a liveness probe, `disagg.triton.bls`) and ends those streams UNAVAILABLE; afterwards requests
-needing the decode pool fail fast with an error naming it, and `ensemble_colocated` keeps serving."""
+needing the dead pool fail fast with an error naming it, and `ensemble_colocated` keeps serving."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ import time
 
 import pytest
 from serving_support import REPOSITORY, engine_texts, generate, read_stream, stub_pids, text_inputs
-from triton_support import GrpcStream, LeakProbe, TritonFactory, live_group_members, shm_entries, wait_until
+from triton_support import (
+    GrpcStream,
+    LeakProbe,
+    TritonFactory,
+    live_group_members,
+    metric_sum,
+    scrape_metrics,
+    shm_entries,
+    wait_until,
+)
 
 from disagg.server import TritonServer
 
@@ -95,3 +105,51 @@ def test_stubs_exit_when_their_server_dies_unreaped(triton_factory: TritonFactor
     finally:
         server.stop(grace_s=5)  # reaps the zombie, removes the Python backend's regions
     assert not shm_entries(server.config.shm_prefix)
+
+
+def test_kill_prefill_stub_requests_fail_fast_and_nothing_is_left(triton_factory: TritonFactory) -> None:
+    """RELIABILITY D2: `kill -9` of the prefill instance's stub with requests arriving. Each request
+    either finished before it died or ends UNAVAILABLE naming the prefill pool within the bound; later
+    ones fail fast; the decode pool holds no KV block; `ensemble_colocated` keeps serving; once the
+    server stops, the dead pool's KV region is gone too (the launcher sweeps regions of dead owners)."""
+    expected = engine_texts(["Hello world"], 8)["Hello world"]
+    kv_before = shm_entries("disagg-")
+    server = triton_factory.start(REPOSITORY, exit_timeout_s=10)
+    triton_factory.release(server)
+    streams = [GrpcStream(server.config.grpc_url) for _ in range(3)]
+    try:
+        (prefill_pid,) = stub_pids(server.pid, "prefill")
+        prompt = "The quick brown fox jumps over the lazy dog. " * 40
+        for stream in streams:
+            stream.send("llm", text_inputs(prompt, 64, stream=True))
+        os.kill(prefill_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [read_stream(stream, timeout_s=ERROR_BOUND_S) for stream in streams]
+        assert time.monotonic() - killed_at < ERROR_BOUND_S
+        for result in results:
+            assert result.error is None or "prefill" in result.error, result.error
+
+        start = time.monotonic()
+        status, reply = generate(server, "llm", {"text_input": "Hello world", "max_tokens": 8})
+        assert status != 200 and "prefill" in reply["error"], reply
+        assert time.monotonic() - start < ERROR_BOUND_S
+
+        def decode_blocks_used() -> float:
+            return metric_sum(
+                scrape_metrics(server.config.metrics_url), "disagg_kv_blocks_used", pool="decode"
+            )
+
+        wait_until(lambda: decode_blocks_used() == 0, 15, "decode KV blocks all free")
+        status, reply = generate(
+            server,
+            "ensemble_colocated",
+            {"text_input": "Hello world", "max_tokens": 8, "exclude_input_in_output": True},
+        )
+        assert (status, reply["text_output"]) == (200, expected)
+    finally:
+        for stream in streams:
+            stream.close()
+        server.stop(grace_s=5)
+    assert not live_group_members(server.pid)
+    assert not shm_entries(server.config.shm_prefix)
+    assert not shm_entries("disagg-") - kv_before, "the dead prefill pool's KV region is still there"

@@ -19,13 +19,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
 import secrets
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,9 +33,10 @@ from disagg.kv.lease import ReleaseCallback
 from disagg.kv.mapped import MappedTransport, RemoteView
 from disagg.kv.region import Region
 from disagg.kv.transport import Clock, TransportConfig, parse_config
+from disagg.regions import HEADER as _HEADER
+from disagg.regions import MAGIC as _MAGIC
+from disagg.regions import clean_stale_regions, name_pattern, owner_start_time
 
-_MAGIC = b"DKVSHM01"
-_HEADER = struct.Struct("<8sQQQQQQQ")  # magic, pid, start time, blocks, block bytes, tags, acks, pool offsets
 _HEADER_BYTES = 4096
 _PAGE = 4096
 
@@ -75,76 +73,6 @@ def _offsets(num_blocks: int) -> tuple[int, int, int]:
     return tags, acks, pool
 
 
-def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks since boot, or None if unreadable; -1 for a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(")") + 2 :].split()
-    if rest[0] in ("Z", "X"):
-        return -1
-    return int(rest[19])
-
-
-def _owner_alive(pid: int, start: int | None) -> bool:
-    """Whether process ``pid`` (started at ``start`` ticks, if known) still runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    now_start = _start_time(pid)
-    if now_start == -1:
-        return False
-    return now_start is None or start is None or now_start == start
-
-
-def _name_re(prefix: str) -> re.Pattern[str]:
-    return re.compile(rf"^{re.escape(prefix)}-(\d{{1,10}})-[0-9a-f]{{16}}$")
-
-
-def list_regions(directory: str, prefix: str) -> list[str]:
-    """Names of this deployment's regions in ``directory`` (a leak probe for tests)."""
-    pattern = _name_re(prefix)
-    try:
-        return sorted(e.name for e in os.scandir(directory) if pattern.match(e.name))
-    except FileNotFoundError:
-        return []
-
-
-def clean_stale_regions(directory: str, prefix: str) -> int:
-    """Unlink regions of ``prefix`` whose owner process is gone; returns how many."""
-    removed = 0
-    pattern = _name_re(prefix)
-    for name in list_regions(directory, prefix):
-        match = pattern.match(name)
-        if match is None:
-            continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            raw = os.pread(fd, _HEADER.size, 0)
-        finally:
-            os.close(fd)
-        valid = len(raw) == _HEADER.size and raw[:8] == _MAGIC
-        # Without a header (owner died between create and header write) only the pid is known.
-        if _owner_alive(int(match.group(1)), _HEADER.unpack(raw)[2] if valid else None):
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
 class _Mapping:
     def __init__(self, mm: mmap.mmap, view: RemoteView) -> None:
         self.mm = mm
@@ -170,7 +98,7 @@ class ShmTransport(MappedTransport):
     ) -> None:
         super().__init__(config, clock=clock, on_release=on_release)
         self.shm = shm or ShmConfig()
-        self._name_pattern = _name_re(config.prefix)
+        self._name_pattern = name_pattern(config.prefix)
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
         self._maps_lock = threading.Lock()
         self.stale_removed = clean_stale_regions(self.shm.directory, config.prefix)
@@ -192,7 +120,7 @@ class ShmTransport(MappedTransport):
             except OSError:
                 raise TransferError("not enough shared memory for the KV pool") from None
             header = _HEADER.pack(
-                _MAGIC, pid, _start_time(pid) or 0, num_blocks, block_bytes, tags_off, acks_off, pool_off
+                _MAGIC, pid, owner_start_time(pid) or 0, num_blocks, block_bytes, tags_off, acks_off, pool_off
             )
             os.pwrite(fd, header, 0)
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self.shm.populate else 0)

@@ -9,6 +9,11 @@ import time
 from benchlib.cpuprobe import CpuProbe, group_members, label, thread_times
 
 
+def busy_s(per_cpu: dict[str, float]) -> float:
+    """Seconds summed over CPUs, to clock-tick precision (0.09 + 0.01 is 0.0999... in floats)."""
+    return round(sum(per_cpu.values()), 6)
+
+
 def test_probe_charges_this_process_busy_time():
     stop = threading.Event()
 
@@ -24,14 +29,13 @@ def test_probe_charges_this_process_busy_time():
         # Poll until the probe has seen some busy time (never a fixed sleep).
         while time.monotonic() < deadline:
             probe.sample()
-            seen = sum(probe._usage.get("load generator", {}).values())
-            if seen >= 0.1:
+            if busy_s(probe._usage.get("load generator", {})) >= 0.1:
                 break
     finally:
         stop.set()
         worker.join()
     usage = probe.stop()
-    assert sum(usage["load generator"].values()) >= 0.1
+    assert busy_s(usage["load generator"]) >= 0.1
     assert all(key.startswith("cpu") and int(key[3:]) < os.cpu_count() for key in usage["load generator"])
 
 

@@ -11,7 +11,7 @@ from disagg.engine.engine import EngineConfig
 from disagg.engine.sampling import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.loop import Job, Prefilled, Token
+from disagg.serving.loop import Failed, Job, Prefilled, Token
 from disagg.serving.pool import PoolConfig, build_pool
 
 
@@ -87,3 +87,38 @@ def test_engine_calls_are_counted_with_their_time(pools):
     assert prefilled.engine_steps == 1
     assert decoded.engine_steps == 4, "tokens 2..5, one decode step each"
     assert prefilled.engine_busy_s > 0 and decoded.engine_busy_s > 0
+
+
+def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
+    """RELIABILITY D3: the decode engine raises during a step. Every sequence it held ends with
+    UNAVAILABLE naming the pool (no hang), the loop reports unhealthy (its stats, hence the metrics),
+    and new jobs are refused at once instead of queueing behind a dead engine."""
+    prefill, decode = pools["prefill"], pools["decode"]
+    firsts = []
+    for i in range(2):
+        sink = Sink()
+        prefill.submit(Job(f"r{i}", sink, request=Request((1, 5, 6, 7 + i), SamplingParams(max_tokens=50))))
+        assert sink.done.wait(30)
+        firsts.append(sink.events[-1])
+    steps = []
+    real_step = decode.engine.decode_step
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("simulated engine fault")
+        return real_step()
+
+    decode.engine.decode_step = failing_step
+    outs = [Sink() for _ in firsts]
+    for i, (first, out) in enumerate(zip(firsts, outs, strict=True)):
+        decode.submit(Job(f"r{i}", out, state=first.state, descriptor=first.descriptor))
+    for out in outs:
+        assert out.done.wait(30), "a sequence of the failed batch never ended"
+        failed = out.events[-1]
+        assert isinstance(failed, Failed) and failed.error.code == UNAVAILABLE
+        assert "decode pool failed" in failed.error.message
+    assert decode.healthy is False and decode.stats().healthy is False
+    with pytest.raises(ServingError) as refused:
+        decode.submit(Job("r9", Sink(), state=firsts[0].state, descriptor=firsts[0].descriptor))
+    assert refused.value.code == UNAVAILABLE and "not serving" in refused.value.message
