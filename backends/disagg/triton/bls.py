@@ -37,9 +37,11 @@ _END = object()
 
 def _drain(responses: Iterator[Any], graveyard: Graveyard) -> None:
     """Consume a BLS call's remaining responses (on an executor thread), then bury the iterator."""
-    for _ in responses:
-        pass
-    graveyard.bury(responses)
+    try:
+        for _ in responses:
+            pass
+    finally:
+        graveyard.bury(responses)
 
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
