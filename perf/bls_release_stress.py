@@ -42,32 +42,22 @@ RESULTS = HERE / "results"
 POLICIES = ("drop", "graveyard")
 CRASH_MARKS = ("Segmentation fault", "Stub process", "terminate called", "signal 11", "core dumped")
 
-SOURCE_CONFIG = """name: "source"
-backend: "bls_stress"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [
-  { name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "WIDTH", data_type: TYPE_INT32, dims: [ 1 ] }
-]
-output [ { name: "BLOB", data_type: TYPE_STRING, dims: [ -1 ] } ]
-instance_group [ { kind: KIND_CPU, count: 1 } ]
-parameters { key: "role" value: { string_value: "source" } }
-"""
 
-RELAY_CONFIG = """name: "relay"
+def model_config(role: str, output: str, dtype: str, dims: str, release: str = "") -> str:
+    """config.pbtxt of one stress model: both take COUNT and WIDTH and differ in role and output."""
+    extra = f'parameters {{ key: "release" value: {{ string_value: "{release}" }} }}\n' if release else ""
+    return f"""name: "{role}"
 backend: "bls_stress"
 max_batch_size: 0
-model_transaction_policy { decoupled: true }
+model_transaction_policy {{ decoupled: true }}
 input [
-  { name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "WIDTH", data_type: TYPE_INT32, dims: [ 1 ] }
+  {{ name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] }},
+  {{ name: "WIDTH", data_type: TYPE_INT32, dims: [ 1 ] }}
 ]
-output [ { name: "SEEN", data_type: TYPE_INT32, dims: [ 1 ] } ]
-instance_group [ { kind: KIND_CPU, count: 1 } ]
-parameters { key: "role" value: { string_value: "relay" } }
-parameters { key: "release" value: { string_value: "%s" } }
-"""
+output [ {{ name: "{output}", data_type: {dtype}, dims: [ {dims} ] }} ]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+parameters {{ key: "role" value: {{ string_value: "{role}" }} }}
+{extra}"""
 
 
 def log(message: str) -> None:
@@ -76,7 +66,11 @@ def log(message: str) -> None:
 
 def write_repository(root: Path, policy: str) -> Path:
     repository = root / f"repo-{policy}"
-    for name, text in (("source", SOURCE_CONFIG), ("relay", RELAY_CONFIG % policy)):
+    configs = {
+        "source": model_config("source", "BLOB", "TYPE_STRING", "-1"),
+        "relay": model_config("relay", "SEEN", "TYPE_INT32", "1", release=policy),
+    }
+    for name, text in configs.items():
         (repository / name / "1").mkdir(parents=True, exist_ok=True)
         (repository / name / "config.pbtxt").write_text(text)
     return repository

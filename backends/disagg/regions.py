@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import re
 import struct
-from pathlib import Path
+
+from disagg.procfs import read_stat
 
 MAGIC = b"DKVSHM01"
 HEADER = struct.Struct("<8sQQQQQQQ")  # magic, pid, start time, blocks, block bytes, tags, acks, pool offsets
@@ -20,14 +21,10 @@ DEFAULT_PREFIX = "disagg"  # the pools' default ``prefix``
 
 def owner_start_time(pid: int) -> int | None:
     """Process start time in clock ticks since boot, or None if unreadable; -1 for a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    stat = read_stat(pid)
+    if stat is None:
         return None
-    rest = stat[stat.rfind(")") + 2 :].split()
-    if rest[0] in ("Z", "X"):
-        return -1
-    return int(rest[19])
+    return -1 if stat.exited else stat.start_time
 
 
 def _owner_alive(pid: int, start: int | None) -> bool:

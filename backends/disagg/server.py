@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from disagg.procfs import PROC, read_stat
 from disagg.regions import DEFAULT_DIRECTORY as KV_DIRECTORY
 from disagg.regions import DEFAULT_PREFIX as KV_PREFIX
 from disagg.regions import clean_stale_regions
@@ -93,16 +94,11 @@ class ServerTimeout(ServerError, TimeoutError):
 def process_group_members(pgid: int) -> list[int]:
     """Pids of the live (not zombie) processes in process group `pgid`, read from /proc."""
     members = []
-    for entry in Path("/proc").iterdir():
+    for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat_line = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        state, _ppid, pgrp = stat_line.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
+        stat = read_stat(entry.name)
+        if stat is not None and stat.pgrp == pgid and not stat.exited:
             members.append(int(entry.name))
     return members
 

@@ -16,20 +16,18 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg.procfs import PROC, read_stat
+
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
 EXIT_STATUS = 3  # distinguishable from a crash in the stub's exit status
 
 
-def running(pid: int, proc: Path = Path("/proc")) -> bool:
+def running(pid: int, proc: Path = PROC) -> bool:
     """True while process `pid` exists and has not exited (a zombie has exited)."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state not in ("Z", "X", "x")
+    stat = read_stat(pid, proc)
+    return stat is not None and not stat.exited
 
 
 def parent_alive(pid: int) -> bool:
