@@ -3,9 +3,10 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export MODEL_DIR ?= $(CURDIR)/.models/tiny
+TINY := $(CURDIR)/.models/tiny
+SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 
-.PHONY: install model test lint format bench-engine bench bench-quick serve
+.PHONY: install model test-models test lint format bench-engine bench bench-quick serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -17,8 +18,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The model to serve: $(MODEL_DIR) if set (checked, never written to), else SmolLM2-135M-Instruct,
+# fetched and converted into .models/ on first use.
 model: $(STAMP)
-	$(VENV)/bin/disagg make-model --out "$(MODEL_DIR)" --if-missing
+	$(VENV)/bin/disagg prepare-model
+
+# The suite runs on the tiny model and tests SmolLM2 too (and checks $(MODEL_DIR) if set).
+test-models: $(STAMP)
+	$(VENV)/bin/disagg prepare-model --model "$(TINY)"
+	$(VENV)/bin/disagg prepare-model --model "$(SMOLLM2)"
+	$(VENV)/bin/disagg prepare-model
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -28,11 +37,12 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-test: model lint
+test: test-models lint
 	$(PY) -m pytest -q
 
-bench-engine: model
-	$(PY) perf/engine_bench.py
+bench-engine: test-models
+	$(PY) perf/engine_bench.py --model "$(TINY)"
+	$(PY) perf/engine_bench.py --model "$(SMOLLM2)"
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.

@@ -83,11 +83,23 @@ def write_legacy_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def reference_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and, per step, the gap between its top two logits."""
+def reference_greedy(
+    model_dir: Path | None,
+    prompt: list[int],
+    new_tokens: int,
+    model: Any = None,
+    eos_token_id: int | None = None,
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and, per step, the gap between its top two logits.
+
+    ``model`` is an already loaded transformers model (else ``model_dir`` is loaded in fp32);
+    ``eos_token_id`` is the end token the min-length processor masks, as the engine masks its own.
+    """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    extra = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
@@ -97,6 +109,7 @@ def reference_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> tup
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
+            **extra,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     gaps = []

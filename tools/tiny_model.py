@@ -17,13 +17,9 @@ is only the test oracle.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from disagg_tools.folder import FolderError, read_stamp, staging, write_json
 
 log = logging.getLogger("disagg.tiny_model")
 
@@ -355,20 +353,14 @@ def tokenizer_config(dims: TinyLlamaDims) -> dict[str, Any]:
 def build(out_dir: Path, *, seed: int = 0) -> Path:
     """Write the model folder to ``out_dir`` atomically and return its path.
 
-    The files are written into a temporary sibling folder that is then renamed into
-    place, so a concurrent reader sees either no folder or a complete one. An existing
-    folder at ``out_dir`` is replaced; if another process installs one at the same
-    moment and it is complete for the same seed, that one is kept.
+    The files are written into a temporary sibling folder that is then renamed into place, so a
+    concurrent reader sees either no folder or a complete one. An existing folder at ``out_dir`` is
+    replaced only if this builder made it (it carries the stamp); anything else there is refused
+    with ``FolderError`` and left untouched.
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staging(Path(out_dir), STAMP_FILE) as tmp:
         _write_files(tmp, DIMS, seed)
-        _install(tmp, out_dir, seed)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return Path(out_dir)
 
 
 def is_complete(out_dir: Path, *, seed: int = 0) -> bool:
@@ -376,11 +368,7 @@ def is_complete(out_dir: Path, *, seed: int = 0) -> bool:
     out_dir = Path(out_dir)
     if not all((out_dir / name).is_file() for name in MODEL_FILES):
         return False
-    try:
-        stamp = json.loads((out_dir / STAMP_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return stamp == _stamp(seed)
+    return read_stamp(out_dir, STAMP_FILE) == _stamp(seed)
 
 
 def _stamp(seed: int) -> dict[str, Any]:
@@ -390,40 +378,12 @@ def _stamp(seed: int) -> dict[str, Any]:
 def _write_files(folder: Path, dims: TinyLlamaDims, seed: int) -> None:
     tokenizer = train_tokenizer(dims.vocab_size)
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    _write_json(folder / "tokenizer_config.json", tokenizer_config(dims))
-    _write_json(folder / "config.json", model_config(dims))
-    _write_json(folder / "generation_config.json", generation_config())
+    write_json(folder / "tokenizer_config.json", tokenizer_config(dims))
+    write_json(folder / "config.json", model_config(dims))
+    write_json(folder / "generation_config.json", generation_config())
     save_file(init_weights(dims, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     # The stamp is written last: its presence marks the folder complete.
-    _write_json(folder / STAMP_FILE, _stamp(seed))
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _install(tmp: Path, out_dir: Path, seed: int) -> None:
-    # mkdtemp makes the folder 0700 and safetensors writes its file 0600; a model folder
-    # holds nothing secret and must be readable by the serving user like any other.
-    os.chmod(tmp, 0o755)
-    for name in MODEL_FILES:
-        os.chmod(tmp / name, 0o644)
-    if out_dir.exists():
-        # rename() cannot replace a non-empty directory: move the old one aside first.
-        # Readers briefly see no folder, never a partial one.
-        trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        try:
-            os.replace(out_dir, trash / "model")
-        except FileNotFoundError:
-            pass  # someone else removed or replaced it meanwhile
-        finally:
-            shutil.rmtree(trash, ignore_errors=True)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        # Another builder won the race. Keep theirs if it is what we would have written.
-        if not is_complete(out_dir, seed=seed):
-            raise
+    write_json(folder / STAMP_FILE, _stamp(seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         build(args.out, seed=args.seed)
+    except FolderError as exc:
+        log.error("%s", exc)
+        return 2
     except OSError as exc:
         log.error("cannot write model to %s: %s", args.out, exc.strerror or exc)
         return 1

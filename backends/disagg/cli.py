@@ -14,7 +14,7 @@ from disagg.paths import ensure_model, resolve_model_dir
 
 def _generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="disagg generate", description="Generate text with the engine.")
-    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else .models/tiny)")
+    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -66,6 +66,24 @@ def _make_model(argv: list[str]) -> int:
     return main(argv)
 
 
+def _prepare_model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="disagg prepare-model",
+        description="Make the model ready: fetch or build the project's own model folders when missing; "
+        "check any other folder (MODEL_DIR, --model) without ever writing to it.",
+    )
+    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else the default model)")
+    args = parser.parse_args(argv)
+    print(ensure_model(resolve_model_dir(args.model)))
+    return 0
+
+
+def _fetch_model(argv: list[str]) -> int:
+    from disagg_tools.catalog import main
+
+    return main(argv)
+
+
 def _kvcalc(argv: list[str]) -> int:
     from disagg_tools.kvcalc import main
 
@@ -93,6 +111,8 @@ def _serve(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "generate text from a prompt with the reference engine"),
     "make-model": (_make_model, "write the embedded tiny Llama-style checkpoint"),
+    "prepare-model": (_prepare_model, "fetch or build the default model if missing; check any other"),
+    "fetch-model": (_fetch_model, "fetch a real model (SmolLM2) or convert a GGUF file into a checkpoint"),
     "kvcalc": (_kvcalc, "KV cache bytes per token/request and transfer time per link"),
     "repository": (_repository, "write the model repository (config.pbtxt per model)"),
     "serve": (_serve, "run Triton with the project's model repository"),

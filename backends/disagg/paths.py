@@ -1,16 +1,30 @@
-"""Where things live by default: the embedded model, runtime state."""
+"""Where things live by default: the models under ``.models/``, runtime state.
+
+Two model folders belong to the project and are (re)built here when missing: the default model,
+SmolLM2-135M-Instruct converted from its GGUF (``.models/smollm2-135m-instruct``), and the random tiny
+model the tests and quick benchmarks use (``.models/tiny``). Any other folder (``MODEL_DIR``,
+``--model``) is the user's: it is read, checked, and never written to.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from disagg.engine.errors import CheckpointError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS_ROOT = REPO_ROOT / ".models"
 
 
 def default_model_dir() -> Path:
-    """The embedded tiny model's folder: ``<repo>/.models/tiny``."""
-    return REPO_ROOT / ".models" / "tiny"
+    """The default model's folder: SmolLM2-135M-Instruct, ``<repo>/.models/smollm2-135m-instruct``."""
+    return MODELS_ROOT / "smollm2-135m-instruct"
+
+
+def tiny_model_dir() -> Path:
+    """The embedded random tiny model's folder, ``<repo>/.models/tiny`` (tests, quick benchmarks)."""
+    return MODELS_ROOT / "tiny"
 
 
 def resolve_model_dir(cli_value: str | os.PathLike[str] | None = None) -> Path:
@@ -21,18 +35,44 @@ def resolve_model_dir(cli_value: str | os.PathLike[str] | None = None) -> Path:
     return Path(env) if env else default_model_dir()
 
 
+def _same(a: Path, b: Path) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def ensure_model(model_dir: Path) -> Path:
-    """Build the embedded default model into ``model_dir`` when it is missing.
+    """Return ``model_dir`` once it holds a complete checkpoint.
 
-    The default folder is (re)built when incomplete or from an older builder. Any other folder is
-    built only if it does not exist or is empty: a user's own checkpoint is never overwritten.
+    The project's own folders are built when missing or stale (the default model is fetched and
+    converted, the tiny model written). Any other folder is only checked: if it is not a complete
+    checkpoint, ``CheckpointError`` says what is missing; nothing is created, replaced or repaired.
     """
-    from disagg_tools.tiny_model import build, is_complete
-
     model_dir = Path(model_dir)
-    if model_dir.resolve() == default_model_dir().resolve():
+    if _same(model_dir, tiny_model_dir()):
+        from disagg_tools.tiny_model import build, is_complete
+
         if not is_complete(model_dir):
             build(model_dir)
-    elif not model_dir.exists() or not any(model_dir.iterdir()):
-        build(model_dir)
+    elif _same(model_dir, default_model_dir()):
+        from disagg_tools.catalog import SMOLLM2, fetch
+
+        fetch(SMOLLM2, model_dir)
+    check_checkpoint(model_dir)
     return model_dir
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    """Refuse a folder that is not a complete checkpoint, naming what is missing."""
+    from disagg.engine.checkpoint import load_config
+
+    model_dir = Path(model_dir)
+    hint = "point MODEL_DIR or --model at a checkpoint folder (config.json, *.safetensors, tokenizer.json)"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model folder {model_dir} does not exist; {hint}")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise CheckpointError(f"model folder {model_dir} has no tokenizer.json; {hint}")
+    if not any(model_dir.glob("*.safetensors")):
+        raise CheckpointError(f"model folder {model_dir} has no *.safetensors file; {hint}")
+    try:
+        load_config(model_dir)
+    except CheckpointError as exc:
+        raise CheckpointError(f"model folder {model_dir}: {exc}") from None

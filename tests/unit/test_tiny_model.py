@@ -154,15 +154,31 @@ def test_main_if_missing_keeps_existing_folder(tmp_path: Path) -> None:
     assert (out / "model.safetensors").stat().st_ino == before
 
 
-def test_main_if_missing_rebuilds_incomplete_or_other_seed(tmp_path: Path) -> None:
+def test_main_rebuilds_its_own_folder_for_another_seed(tmp_path: Path) -> None:
     out = tmp_path / "m"
-    out.mkdir()
-    (out / "config.json").write_text("{}")  # a half-written folder from elsewhere
-    assert tiny_model.main(["--out", str(out), "--if-missing"]) == 0
+    assert tiny_model.main(["--out", str(out)]) == 0
     assert tiny_model.is_complete(out, seed=0)
     assert not tiny_model.is_complete(out, seed=3)
     assert tiny_model.main(["--out", str(out), "--if-missing", "--seed", "3"]) == 0
     assert tiny_model.is_complete(out, seed=3)
+
+
+@pytest.mark.parametrize("content", [{}, {"config.json": "{}"}, {"model.safetensors": "x" * 100}])
+def test_main_refuses_a_folder_it_did_not_create(
+    tmp_path: Path, content: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder from elsewhere (empty, half a checkpoint, someone's weights) is refused, not replaced."""
+    out = tmp_path / "m"
+    out.mkdir()
+    for name, text in content.items():
+        (out / name).write_text(text)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for flags in ([], ["--if-missing"]):
+        caplog.clear()
+        assert tiny_model.main(["--out", str(out), *flags]) == 2
+        assert "refusing to write" in caplog.text
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folder left
 
 
 def test_main_rejects_negative_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
