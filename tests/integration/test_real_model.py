@@ -1,0 +1,203 @@
+"""The real default model served end to end, and `make serve` on a user's checkpoint.
+
+- SmolLM2-135M-Instruct on the project's repository answers the chat-templated "What is the capital of
+  France?" with Paris through `ensemble` (HTTP), `llm` (gRPC streaming) and `ensemble_colocated`.
+- `MODEL_DIR=<a checkpoint of the user's> make serve` serves that checkpoint, leaves every byte of the
+  folder as it was, and answers what `disagg generate --model <folder>` answers in the pools' dtype.
+  A folder that is not a complete checkpoint is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from serving_support import REPOSITORY, generate, grpc_stream, text_inputs
+from triton_support import (
+    REPO_ROOT,
+    LeakProbe,
+    TritonFactory,
+    free_ports,
+    http_json,
+    live_children,
+    wait_until,
+)
+
+from disagg.server import TritonServer
+from disagg_tools import tiny_model
+
+pytestmark = pytest.mark.slow
+
+QUESTION = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+DISAGG = Path(sys.executable).parent / "disagg"
+GENERATE = ("--max-tokens", "12", "--dtype", "bfloat16", "--json")  # the pools' dtype
+
+
+@contextmanager
+def model_dir_env(model_dir: Path) -> Iterator[None]:
+    """`MODEL_DIR` for the servers started inside (their stubs read it when they load)."""
+    before = os.environ.get("MODEL_DIR")
+    os.environ["MODEL_DIR"] = str(model_dir)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MODEL_DIR", None)
+        else:
+            os.environ["MODEL_DIR"] = before
+
+
+@pytest.fixture(scope="module")
+def server(triton_factory: TritonFactory, smollm2_dir: Path) -> TritonServer:
+    with model_dir_env(smollm2_dir):
+        return triton_factory.start(REPOSITORY, exit_timeout_s=10, ready_timeout_s=240)
+
+
+@pytest.fixture
+def own_regions_ignored(leak_probe: LeakProbe, server: TritonServer) -> None:
+    leak_probe.ignore_shm(server.config.shm_prefix)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "ensemble_colocated"])
+@pytest.mark.usefixtures("own_regions_ignored")
+def test_http_generate_names_paris(server: TritonServer, model: str) -> None:
+    body = {"text_input": QUESTION, "max_tokens": 32, "exclude_input_in_output": True}
+    status, reply = generate(server, model, body)
+    assert status == 200, reply
+    assert "Paris" in reply["text_output"], reply
+    assert "<|im_end|>" not in reply["text_output"]  # stopped at the end token, not printed
+
+
+@pytest.mark.usefixtures("own_regions_ignored")
+def test_llm_grpc_stream_names_paris(server: TritonServer) -> None:
+    result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
+    assert result.error is None and result.final, result
+    assert len(result.pieces) > 3 and "Paris" in "".join(result.pieces), result.pieces
+
+
+# ---- make serve on a user's checkpoint ----------------------------------------------------------------
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int, int]]:
+    """Every file under `folder`: its bytes, mode and modification time (ns)."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mode, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def foreign_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's checkpoint: a complete Llama folder (weights unlike the tiny model's) that no builder of
+    this project stamped, with a file of the user's own beside it, read-only to everyone."""
+    folder = tiny_model.build(tmp_path_factory.mktemp("user") / "my-model", seed=7)
+    (folder / tiny_model.STAMP_FILE).unlink()
+    (folder / "NOTES.md").write_text("my fine-tune\n")
+    return folder
+
+
+def make_serve(model_dir: Path, ports: list[int]) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "MODEL_DIR": str(model_dir),
+        "HTTP_PORT": str(ports[0]),
+        "GRPC_PORT": str(ports[1]),
+        "METRICS_PORT": str(ports[2]),
+        "SERVE_ARGS": "--address 127.0.0.1 --exit-timeout 5",
+    }
+    return subprocess.Popen(
+        ["make", "--no-print-directory", "serve"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def serving_children(make_pid: int) -> list[int]:
+    """`disagg serve` processes started by make (pid `make_pid`)."""
+    pids = []
+    for pid in live_children(make_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"disagg") for a in argv) and b"serve" in argv:
+            pids.append(pid)
+    return pids
+
+
+def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_checkpoint: Path) -> None:
+    before = snapshot(foreign_checkpoint)
+    proc = subprocess.run(
+        [str(DISAGG), "generate", "--model", str(foreign_checkpoint), "--prompt", "Hello world", *GENERATE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    expected = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
+    ports = free_ports(3)
+    serve = make_serve(foreign_checkpoint, ports)
+    try:
+        url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
+        body = {"text_input": "Hello world", "max_tokens": 12, "exclude_input_in_output": True}
+
+        def answer() -> dict | None:
+            if serve.poll() is not None:
+                raise AssertionError(f"make serve exited {serve.returncode}: {serve.stdout.read()[-3000:]}")
+            try:
+                status, reply = http_json(url, body, timeout_s=60)
+            except OSError:
+                return None
+            return reply if status == 200 else None
+
+        reply = wait_until(answer, 240, "make serve answering")
+        assert reply["text_output"] == expected
+    finally:
+        # SIGTERM to `disagg serve` (make's child), as Ctrl-C or a process manager would send it;
+        # make then exits with its status.
+        for pid in serving_children(serve.pid):
+            os.kill(pid, signal.SIGTERM)
+        output, _ = serve.communicate(timeout=90)
+    assert serve.returncode == 0, output[-3000:]
+    assert snapshot(foreign_checkpoint) == before
+    assert sorted(p.name for p in foreign_checkpoint.parent.iterdir()) == ["my-model"]
+
+
+@pytest.mark.parametrize(
+    ("missing", "message"),
+    [
+        ("tokenizer.json", "has no tokenizer.json"),
+        ("model.safetensors", "has no *.safetensors file"),
+        ("config.json", "has no config.json"),
+    ],
+)
+def test_make_serve_refuses_an_incomplete_checkpoint_and_changes_nothing(
+    foreign_checkpoint: Path, tmp_path: Path, missing: str, message: str
+) -> None:
+    folder = tmp_path / "half"
+    folder.mkdir()
+    for path in foreign_checkpoint.iterdir():
+        if path.name != missing:
+            (folder / path.name).write_bytes(path.read_bytes())
+    before = snapshot(folder)
+    serve = make_serve(folder, free_ports(3))
+    output, _ = serve.communicate(timeout=120)
+    assert serve.returncode != 0
+    assert message in output, output[-2000:]
+    assert "Triton" not in output and "tritonserver" not in output  # refused before anything started
+    assert snapshot(folder) == before
