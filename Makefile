@@ -41,8 +41,7 @@ test: test-models lint
 	$(PY) -m pytest -q
 
 bench-engine: test-models
-	$(PY) perf/engine_bench.py --model "$(TINY)"
-	$(PY) perf/engine_bench.py --model "$(SMOLLM2)"
+	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)"
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
@@ -58,8 +57,9 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # Serving benchmarks: disaggregated vs colocated vs vLLM CPU on this machine; writes perf/RESULTS.md.
-bench-quick: model $(VLLM_VENV)/.installed
-	$(PY) perf/run_all.py --quick --start-triton
+# bench-quick runs on the tiny model (MODEL_DIR overrides), bench on the default model, SmolLM2.
+bench-quick: test-models $(VLLM_VENV)/.installed
+	$(PY) perf/run_all.py --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}"
 
 bench: model $(VLLM_VENV)/.installed
-	$(PY) perf/run_all.py --full --start-triton
+	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--triton-url", help="gRPC host:port of a running server (default: start one)")
     parser.add_argument("--metrics-url", help="that server's /metrics URL (for its decode engine step)")
-    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else .models/tiny)")
+    parser.add_argument("--model", help="checkpoint folder (default: $MODEL_DIR, else SmolLM2-135M-Instruct)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url, metrics_url = args.triton_url, args.metrics_url
     if url is None:
-        server = start_triton(REPO_ROOT / "model_repository", Path(tempfile.mkdtemp(prefix="oc-")))
+        server = start_triton(REPO_ROOT / "model_repository", Path(tempfile.mkdtemp(prefix="oc-")), model_dir)
         url, metrics_url = server.config.grpc_url, server.config.metrics_url
     try:
         result = run(url, metrics_url, model_dir, args.reps, args.tokens)

@@ -334,7 +334,9 @@ async def main_async(args: argparse.Namespace) -> int:
         if any(n in TRITON_MODELS for n in names) and not triton_url and args.start_triton is not None:
             log(f"starting Triton on {args.start_triton} ...")
             try:
-                triton_server = start_triton(args.start_triton, workdir, cpus=parse_cpus(args.server_cpus))
+                triton_server = start_triton(
+                    args.start_triton, workdir, args.model_dir, cpus=parse_cpus(args.server_cpus)
+                )
                 triton_url = triton_server.config.grpc_url
             except Exception as exc:  # a broken repository must not cost the vLLM measurement
                 log(f"Triton did not start: {exc}")

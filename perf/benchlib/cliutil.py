@@ -13,6 +13,7 @@ from typing import Any
 from benchlib.clients import COUNT_MODES, ClientConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The tiny model unless MODEL_DIR says otherwise; `make bench` passes SmolLM2 explicitly.
 DEFAULT_MODEL_DIR = Path(os.environ.get("MODEL_DIR", REPO_ROOT / ".models" / "tiny"))
 
 

@@ -189,10 +189,15 @@ class VllmServer:
 
 
 def start_triton(
-    repository: Path, workdir: Path, ready_timeout_s: float = 300.0, cpus: tuple[int, ...] = ()
+    repository: Path,
+    workdir: Path,
+    model_dir: Path,
+    ready_timeout_s: float = 300.0,
+    cpus: tuple[int, ...] = (),
 ) -> Any:
     """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
     running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs).
+    Its pools and text models load `model_dir` (the server's `MODEL_DIR`, fixed when it is spawned).
     `cpus`: where tritonserver's own threads run (empty: unpinned)."""
     from disagg.server import ServerError, TritonServer, server_config
 
@@ -206,7 +211,15 @@ def start_triton(
         metrics_port=free_port(),
         cpus=cpus,
     )
-    server = TritonServer(config, workdir / "tritonserver.log").start()
+    previous = os.environ.get("MODEL_DIR")
+    os.environ["MODEL_DIR"] = str(Path(model_dir).resolve())
+    try:
+        server = TritonServer(config, workdir / "tritonserver.log").start()
+    finally:
+        if previous is None:
+            os.environ.pop("MODEL_DIR", None)
+        else:
+            os.environ["MODEL_DIR"] = previous
     try:
         server.wait_ready(ready_timeout_s)
     except ServerError as exc:
