@@ -6,6 +6,7 @@ Plain functions (no fixtures); import them as `from serving_support import ...`.
 
 from __future__ import annotations
 
+import math
 import re
 import urllib.request
 from collections.abc import Iterable, Mapping
@@ -24,24 +25,60 @@ POOLS = ("prefill", "decode", "colocated")
 POOL_GAUGES = ("disagg_kv_blocks_used", "disagg_kv_blocks_free", "disagg_decode_active_sequences")
 
 
-def engine_texts(prompts: Iterable[str], max_tokens: int) -> dict[str, str]:
-    """Greedy text of each prompt from the reference engine in bfloat16, as `disagg generate --dtype
-    bfloat16` prints it: the oracle every entry point must match."""
+@dataclass(frozen=True)
+class Greedy:
+    """One prompt's greedy output from the reference engine.
+
+    `first_piece` is the text streamed with the first token (the one prefill samples); `margin` is
+    the smallest gap between the two largest logits over every step (float32), or None with
+    `min_length`, whose masking of the stop tokens it does not follow."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    first_piece: str
+    margin: float | None
+
+
+def engine_greedy(
+    prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16", min_length: int = 0
+) -> dict[str, Greedy]:
+    """Greedy output of each prompt from the reference engine, one prompt at a time (batch size 1),
+    as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with."""
     from disagg.engine.engine import Engine, EngineConfig
     from disagg.engine.sampling import SamplingParams
     from disagg.engine.scheduler import generate
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer
+    from disagg.serving.detokenizer import IncrementalDetokenizer
+
+    class MarginEngine(Engine):
+        margin = math.inf
+
+        def _append(self, seq: Any, logits: Any) -> Any:
+            top = logits.float().topk(2).values
+            self.margin = min(self.margin, float(top[0] - top[1]))
+            return super()._append(seq, logits)
 
     model_dir = resolve_model_dir()
     tokenizer = Tokenizer(model_dir)
-    engine = Engine(EngineConfig(model_dir=model_dir, dtype="bfloat16", kv_cache_mb=64))
-    texts = {}
+    engine = MarginEngine(EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=64))
+    params = SamplingParams(max_tokens=max_tokens, min_length=min_length)
+    results = {}
     for prompt in prompts:
-        ids = tokenizer.encode(prompt)
-        token_ids, _ = generate(engine, Request(tuple(ids), SamplingParams(max_tokens=max_tokens)))
-        texts[prompt] = tokenizer.decode(token_ids)
-    return texts
+        engine.margin = math.inf
+        token_ids, _ = generate(engine, Request(tuple(tokenizer.encode(prompt)), params))
+        results[prompt] = Greedy(
+            token_ids=tuple(token_ids),
+            text=tokenizer.decode(token_ids),
+            first_piece=IncrementalDetokenizer(tokenizer.decode).add(token_ids[0]),
+            margin=None if min_length else engine.margin,
+        )
+    return results
+
+
+def engine_texts(prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16") -> dict[str, str]:
+    """Greedy text of each prompt from the reference engine (`engine_greedy`)."""
+    return {prompt: greedy.text for prompt, greedy in engine_greedy(prompts, max_tokens, dtype).items()}
 
 
 # ---- requests --------------------------------------------------------------------------------------
