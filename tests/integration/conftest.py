@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from triton_support import LeakProbe, TritonFactory, start_smoke
+from triton_support import LeakProbe, TritonFactory, open_fds, start_smoke, wait_until
 
 from disagg.server import TritonServer
 
@@ -56,12 +56,21 @@ def smoke_server(triton_factory: TritonFactory) -> TritonServer:
 @pytest.fixture(scope="session", autouse=True)
 def client_runtimes() -> None:
     """Create the client libraries' process-wide state once, before any leak baseline: gevent's hub
-    (tritonclient.http) and gRPC's poller each keep an epoll/eventfd pair for the life of the process."""
+    (tritonclient.http) keeps an epoll/eventfd pair for the life of the process. gRPC's poller does
+    not: it is created with the first channel and closed on another thread a few milliseconds after
+    the last one closes, so the first test's baseline waits until this process's fds stop changing."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
     httpclient.InferenceServerClient("127.0.0.1:1").close()
     grpcclient.InferenceServerClient("127.0.0.1:1").close()
+    last: list[frozenset[int]] = []
+
+    def settled() -> bool:
+        last.append(open_fds())
+        return len(last) >= 3 and last[-1] == last[-2] == last[-3]
+
+    wait_until(settled, 5.0, "fds of the client warm-up settled", interval_s=0.02)
 
 
 @pytest.fixture(autouse=True)

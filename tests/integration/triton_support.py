@@ -105,6 +105,29 @@ def shm_entries(prefix: str = "") -> frozenset[str]:
     return frozenset(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
 
 
+def open_fds() -> frozenset[int]:
+    """This process's open fds, without the one `listdir` used to read /proc/self/fd (listed, then
+    closed: counted, it could hide a new fd that took its number, and show itself in its place)."""
+    listed = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    return frozenset(fd for fd in listed if _is_open(fd))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def fd_target(fd: int) -> str:
+    """What fd `fd` of this process refers to (a path, `socket:[inode]`, `anon_inode:[eventfd]`...)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "(closed)"
+
+
 @dataclass(frozen=True)
 class LeakSnapshot:
     """Process-level resources that a test must give back: /dev/shm entries (see `SHM_PREFIXES`), this
@@ -119,7 +142,7 @@ class LeakSnapshot:
     def take(cls) -> LeakSnapshot:
         return cls(
             shm=frozenset(name for name in shm_entries() if name.startswith(SHM_PREFIXES)),
-            fds=frozenset(int(fd) for fd in os.listdir("/proc/self/fd")),
+            fds=open_fds(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
             children=live_children(os.getpid()),
         )
@@ -128,7 +151,7 @@ class LeakSnapshot:
         """What exists now and did not exist in `before` (empty dict: nothing leaked)."""
         found = {
             "shm": sorted(self.shm - before.shm),
-            "fds": sorted(self.fds - before.fds),
+            "fds": [f"{fd} -> {fd_target(fd)}" for fd in sorted(self.fds - before.fds)],
             "threads": sorted(
                 t.name for t in threading.enumerate() if t.ident in self.threads - before.threads
             ),
