@@ -234,7 +234,7 @@ def markdown(results: list[dict]) -> str:
         "Written by `perf/engine_bench.py` (`make bench-engine`).",
         "",
     ]
-    return "\n".join(head) + "\n".join(section(r) for r in results)
+    return "\n".join(head) + "\n" + "\n".join(section(r) for r in results)
 
 
 def cpu_flags() -> str:

@@ -29,20 +29,14 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from disagg_tools.folder import read_stamp, staging, write_json
+from disagg_tools.folder import CHECKPOINT_FILES, read_stamp, staging, write_json
 
 log = logging.getLogger("disagg.converter")
 
 # Bump when anything that changes the written bytes changes.
 CONVERTER_VERSION = 1
 STAMP_FILE = "disagg_checkpoint.json"
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
+MODEL_FILES = CHECKPOINT_FILES
 SUPPORTED_ARCHITECTURES = ("llama",)
 # tokenizer.ggml.pre values whose pre-tokenization this module reproduces: GPT-2's byte-level regex,
 # with digits split one by one first for the StarCoder family (SmolLM among them).

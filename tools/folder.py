@@ -18,6 +18,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# The files of a checkpoint folder as this project's builders write it (Hugging Face layout), besides
+# each builder's own stamp.
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
 
 class FolderError(ValueError):
     """The target exists and was not made by this builder, or cannot be written."""

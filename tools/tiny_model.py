@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from disagg_tools.folder import FolderError, read_stamp, staging, write_json
+from disagg_tools.folder import CHECKPOINT_FILES, FolderError, read_stamp, staging, write_json
 
 log = logging.getLogger("disagg.tiny_model")
 
@@ -37,14 +37,7 @@ log = logging.getLogger("disagg.tiny_model")
 # set), so an existing folder from an older builder is rebuilt by ``--if-missing``.
 BUILDER_VERSION = 1
 STAMP_FILE = "disagg_tiny_model.json"
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    STAMP_FILE,
-)
+MODEL_FILES = (*CHECKPOINT_FILES, STAMP_FILE)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order

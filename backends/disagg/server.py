@@ -7,7 +7,8 @@ Contract:
   deadline, failing fast with the log's error lines if the process exits; `stop` sends SIGTERM to the
   group, waits for the exit timeout plus a grace period, then SIGKILLs the group and removes the Python
   backend's shared memory left behind.
-- `serve_main(argv)` runs a server in the foreground until SIGINT/SIGTERM/SIGHUP (`disagg serve`).
+- `serve_main(argv)` runs a server in the foreground until SIGINT/SIGTERM/SIGHUP (`disagg serve`), and
+  starts it again if it dies on its own after it was ready (`disagg.restart`).
 
 The configuration names (`ServerConfig`, `server_config`, ...) are re-exported from `disagg.serverconfig`.
 """
@@ -31,6 +32,7 @@ from disagg.procfs import PROC, read_stat
 from disagg.regions import DEFAULT_DIRECTORY as KV_DIRECTORY
 from disagg.regions import DEFAULT_PREFIX as KV_PREFIX
 from disagg.regions import clean_stale_regions
+from disagg.restart import RestartPolicy
 from disagg.serverconfig import (
     ADMIN_HEADER,
     ADMIN_KEY_FILE,
@@ -307,7 +309,18 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         help="pin tritonserver's own threads, e.g. '0' to keep them off a decode core (pools and "
         "orchestrators still pin themselves to their `cores`); default: unpinned",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restart tritonserver when it dies on its own after it was ready, at most N times in 10 "
+        "minutes (0: never); see disagg.restart for why",
+    )
     args = parser.parse_args(argv)
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
+    policy = RestartPolicy(max_restarts=args.max_restarts)
     stopping: list[int] = []
     holder: list[TritonServer] = []
 
@@ -315,6 +328,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         stopping.append(signum)
         for server in holder:
             server.signal(signum)
+
+    def fail(exc: Exception) -> int:
+        print(f"disagg serve: {redact(str(exc), os.environ.get(ENV_ADMIN_KEY, ''))}", file=sys.stderr)
+        return 2
 
     # Installed before the start, so that no signal can leave an orphaned server behind.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -327,14 +344,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 address=args.address,
                 cpus=parse_cpus(args.cpus),
             )
-            server = TritonServer(config)
-            holder.append(server)
-            server.start()
         except (ValueError, ServerError, OSError) as exc:
-            print(f"disagg serve: {redact(str(exc), os.environ.get(ENV_ADMIN_KEY, ''))}", file=sys.stderr)
-            return 2
-        if stopping:
-            server.signal(stopping[0])
+            return fail(exc)
         print(
             f"disagg serve: HTTP {config.http_url}, gRPC {config.grpc_url}, metrics {config.metrics_url}; "
             f"admin APIs need header {ADMIN_HEADER!r} (key in {STATE_DIR / ADMIN_KEY_FILE} or "
@@ -342,7 +353,26 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        status = _supervise(server, stopping)
+        while True:
+            server = TritonServer(config)
+            holder[:] = [server]
+            try:
+                server.start()
+            except (ValueError, ServerError, OSError) as exc:
+                return fail(exc)
+            if stopping:
+                server.signal(stopping[0])
+            status, was_ready = _supervise(server, stopping)
+            clean = bool(stopping) or status == 0
+            if not policy.should_restart(now=time.monotonic(), was_ready=was_ready, stopping=clean):
+                break
+            print(
+                f"disagg serve: tritonserver exited with {_describe(status)} while serving; restarting it "
+                f"({policy.recent} of at most {policy.max_restarts} restarts in {policy.window_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            server.stop(grace_s=5)  # its stubs and shared memory, before the next one starts
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -350,16 +380,23 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     return 128 - status if status < 0 else status
 
 
-def _supervise(server: TritonServer, stopping: list[int]) -> int:
+def _describe(status: int) -> str:
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-status).name}"
+    return f"status {status}"
+
+
+def _supervise(server: TritonServer, stopping: list[int]) -> tuple[int, bool]:
     """Wait for the server to exit; announce readiness once; after a stop signal, SIGKILL the group if it
-    outlives the exit timeout plus `KILL_GRACE_S`. Returns the exit status."""
+    outlives the exit timeout plus `KILL_GRACE_S`. Returns the exit status and whether it was ready."""
     deadline: float | None = None
     announced = False
     while True:
         if stopping and deadline is None:
             deadline = time.monotonic() + server.config.exit_timeout_s + KILL_GRACE_S
         try:
-            return server.wait(0.5)
+            return server.wait(0.5), announced
         except ServerTimeout:
             if deadline is not None and time.monotonic() >= deadline:
                 server.signal(signal.SIGKILL)

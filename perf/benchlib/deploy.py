@@ -194,6 +194,7 @@ def start_triton(
     model_dir: Path,
     ready_timeout_s: float = 300.0,
     cpus: tuple[int, ...] = (),
+    exit_timeout_s: int | None = None,
 ) -> Any:
     """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
     running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs).
@@ -210,6 +211,7 @@ def start_triton(
         grpc_port=free_port(),
         metrics_port=free_port(),
         cpus=cpus,
+        **({} if exit_timeout_s is None else {"exit_timeout_s": exit_timeout_s}),
     )
     previous = os.environ.get("MODEL_DIR")
     os.environ["MODEL_DIR"] = str(Path(model_dir).resolve())

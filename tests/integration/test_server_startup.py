@@ -1,5 +1,5 @@
-"""Starting and stopping Triton as an operator does: a model that cannot load, and `serve_main` in the
-foreground stopped by Ctrl-C or SIGTERM."""
+"""Starting and stopping Triton as an operator does: a model that cannot load, `serve_main` in the
+foreground stopped by Ctrl-C or SIGTERM, and `serve_main` starting again a server that died on its own."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from triton_support import (
@@ -39,10 +40,8 @@ def test_model_failing_to_initialize_stops_startup_with_a_clear_error(triton_fac
     assert not shm_entries(server.config.shm_prefix)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_serve_main_stops_cleanly_on_signal(
-    tmp_path: Path, triton_factory: TritonFactory, signum: int
-) -> None:
+def _serve(tmp_path: Path, triton_factory: TritonFactory, *extra: str) -> tuple[subprocess.Popen, Any]:
+    """`serve_main` in a child process on the smoke repository, on free ports; returns it and its config."""
     config = triton_factory.config(TEST_REPOS / "smoke")  # only for free ports and the key
     env = {
         **os.environ,
@@ -56,13 +55,21 @@ def test_serve_main_stops_cleanly_on_signal(
     argv = ["--model-repository", str(TEST_REPOS / "smoke"), "--exit-timeout", "5", "--address", "127.0.0.1"]
     with (tmp_path / "serve.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", SERVE, *argv],
+            [sys.executable, "-c", SERVE, *argv, *extra],
             cwd=tmp_path,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return process, config
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_main_stops_cleanly_on_signal(
+    tmp_path: Path, triton_factory: TritonFactory, signum: int
+) -> None:
+    process, config = _serve(tmp_path, triton_factory)
     try:
         triton_pid = next(iter(wait_until(lambda: live_children(process.pid), 30, "tritonserver started")))
         wait_until(lambda: _ready(config.http_url), 60, "server ready")
@@ -78,6 +85,42 @@ def test_serve_main_stops_cleanly_on_signal(
     assert config.admin_key not in log_text
     assert not live_group_members(triton_pid)
     assert not (tmp_path / ".triton" / "admin-key").exists(), "a key given by the environment is not stored"
+
+
+def test_serve_main_restarts_a_server_that_aborts_while_serving(
+    tmp_path: Path, triton_factory: TritonFactory
+) -> None:
+    """tritonserver aborting on its own (as Triton 2.51 does when a stub dies holding its queue's lock,
+    see disagg.restart) is started again on the same ports; past the restart budget, serve_main exits
+    with the server's status and leaves nothing behind."""
+    process, config = _serve(tmp_path, triton_factory, "--max-restarts", "1")
+    servers = []
+    try:
+        for round_ in range(2):
+            pid = wait_until(
+                lambda: next(iter(live_children(process.pid) - set(servers)), None), 60, "a new tritonserver"
+            )
+            servers.append(pid)
+            wait_until(lambda: _ready(config.http_url), 60, f"server {round_} ready")
+            # serve_main restarts only a server it saw ready: wait for its announcement
+            wait_until(lambda n=round_ + 1: _announced(tmp_path) == n, 10, f"server {round_} announced")
+            os.kill(pid, signal.SIGABRT)  # the server alone, as its own abort() would
+        status = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log_text = (tmp_path / "serve.log").read_text(errors="replace")
+    assert log_text.count("disagg serve: ready") == 2, log_text[-3000:]
+    assert "tritonserver exited with signal SIGABRT while serving; restarting it (1 of at most 1" in log_text
+    assert status == 128 + signal.SIGABRT, log_text[-3000:]
+    for pid in servers:
+        wait_until(lambda pid=pid: not live_group_members(pid), 15, "no process of a dead server left")
+    # shared memory of both servers: checked by the leak probe around every test of this folder
+
+
+def _announced(tmp_path: Path) -> int:
+    return (tmp_path / "serve.log").read_bytes().count(b"disagg serve: ready")
 
 
 def _ready(http_url: str) -> bool:

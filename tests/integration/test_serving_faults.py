@@ -5,7 +5,12 @@ arriving, and of tritonserver itself (its stubs must not outlive it).
 Seen on Triton 2.51: the Python backend does not restart the stub of a decoupled model, and the
 requests the dead stub held never get a response from Triton. The orchestrator notices an overdue
 pool (a liveness probe, `disagg.triton.bls`) and ends those streams UNAVAILABLE; afterwards requests
-needing the dead pool fail fast with an error naming it, and `ensemble_colocated` keeps serving."""
+needing the dead pool fail fast with an error naming it, and `ensemble_colocated` keeps serving.
+
+Also seen on Triton 2.51 (about 1 kill in 10, `perf/stub_kill_stress.py`): a stub killed while it holds
+the lock of its shared-memory message queue makes tritonserver itself abort (`boost::interprocess::
+lock_exception`), and every stream ends with the socket closed. That is Triton's defect; `disagg serve`
+starts such a server again (`disagg.restart`, tested in test_server_startup.py)."""
 
 from __future__ import annotations
 
@@ -62,10 +67,18 @@ def test_kill_decode_stub_mid_stream_ends_streams_with_an_error(server: TritonSe
     finally:
         for stream in streams:
             stream.close()
+    assert ended_after < ERROR_BOUND_S
     for result in results:
         assert result.error is not None, "a stream outlived its decode instance"
+    if any("Socket closed" in result.error for result in results):
+        # tritonserver went down with the stub: only Triton 2.51's own abort is accepted here
+        status = wait_until(lambda: server.returncode, 10, "tritonserver exited")
+        assert status == -signal.SIGABRT, server.log_tail()
+        assert "boost::interprocess::lock_exception" in server.log_tail(200), server.log_tail()
+        assert all("Socket closed" in result.error for result in results), results
+        pytest.xfail("Triton 2.51 aborted with the killed stub (lock_exception); disagg serve restarts it")
+    for result in results:
         assert "decode pool stopped responding" in result.error, result.error
-    assert ended_after < ERROR_BOUND_S
 
     # The dead stub is not restarted: a request needing decode fails, fast, naming the pool.
     start = time.monotonic()
