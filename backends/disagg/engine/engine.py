@@ -19,7 +19,7 @@ import torch
 from disagg.engine.blocks import BlockPool
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import DTYPES, pin_cpu, resolve_device
-from disagg.engine.errors import InvalidRequest, UnknownSequence
+from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.sampling import sample
 from disagg.engine.sequence import (
     FINISH_LENGTH,
@@ -177,7 +177,7 @@ class Engine:
         for request in requests:
             self.validate(request)
         if decode and len(self.active_sequences()) + len(requests) > self.config.max_batch_size:
-            raise InvalidRequest(f"decode batch is full ({self.config.max_batch_size} sequences)")
+            raise BatchFull(self.config.max_batch_size)
         needed = [self.blocks_needed(r, decode=decode) for r in requests]
         blocks = self.pool.allocate(sum(needed))
         seqs = []
@@ -296,7 +296,7 @@ class Engine:
         if not state.generated_token_ids or len(state.generated_token_ids) >= state.params.max_tokens:
             raise InvalidRequest("sequence state has no token to continue from, or is already complete")
         if len(self.active_sequences()) >= self.config.max_batch_size:
-            raise InvalidRequest(f"decode batch is full ({self.config.max_batch_size} sequences)")
+            raise BatchFull(self.config.max_batch_size)
         blocks = self.pool.allocate(self.blocks_needed(request))
         try:
             dest = blocks[: layout.num_blocks]

@@ -24,6 +24,15 @@ class OutOfBlocks(EngineError):
         self.free = free
 
 
+class BatchFull(EngineError):
+    """The decode batch holds ``max_batch_size`` sequences: a capacity limit, like ``OutOfBlocks``
+    (the caller waits for a sequence to finish, or refuses with UNAVAILABLE), never bad input."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"decode batch is full ({limit} sequences)")
+        self.limit = limit
+
+
 class UnknownSequence(EngineError, KeyError):
     """A sequence id that the engine does not hold (finished, aborted or never known)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from disagg.engine.errors import CheckpointError, InvalidRequest, OutOfBlocks
+from disagg.engine.errors import BatchFull, CheckpointError, InvalidRequest, OutOfBlocks
 from disagg.kv.errors import DescriptorError, KVError
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ def classify(exc: BaseException) -> ServingError:
         return ServingError(INVALID_ARG, str(exc))
     if isinstance(exc, OutOfBlocks):
         return ServingError(UNAVAILABLE, "KV cache is full, retry later")
+    if isinstance(exc, BatchFull):
+        return ServingError(UNAVAILABLE, "decode batch is full, retry later")
     if isinstance(exc, DescriptorError):
         return ServingError(INVALID_ARG, f"KV descriptor refused: {exc}")
     if isinstance(exc, KVError):

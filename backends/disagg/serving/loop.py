@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from disagg.engine.engine import Engine
-from disagg.engine.errors import OutOfBlocks
+from disagg.engine.errors import BatchFull, OutOfBlocks
 from disagg.engine.scheduler import ColocatedScheduler
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.transport import Transport
@@ -453,8 +453,8 @@ class EngineLoop:
                     self.transfer_times.append(result.seconds)
 
                 seq_id = self.engine.import_kv(state, layout, fill)
-            except OutOfBlocks:
-                return  # FIFO: wait for running sequences to finish
+            except (OutOfBlocks, BatchFull):
+                return  # FIFO: wait for running sequences to finish (and give back blocks or a slot)
             except Exception as exc:
                 self._waiting.remove(job)
                 self._end(job, Failed(classify(exc)))

@@ -122,3 +122,47 @@ def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
     with pytest.raises(ServingError) as refused:
         decode.submit(Job("r9", Sink(), state=firsts[0].state, descriptor=firsts[0].descriptor))
     assert refused.value.code == UNAVAILABLE and "not serving" in refused.value.message
+
+
+def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
+    """More hand-offs than `max_batch_size` at once: the extra ones wait in FIFO order for a sequence to
+    finish, and every request completes (RELIABILITY E3), instead of the extra ones failing with
+    INVALID_ARG as if the client's input were bad."""
+    secret, prefix = secrets.token_bytes(32), f"cap{secrets.token_hex(3)}"
+    built = {
+        role: build_pool(
+            PoolConfig(
+                role=role,
+                engine=EngineConfig(model_dir=tiny_model_dir, num_blocks=64, block_size=16, max_batch_size=2),
+                prefix=prefix,
+                lease_ttl_s=30.0,
+            ),
+            secret,
+        )
+        for role in ("prefill", "decode")
+    }
+    loops = {role: loop.start() for role, (loop, _) in built.items()}
+    try:
+        prefill, decode = loops["prefill"], loops["decode"]
+        firsts = []
+        for n in range(5):
+            sink = Sink()
+            prefill.submit(Job(f"r{n}", sink, request=Request((1, 5 + n, 6), SamplingParams(max_tokens=6))))
+            assert sink.done.wait(30)
+            firsts.append(sink.events[-1])
+        assert all(isinstance(first, Prefilled) for first in firsts)
+        outs = [Sink() for _ in firsts]
+        for n, (first, out) in enumerate(zip(firsts, outs, strict=True)):
+            decode.submit(Job(f"r{n}", out, state=first.state, descriptor=first.descriptor))
+        for out in outs:
+            assert out.done.wait(60)
+            assert not any(isinstance(e, Failed) for e in out.events), out.events
+            tokens = [e for e in out.events if isinstance(e, Token)]
+            assert tokens[-1].finished and len(tokens) == 5  # max_tokens 6: one from prefill, five here
+        assert decode.engine.pool.free_blocks == decode.engine.pool.num_blocks
+        assert prefill.stats().held_leases == 0
+    finally:
+        for loop in loops.values():
+            loop.shutdown()
+        for _, transport in built.values():
+            transport.close()
