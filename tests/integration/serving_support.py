@@ -205,19 +205,23 @@ def stub_pids(server_pid: int, model: str) -> list[int]:
     return pids
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every process of a process group (the server and its stubs)."""
-    total = 0
+def group_rss(pgid: int) -> dict[str, int]:
+    """Resident memory (bytes) of every process of a process group (the server and its stubs), keyed by
+    the stub's instance name (`<model>_<group>_<index>`) or the command's name."""
+    sizes: dict[str, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
             status = (entry / "status").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
             continue
         match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
-        total += int(match.group(1)) * 1024 if match else 0
-    return total
+        names = [a.decode() for a in argv[1:] if re.fullmatch(rb"\w+_\d+_\d+", a)]
+        key = names[0] if names else Path(argv[0].decode(errors="replace")).name or entry.name
+        sizes[key] = sizes.get(key, 0) + (int(match.group(1)) * 1024 if match else 0)
+    return sizes

@@ -26,7 +26,7 @@ from serving_support import (
     engine_texts,
     generate,
     generate_stream,
-    group_rss_bytes,
+    group_rss,
     grpc_error,
     grpc_stream,
     metric_sum,
@@ -392,10 +392,14 @@ def test_a5_invalid_utf8_and_nul(server: TritonServer, model: str) -> None:
 
 
 def test_a5_ten_megabyte_prompts_leave_memory_stable(server: TritonServer) -> None:
-    """Refused 10 MB prompts do not accumulate: after a warm-up of each kind of request (the Python
-    backend's shared-memory regions grow once to hold a request, the allocators keep their high-water
-    mark), forty more (400 MB sent) must not grow the server's resident memory by more than a small
-    fraction of that. A request kept alive by a reference cycle costs 10 MB each (seen: +640 MiB)."""
+    """Refused 10 MB prompts do not accumulate. After a warm-up of each kind of request (the Python
+    backend's shared-memory regions grow once to hold a request), forty more (400 MB sent):
+    - the stubs, where this project's code runs, must not grow by more than a small fraction of that:
+      a request kept alive by a reference cycle costs 10 MB each (seen: +640 MiB);
+    - tritonserver's own frontends buffer each request in glibc's per-thread arenas, which keep their
+      high-water mark, which depends on how many of its threads earlier tests used (seen: +5 to +16
+      MiB, all in tritonserver; once +63 MiB in a whole-suite run, then not split by process); a
+      request Triton itself kept would cost 10 MB each, so its bound is half of the forty's 400 MB."""
     big = "x" * (10 << 20)
 
     def send_each_kind() -> None:
@@ -405,12 +409,16 @@ def test_a5_ten_megabyte_prompts_leave_memory_stable(server: TritonServer) -> No
 
     for _ in range(2):
         send_each_kind()
-    before = group_rss_bytes(server.pid)
+    before = group_rss(server.pid)
     for _ in range(10):
         send_each_kind()
-    grown = group_rss_bytes(server.pid) - before
-    print(f"A5: server memory {grown / 2**20:+.1f} MiB over 40 refused 10 MB prompts after warm-up")
-    assert grown < 32 << 20, f"server memory grew by {grown / 2**20:.1f} MiB over forty 10 MB requests"
+    after = group_rss(server.pid)
+    grown = {name: after[name] - before.get(name, 0) for name in after}
+    report = {name: f"{value / 2**20:+.1f}" for name, value in grown.items()}
+    print(f"A5: MiB grown per process over 40 refused 10 MB prompts after warm-up: {report}")
+    stubs = sum(value for name, value in grown.items() if name != "tritonserver")
+    assert stubs < 32 << 20, f"the stubs grew by {stubs / 2**20:.1f} MiB (MiB per process: {report})"
+    assert grown.get("tritonserver", 0) < 200 << 20, f"tritonserver kept the requests: {report}"
 
 
 POOL_JOB = {"input_ids": [1, 42, 305], "sampling": json.dumps({"max_tokens": 4}), "handle": "h-1"}
