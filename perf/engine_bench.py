@@ -184,6 +184,12 @@ def limits(engine: Engine, reps: int) -> dict:
     )
 
 
+def _ms_per_call(row: dict) -> float:
+    """Milliseconds per engine call: one prefill, or one decode step (batch tokens each)."""
+    calls = 1 if row["phase"] == "prefill" else row["tokens"] // row["batch"]
+    return row["seconds"] / calls * 1e3
+
+
 def section(result: dict) -> str:
     """One model's table: prefill and decode tokens/s, milliseconds per call, ratio to the baseline."""
     lines = [
@@ -199,13 +205,12 @@ def section(result: dict) -> str:
         "|---|---:|---|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        calls = 1 if r["phase"] == "prefill" else r["tokens"] // r["batch"]
         cells = [
             r["phase"],
             r["batch"],
             r["runner"],
             f"{r['tokens_per_s']:.0f}",
-            f"{r['seconds'] / calls * 1e3:.1f}",
+            f"{_ms_per_call(r):.1f}",
             f"{r['vs_baseline']:.2f}",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -215,7 +220,7 @@ def section(result: dict) -> str:
         for r in result["rows"]
         if r["phase"] == "decode" and r["batch"] == 1 and r["runner"].endswith("bfloat16")
     )
-    step_ms = step["seconds"] / (step["tokens"] // step["batch"]) * 1e3
+    step_ms = _ms_per_call(step)
     lines += [
         "",
         f"What bounds the bf16 decode step at batch 1 ({step_ms:.1f} ms): its weights are "
@@ -264,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    flags = cpu_flags()
     results = []
     for model in args.model or [None]:
         model_dir = ensure_model(resolve_model_dir(model))
         result = run(model_dir, args.core, args.reps, args.prompt_tokens, args.context, args.steps)
-        results.append({**result, "cpu_flags": cpu_flags()})
+        results.append({**result, "cpu_flags": flags})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")
     table = markdown(results)

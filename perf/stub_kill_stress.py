@@ -33,6 +33,8 @@ from benchlib.cliutil import REPO_ROOT, log, machine, write_json
 from benchlib.deploy import start_triton
 
 from disagg.paths import ensure_model, tiny_model_dir
+from disagg.procfs import read_stat
+from disagg.server import process_group_members
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_ERROR = "decode pool stopped responding"
@@ -80,16 +82,14 @@ class Stream:
 
 
 def _decode_stub(server_pid: int) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in process_group_members(server_pid):
+        stat = read_stat(pid)
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if ppid == server_pid and b"decode_0_0" in argv:
-            return int(entry.name)
+        if stat is not None and stat.ppid == server_pid and b"decode_0_0" in argv:
+            return pid
     raise RuntimeError("no decode stub found")
 
 

@@ -16,12 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.paths import MODELS_ROOT
 from disagg_tools.converter import ConversionError, convert, is_converted
 from disagg_tools.folder import FolderError
 
 log = logging.getLogger("disagg.catalog")
-
-MODELS_ROOT = Path(__file__).resolve().parents[1] / ".models"
 
 
 @dataclass(frozen=True)

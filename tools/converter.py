@@ -298,7 +298,7 @@ def convert(gguf_path: Path, out_dir: Path, source: dict[str, Any] | None = None
     config = model_config(meta, tied)
     tokenizer = build_tokenizer(meta)
     weights = read_weights(reader, config)
-    _check_shapes(weights, config)
+    _check_tensors(weights, config)
     tokens = list(meta.require("tokenizer.ggml.tokens"))
     with staging(out_dir, STAMP_FILE) as tmp:
         (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
@@ -316,19 +316,14 @@ def convert(gguf_path: Path, out_dir: Path, source: dict[str, Any] | None = None
     return Path(out_dir)
 
 
-def _check_shapes(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    from disagg.engine.checkpoint import expected_tensors, parse_config
+def _check_tensors(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """The engine's own checks (every tensor present, right shape), before anything is written."""
+    from disagg.engine.checkpoint import check_tensors, parse_config
 
     try:
-        wanted = expected_tensors(parse_config(config))
+        check_tensors(weights, parse_config(config))
     except ValueError as exc:
-        raise ConversionError(str(exc)) from None
-    missing = sorted(set(wanted) - set(weights))
-    if missing:
-        raise ConversionError(f"GGUF lacks tensor(s) for {missing[:3]}")
-    for name, shape in wanted.items():
-        if tuple(weights[name].shape) != shape:
-            raise ConversionError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        raise ConversionError(f"GGUF does not make a complete checkpoint: {exc}") from None
 
 
 def is_converted(out_dir: Path, source_sha256: str | None = None, verify: bool = False) -> bool:

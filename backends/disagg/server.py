@@ -169,7 +169,7 @@ class TritonServer:
         try:
             self._process = subprocess.Popen(
                 build_command(self.config, files),
-                env=build_environment(files),
+                env=build_environment(files, model_dir=self.config.model_dir),
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,

@@ -112,12 +112,18 @@ class ServerConfig:
     # CPUs of tritonserver's own threads (HTTP, gRPC, ensemble scheduling); empty: unpinned. Its
     # stubs start there too; the pools and orchestrators then pin themselves to their `cores`.
     cpus: tuple[int, ...] = ()
+    # The checkpoint the models load (their MODEL_DIR); None: the launching environment's, if any.
+    model_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_repository", "backend_directory"):
             value = getattr(self, name)
             if not isinstance(value, Path) or not value.is_absolute():
                 raise ValueError(f"{name} must be an absolute path")
+        if self.model_dir is not None and (
+            not isinstance(self.model_dir, Path) or not self.model_dir.is_absolute()
+        ):
+            raise ValueError("model_dir must be an absolute path or None")
         if not isinstance(self.admin_key, str) or not _KEY_RE.fullmatch(self.admin_key):
             raise ValueError("admin_key must be 16-256 characters of [A-Za-z0-9_-]")
         ports = (self.http_port, self.grpc_port, self.metrics_port)
@@ -158,7 +164,7 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"unknown server config keys: {', '.join(unknown)}")
         kwargs = dict(values)
-        for name in ("model_repository", "backend_directory"):
+        for name in ("model_repository", "backend_directory", "model_dir"):
             if isinstance(kwargs.get(name), str):
                 kwargs[name] = Path(kwargs[name])
         if isinstance(kwargs.get("extra_args"), list):
@@ -313,12 +319,17 @@ def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
     ]
 
 
-def build_environment(files: TritonFiles, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_environment(
+    files: TritonFiles, base: Mapping[str, str] | None = None, model_dir: Path | None = None
+) -> dict[str, str]:
     """Environment for `tritonserver`: this interpreter's `bin/` first on PATH (the Python backend stub
-    runs models with the first `python` there), the wheel's libraries on LD_LIBRARY_PATH, and the admin
-    key variable removed so that model processes never inherit it."""
+    runs models with the first `python` there), the wheel's libraries on LD_LIBRARY_PATH, the admin
+    key variable removed so that model processes never inherit it, and `MODEL_DIR` set to `model_dir`
+    when one is given (the models read it when they load)."""
     env = dict(os.environ if base is None else base)
     env.pop(ENV_ADMIN_KEY, None)
+    if model_dir is not None:
+        env["MODEL_DIR"] = str(model_dir)
     bin_dir = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join(p for p in (bin_dir, env.get("PATH", "")) if p)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(files.lib_dir), env.get("LD_LIBRARY_PATH")) if p)

@@ -198,7 +198,7 @@ def start_triton(
 ) -> Any:
     """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
     running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs).
-    Its pools and text models load `model_dir` (the server's `MODEL_DIR`, fixed when it is spawned).
+    Its pools and text models load `model_dir`.
     `cpus`: where tritonserver's own threads run (empty: unpinned)."""
     from disagg.server import ServerError, TritonServer, server_config
 
@@ -211,17 +211,10 @@ def start_triton(
         grpc_port=free_port(),
         metrics_port=free_port(),
         cpus=cpus,
+        model_dir=Path(model_dir).resolve(),
         **({} if exit_timeout_s is None else {"exit_timeout_s": exit_timeout_s}),
     )
-    previous = os.environ.get("MODEL_DIR")
-    os.environ["MODEL_DIR"] = str(Path(model_dir).resolve())
-    try:
-        server = TritonServer(config, workdir / "tritonserver.log").start()
-    finally:
-        if previous is None:
-            os.environ.pop("MODEL_DIR", None)
-        else:
-            os.environ["MODEL_DIR"] = previous
+    server = TritonServer(config, workdir / "tritonserver.log").start()
     try:
         server.wait_ready(ready_timeout_s)
     except ServerError as exc:

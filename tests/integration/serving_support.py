@@ -18,6 +18,7 @@ import numpy as np
 from triton_support import REPO_ROOT, GrpcStream, http_json, http_sse
 
 from disagg.paths import resolve_model_dir
+from disagg.server import process_group_members
 
 REPOSITORY = REPO_ROOT / "model_repository"
 ENTRY_POINTS = ("ensemble", "llm", "ensemble_colocated")
@@ -206,22 +207,17 @@ def stub_pids(server_pid: int, model: str) -> list[int]:
 
 
 def group_rss(pgid: int) -> dict[str, int]:
-    """Resident memory (bytes) of every process of a process group (the server and its stubs), keyed by
-    the stub's instance name (`<model>_<group>_<index>`) or the command's name."""
+    """Resident memory (bytes) of every live process of a process group (the server and its stubs),
+    keyed by the stub's instance name (`<model>_<group>_<index>`) or the command's name."""
     sizes: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in process_group_members(pgid):
         try:
-            stat = (entry / "stat").read_text()
-            status = (entry / "status").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{pid}/status").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
-            continue
+            continue  # gone meanwhile
         match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
         names = [a.decode() for a in argv[1:] if re.fullmatch(rb"\w+_\d+_\d+", a)]
-        key = names[0] if names else Path(argv[0].decode(errors="replace")).name or entry.name
+        key = names[0] if names else Path(argv[0].decode(errors="replace")).name or str(pid)
         sizes[key] = sizes.get(key, 0) + (int(match.group(1)) * 1024 if match else 0)
     return sizes

@@ -14,8 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,24 +41,9 @@ DISAGG = Path(sys.executable).parent / "disagg"
 GENERATE = ("--max-tokens", "12", "--dtype", "bfloat16", "--json")  # the pools' dtype
 
 
-@contextmanager
-def model_dir_env(model_dir: Path) -> Iterator[None]:
-    """`MODEL_DIR` for the servers started inside (their stubs read it when they load)."""
-    before = os.environ.get("MODEL_DIR")
-    os.environ["MODEL_DIR"] = str(model_dir)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MODEL_DIR", None)
-        else:
-            os.environ["MODEL_DIR"] = before
-
-
 @pytest.fixture(scope="module")
 def server(triton_factory: TritonFactory, smollm2_dir: Path) -> TritonServer:
-    with model_dir_env(smollm2_dir):
-        return triton_factory.start(REPOSITORY, exit_timeout_s=10, ready_timeout_s=240)
+    return triton_factory.start(REPOSITORY, exit_timeout_s=10, ready_timeout_s=240, model_dir=smollm2_dir)
 
 
 @pytest.fixture

@@ -180,6 +180,15 @@ def test_environment_puts_this_venv_first_and_drops_the_key(files: TritonFiles) 
     assert base[ENV_ADMIN_KEY] == KEY, "the caller's mapping is not modified"
 
 
+def test_environment_names_the_configured_model(files: TritonFiles, tmp_path: Path) -> None:
+    base = {"PATH": "/usr/bin", "MODEL_DIR": "/elsewhere"}
+    assert build_environment(files, base)["MODEL_DIR"] == "/elsewhere"  # none configured: inherited
+    assert build_environment(files, base, model_dir=tmp_path)["MODEL_DIR"] == str(tmp_path)
+    assert make_config(model_dir=str(tmp_path / "m")).model_dir == tmp_path / "m"
+    with pytest.raises(ValueError, match="model_dir"):
+        make_config(model_dir="relative/m")
+
+
 def test_server_config_reads_ports_from_the_environment(tmp_path: Path) -> None:
     env = {
         "HTTP_PORT": "18000",

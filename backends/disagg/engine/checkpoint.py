@@ -243,14 +243,19 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in wanted:
                     out[name] = f.get_tensor(name)
-    missing = sorted(set(wanted) - set(out))
+    check_tensors(out, cfg)
+    return {name: out[name].to(dtype) for name in wanted}
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Refuse a set of tensors that lacks one the engine needs, or has one of the wrong shape or kind."""
+    wanted = expected_tensors(cfg)
+    missing = sorted(set(wanted) - set(tensors))
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"checkpoint lacks tensor(s) {missing[:3]}{more}")
     for name, shape in wanted.items():
-        if tuple(out[name].shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(out[name].shape)}, expected {shape}")
-        if not out[name].is_floating_point():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if not tensors[name].is_floating_point():
             raise CheckpointError(f"tensor {name} is not floating point")
-        out[name] = out[name].to(dtype)
-    return out
