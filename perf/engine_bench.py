@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from disagg.engine.engine import Engine, EngineConfig
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.paths import ensure_model, resolve_model_dir
 

@@ -46,7 +46,7 @@ from benchlib.deploy import start_triton
 from benchlib.workload import RequestSpec
 
 from disagg.engine.engine import EngineConfig
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir

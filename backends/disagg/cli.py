@@ -28,7 +28,7 @@ def _generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from disagg.engine.engine import Engine, EngineConfig
-    from disagg.engine.sampling import SamplingParams
+    from disagg.engine.params import SamplingParams
     from disagg.engine.scheduler import generate
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer

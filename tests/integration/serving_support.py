@@ -46,7 +46,7 @@ def engine_greedy(
     """Greedy output of each prompt from the reference engine, one prompt at a time (batch size 1),
     as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with."""
     from disagg.engine.engine import Engine, EngineConfig
-    from disagg.engine.sampling import SamplingParams
+    from disagg.engine.params import SamplingParams
     from disagg.engine.scheduler import generate
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer

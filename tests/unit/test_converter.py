@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from disagg.engine.engine import Engine, EngineConfig
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer

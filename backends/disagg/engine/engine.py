@@ -12,10 +12,11 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.blocks import BlockPool
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import DTYPES, pin_cpu, resolve_device
@@ -31,6 +32,9 @@ from disagg.engine.sequence import (
 )
 from disagg.engine.transformer import Transformer
 from disagg.kv.layout import KVLayout
+
+if TYPE_CHECKING:
+    from disagg.kv.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,9 @@ class Engine:
         self.max_tokens_cap = min(config.max_tokens_cap or mc.max_context, mc.max_context)
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
+        self._limits = EngineLimits(
+            num_blocks, config.block_size, config.max_batch_size, mc.max_context, mc.vocab_size
+        )
         log.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens",
             mc.model_type,
@@ -126,6 +133,14 @@ class Engine:
         )
 
     # ----------------------------------------------------------------- queries
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def usage(self) -> BlockUsage:
+        free = self.pool.free_blocks
+        return BlockUsage(self.pool.num_blocks - free, free)
 
     @property
     def vocab_size(self) -> int:
@@ -314,3 +329,23 @@ class Engine:
         seq.num_cached = layout.num_tokens
         self._sequences[seq.seq_id] = seq
         return seq.seq_id
+
+    # ----------------------------------------------------------------- EngineBackend hand-off
+
+    def export_sequence(self, seq_id: int, transport: Transport) -> Exported:
+        """Offer a held sequence's blocks through ``transport`` (they are copied straight out of
+        ``self.pool.memory``, so they stay allocated until ``free``)."""
+        state, layout, blocks = self.export_kv(seq_id)
+        token = transport.export_blocks(self.pool.memory, blocks, layout)
+        return Exported(token, transport.verify(token).lease_id, state)
+
+    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Transport) -> Imported:
+        """Pull a sequence's KV through ``transport`` into free blocks (one copy), then decode it."""
+        layout = transport.verify(descriptor).layout
+        seconds: list[float] = []
+
+        def fill(memory: torch.Tensor, dest: list[int]) -> None:
+            seconds.append(transport.import_blocks(descriptor, memory, dest).seconds)
+
+        seq_id = self.import_kv(state, layout, fill)
+        return Imported(seq_id, seconds[0] if seconds else 0.0)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from disagg.engine.errors import InvalidRequest
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 
 FINISH_STOP = "stop"  # an end or stop token was produced
 FINISH_LENGTH = "length"  # max_tokens reached

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.serving.errors import invalid
 
 

@@ -22,7 +22,7 @@ from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify
 from disagg.serving.interface import TextRequest
-from disagg.serving.loop import Prefilled, Token
+from disagg.serving.messages import Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import numpy as np
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
-from disagg.serving.loop import Prefilled, Token
+from disagg.serving.messages import Prefilled, Token
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
 

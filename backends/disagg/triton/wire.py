@@ -17,10 +17,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import SequenceState
 from disagg.serving.errors import invalid
-from disagg.serving.loop import Event, Prefilled, Token
+from disagg.serving.messages import Event, Prefilled, Token
 
 POOL_INPUTS = ("input_ids", "sampling", "state", "descriptor", "handle", "control")
 MAX_HANDLE = 128

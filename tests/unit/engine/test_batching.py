@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import ColocatedScheduler, generate
 from disagg.engine.sequence import Request
 

@@ -105,7 +105,7 @@ def test_engine_config_rejects_unknown_and_bad_settings(tmp_path):
 
 
 def test_bfloat16_engine_runs(make_engine):
-    from disagg.engine.sampling import SamplingParams
+    from disagg.engine.params import SamplingParams
     from disagg.engine.scheduler import generate
     from disagg.engine.sequence import Request
 

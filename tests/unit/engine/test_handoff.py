@@ -9,7 +9,7 @@ import torch
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import InvalidRequest
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.layout import KVLayout

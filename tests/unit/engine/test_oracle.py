@@ -7,7 +7,7 @@ import random
 import pytest
 from checkpoints import comparable_prefix, reference_greedy
 
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 

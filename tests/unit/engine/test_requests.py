@@ -8,7 +8,7 @@ import random
 import pytest
 
 from disagg.engine.errors import InvalidRequest, OutOfBlocks
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import ColocatedScheduler, generate
 from disagg.engine.sequence import Request
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from disagg.engine.engine import EngineConfig
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.serving.errors import UNAVAILABLE, ServingError
 from disagg.serving.loop import Failed, Job, Prefilled, Token

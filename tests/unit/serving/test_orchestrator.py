@@ -9,7 +9,7 @@ import pytest
 from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.params import SamplingParams
 from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG

@@ -1,0 +1,92 @@
+"""The boundary between a pool's scheduler and an engine: ``EngineBackend``. Torch-free.
+
+The scheduler decides *what* runs (admission, every capacity limit) from ``EngineLimits`` and its
+own block ledger; the backend runs it. Two implementations:
+
+- ``disagg.engine.engine.Engine``: the torch reference engine (KV in blocks this process owns,
+  moved by a ``disagg.kv`` transport);
+- ``disagg.engine.trtllm.TrtllmBackend``: TensorRT-LLM, whose own cache transceiver moves the KV
+  (NOT verified: TensorRT-LLM cannot be installed on the machines this project is tested on).
+
+KV sizing is in blocks of ``block_size`` tokens: a sequence admitted for decoding holds
+``blocks_for(prompt + max_tokens)`` blocks for its whole life, a prefill-only one
+``blocks_for(prompt)`` until its export lease ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from disagg.engine.sequence import Request, SequenceState, StepOutput
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine can hold: the numbers a scheduler admits by."""
+
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+    max_context: int
+    vocab_size: int
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, request: Request, *, decode: bool = True) -> int:
+        tokens = len(request.prompt_token_ids) + (request.params.max_tokens if decode else 0)
+        return self.blocks_for(tokens)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A prefilled sequence's KV, offered to an importer: the signed descriptor and its lease."""
+
+    descriptor: bytes
+    lease_id: str
+    state: SequenceState
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A sequence taken over from another engine, and how long its KV took to arrive."""
+
+    seq_id: int
+    transfer_s: float
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    used: int
+    free: int
+
+
+class EngineBackend(Protocol):
+    """Driven by one thread (the pool's engine loop). Errors: ``disagg.engine.errors``."""
+
+    @property
+    def limits(self) -> EngineLimits: ...
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest naming the first problem; nothing is allocated."""
+
+    def prefill(self, requests: Sequence[Request], *, decode: bool) -> list[StepOutput]:
+        """Prefill each prompt and sample its first token. ``decode=False``: hold the sequence for
+        ``export_sequence`` instead of adding it to the decode batch. All-or-nothing."""
+
+    def decode_step(self) -> list[StepOutput]:
+        """Advance every sequence in the decode batch by one token; finished ones are freed."""
+
+    def export_sequence(self, seq_id: int, transport: Any) -> Exported:
+        """Offer a held, prefilled sequence's KV under a lease; it stays held until ``free``."""
+
+    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Any) -> Imported:
+        """Take over a sequence prefilled elsewhere: pull its KV, add it to the decode batch."""
+
+    def free(self, seq_id: int) -> bool:
+        """Drop a sequence and give back its KV; False when it was already gone (idempotent)."""
+
+    def usage(self) -> BlockUsage:
+        """KV blocks in use and free, now."""

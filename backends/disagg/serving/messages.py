@@ -1,0 +1,132 @@
+"""The typed messages of a pool: jobs in, events out, and the engine loop's inbox. Torch-free.
+
+One job type per operation (``disagg.role.Operation``): ``PrefillJob`` (prefill and export the KV),
+``DecodeJob`` (import the KV and decode), ``GenerateJob`` (both, colocated). Every job ends with
+exactly one final event: its last ``Token``, its ``Prefilled`` result, or ``Failed``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from disagg.engine.sequence import Request, SequenceState
+from disagg.role import Operation
+from disagg.serving.errors import ServingError
+
+# ---------------------------------------------------------------- events (pool -> orchestrator)
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    token_id: int
+    finished: bool
+    finish_reason: str | None
+    descriptor: bytes | None  # None when the first token already ends the sequence
+    lease_id: str | None
+    state: SequenceState | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ServingError
+
+
+Event = Token | Prefilled | Failed
+
+
+class Sink(Protocol):
+    """Where a job's events go (a Triton response sender, or a queue in tests)."""
+
+    def emit(self, event: Event, final: bool) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+# ---------------------------------------------------------------- jobs (orchestrator -> pool)
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillJob:
+    """Prefill ``request`` and export its KV (a prefill pool)."""
+
+    operation: ClassVar[Operation] = Operation.PREFILL
+    handle: str  # the orchestrator's id for the request, used by stop()
+    sink: Sink
+    request: Request
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeJob:
+    """Import a sequence prefilled elsewhere (its state and signed KV descriptor) and decode it."""
+
+    operation: ClassVar[Operation] = Operation.DECODE
+    handle: str
+    sink: Sink
+    state: SequenceState
+    descriptor: bytes
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def request(self) -> Request:
+        return Request(self.state.prompt_token_ids, self.state.params)
+
+
+@dataclass(frozen=True, eq=False)
+class GenerateJob:
+    """Both phases of ``request`` in this pool (colocated)."""
+
+    operation: ClassVar[Operation] = Operation.GENERATE
+    handle: str
+    sink: Sink
+    request: Request
+    submitted: float = field(default_factory=time.monotonic)
+
+
+Job = PrefillJob | DecodeJob | GenerateJob
+
+
+def prompt_tokens(job: Job) -> int:
+    return len(job.request.prompt_token_ids)
+
+
+# ---------------------------------------------------------------- the engine loop's inbox
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The orchestrator stops a request (its client cancelled, or a stop string ended it)."""
+
+    handle: str
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The response sender of a request reports it cancelled."""
+
+    handle: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """The transport reports an exported lease ended (acked, aborted or expired)."""
+
+    lease_id: str
+    reason: str
+
+
+Message = Submit | Stop | Cancelled | Released
