@@ -50,7 +50,7 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
-from disagg.serving.loop import Failed, Job, Prefilled
+from disagg.serving.messages import DecodeJob, Failed, Prefilled, PrefillJob
 from disagg.serving.pool import PoolConfig, build_pool
 from disagg_tools.autoscaler.snapshot import parse_exposition
 from disagg_tools.autoscaler.source import http_get
@@ -99,13 +99,13 @@ class LocalPools:
     def tpot(self, prompt: list[int], tokens: int, handle: str) -> float:
         params = SamplingParams(max_tokens=tokens, min_length=tokens)
         sink = _Sink()
-        self.loops["prefill"].submit(Job(handle, sink, request=Request(tuple(prompt), params)))
+        self.loops["prefill"].submit(PrefillJob(handle, sink, Request(tuple(prompt), params)))
         sink.done.wait(60)
         first = sink.events[-1]
         if not isinstance(first, Prefilled) or first.descriptor is None:
             raise RuntimeError(f"prefill failed: {first}")
         sink = _Sink()
-        self.loops["decode"].submit(Job(handle + "d", sink, state=first.state, descriptor=first.descriptor))
+        self.loops["decode"].submit(DecodeJob(handle + "d", sink, first.state, first.descriptor))
         sink.done.wait(120)
         if any(isinstance(e, Failed) for e in sink.events):
             raise RuntimeError(f"decode failed: {sink.events[-1]}")

@@ -4,7 +4,8 @@ The folder is a regular Hugging Face checkpoint (``config.json``, ``model.safete
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``) that
 ``transformers``, vLLM and genai-perf load as-is. Nothing is downloaded: the weights come
 from a seeded ``torch.Generator`` and the tokenizer is a byte-level BPE trained on a
-corpus embedded below, so two builds with the same seed are byte-identical.
+corpus shipped beside this module (``tiny_corpus.txt``), so two builds with the same seed
+are byte-identical.
 
 The weights are random, but scaled so that the context (attention over earlier tokens)
 outweighs the current token's embedding: greedy decoding then wanders over many tokens
@@ -72,146 +73,23 @@ OUT_GAIN = 1.0
 
 
 # --------------------------------------------------------------------------- corpus
-# Written for this project. Varied on purpose (prose, dialogue, numbers, code, markup)
-# so the BPE merges cover common English words, whitespace runs and code punctuation.
-CORPUS = r"""
-The harbour town woke slowly. Fishing boats came in before dawn, their lamps still
-burning, and the gulls followed them like a noisy escort. By seven o'clock the bakery
-on Mill Street had sold its first hundred loaves, and the ferry to the island was
-already late, as it was every Tuesday.
-
-Mara kept the lighthouse log in a green notebook. Each night she wrote the wind, the
-height of the swell and the names of the ships that passed. "Nothing remarkable," she
-wrote on most nights, although she never quite believed it. A cargo ship carrying
-timber, a yacht with a torn sail, a coastguard cutter on patrol: every one of them had
-somewhere to be, and she liked to guess where.
-
-When the storm arrived in October it was not a surprise. The barometer had been
-falling for two days, the radio had warned everyone twice, and the harbour master had
-moved the smaller boats into the inner basin. Still, nobody was ready for the noise.
-The wind screamed through the rigging, slates flew from the roofs, and the sea climbed
-over the breakwater as if it wanted to see the town for itself.
-
-In the morning the damage was counted. Three windows were broken at the school, the
-old pier had lost a section of railing, and a rowing boat was found upside down in the
-car park. People stood in small groups and told each other what they had heard in the
-night. Then they fetched brooms, ladders and tea, and began to put things right.
-
-A simple recipe for lentil soup: rinse 250 g of red lentils. Chop one onion, two
-carrots and a stick of celery. Soften the vegetables in a little oil for ten minutes,
-add the lentils, a teaspoon of cumin and 1.2 litres of stock, and simmer for about
-twenty-five minutes until the lentils fall apart. Season with salt, pepper and a
-squeeze of lemon. It keeps for three days in the fridge and freezes well.
-
-Questions people often ask about trains. Why is my train late? Usually because another
-train ahead of it is late, and delays spread along a line like ripples in a pond. Why
-can't the train simply go faster to catch up? Because the timetable already assumes a
-sensible speed, and the signals keep trains apart for safety. What should I do if I
-miss a connection? Ask the staff on the platform; they can often put you on the next
-service without a new ticket.
-
-The committee met on Thursday at 18:30 and agreed on four points. First, the library
-will open one hour later on Saturdays. Second, the budget for new books rises by 4%.
-Third, volunteers are needed for the summer reading club. Fourth, the next meeting is
-moved to the second week of September, because the hall is booked for a wedding.
-
-"Are you sure this is the right road?" asked Tom.
-"No," said his sister, "but it is the only road, so it will have to be right."
-They walked on between the hedges until the church tower appeared above the trees.
-"There," she said. "I told you." He decided not to remind her of what she had said.
-
-Good software is written for the next reader. Choose names that say what a thing is
-for, keep functions short enough to read in one go, and write down why a decision was
-made, not only what the code does. Tests are a form of documentation that cannot drift
-out of date without someone noticing. When an error happens, say what went wrong, what
-value was wrong, and what the caller can do about it.
-
-def mean(values: list[float]) -> float:
-    '''Return the arithmetic mean of a non-empty list.'''
-    if not values:
-        raise ValueError("mean() needs at least one value")
-    return sum(values) / len(values)
+# Written for this project (``tiny_corpus.txt``). Varied on purpose (prose, dialogue, numbers,
+# code, markup) so the BPE merges cover common English words, whitespace runs and code punctuation.
+CORPUS_FILE = Path(__file__).with_name("tiny_corpus.txt")
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
+def read_corpus() -> str:
+    """The corpus the tokenizer is trained on (``tiny_corpus.txt`` beside this module, UTF-8).
 
-    def add(self, key: str, n: int = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
-
-    def most_common(self, k: int) -> list[tuple[str, int]]:
-        return sorted(self.counts.items(), key=lambda item: -item[1])[:k]
-
-
-for i in range(10):
-    if i % 3 == 0:
-        print(f"{i} is a multiple of three")
-    else:
-        print(i, "is not")
-
-#include <stdio.h>
-
-int main(void) {
-    int total = 0;
-    for (int i = 1; i <= 100; i++) {
-        total += i;
-    }
-    printf("sum = %d\n", total);
-    return 0;
-}
-
-$ mkdir -p build && cd build
-$ cmake .. -DCMAKE_BUILD_TYPE=Release
-$ make -j8 && ./run_tests --verbose
-
-{"name": "sensor-7", "temperature": 21.5, "humidity": 0.43, "ok": true,
- "readings": [12, 15, 19, 22, 30], "location": {"lat": 51.5, "lon": -0.12}}
-
-SELECT city, COUNT(*) AS visits FROM trips WHERE year = 2023 GROUP BY city ORDER BY
-visits DESC LIMIT 10;
-
-<html><body><h1>Welcome</h1><p>This page is <b>under construction</b>.</p></body></html>
-
-A short history of measurement. Early units came from the body: a foot, a hand, the
-length of a stride. They were easy to carry but hard to agree on, since no two feet are
-alike. Markets and builders needed something better, so towns kept standard rods and
-weights in public places, where anyone could check a merchant's scale. Later, scientists
-defined units from nature itself, first from the size of the Earth and then from the
-speed of light and the properties of atoms. A metre today is the distance light travels
-in a vacuum in 1/299,792,458 of a second.
-
-The garden in spring: tulips by the wall, a row of beans climbing their canes, and a
-blackbird that sings from the chimney every evening at the same time. Weeding is slow
-work, but it is quiet, and an hour passes without anyone noticing. By June there will
-be strawberries, if the slugs do not find them first.
-
-Numbers and dates: 1, 2, 3, 10, 42, 100, 256, 1024, 65536; 3.14159, 2.71828, 0.5;
-2024-01-15, 12/03/1999, 09:45, 23:59:59. Prices: $4.99, 12.50 EUR, £7. Percentages:
-15%, 99.9%, 0.01%. Temperatures: -5 °C, 37 °C, 451 °F.
-
-Words from other places arrive in English all the time: café, naïve, déjà vu, façade,
-jalapeño, smörgåsbord, fiancée, Übermensch, résumé. Other scripts too: 日本語, 中文,
-한국어, Ελληνικά, русский, العربية, हिन्दी. And a few symbols: → ← ✓ ★ ♥ € — … 🙂 🚀 🌍.
-
-Dear Sam, thank you for the book. I read it on the train and missed my stop, which is
-the best review I can give. The chapter about the river was my favourite. Let me know
-when you are free next month; we could walk along the canal and have lunch at the mill.
-Best wishes, Jo.
-
-Why do cats sit in boxes? Nobody knows for certain. A box is warm, it hides them from
-view, and it gives them somewhere safe to watch from. It may also be that a cat simply
-likes to be where it is not expected, which is a reason many people would understand.
-
-To be clear about the plan: we start at nine, take the coastal path to the old mill,
-stop for lunch, and return over the hill before it gets dark. Bring water, a jacket and
-good shoes. If it rains heavily, we will meet at the museum instead and decide there.
-"""
+    Read as bytes and decoded, with no newline translation, so the trained tokenizer, hence the
+    model folder, depends on the file's bytes alone.
+    """
+    return CORPUS_FILE.read_bytes().decode("utf-8")
 
 
 # ----------------------------------------------------------------------- tokenizer
 def train_tokenizer(vocab_size: int = DIMS.vocab_size) -> Tokenizer:
-    """Train the byte-level BPE on ``CORPUS``; ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``.
+    """Train the byte-level BPE on the corpus (``read_corpus``); ids 0, 1, 2 are ``<pad>``, ``<s>``, ``</s>``.
 
     Byte-level means every UTF-8 string encodes (no unknown token) and decodes back to
     the same bytes. Encoding prepends ``<s>`` through the post-processor.
@@ -244,7 +122,7 @@ def train_tokenizer(vocab_size: int = DIMS.vocab_size) -> Tokenizer:
 
 def _corpus_lines() -> Iterator[str]:
     # Keep the newline on each line so the merges learn indentation and line breaks.
-    yield from CORPUS.strip().splitlines(keepends=True)
+    yield from read_corpus().strip().splitlines(keepends=True)
 
 
 # -------------------------------------------------------------------------- weights

@@ -7,37 +7,32 @@ Contract:
   deadline, failing fast with the log's error lines if the process exits; `stop` sends SIGTERM to the
   group, waits for the exit timeout plus a grace period, then SIGKILLs the group and removes the Python
   backend's shared memory left behind.
-- `serve_main(argv)` runs a server in the foreground until SIGINT/SIGTERM/SIGHUP (`disagg serve`), and
-  starts it again if it dies on its own after it was ready (`disagg.restart`).
+
+The foreground launcher that supervises a server (`disagg serve`: signals, restarts) is in `disagg.cli`;
+this module is the library it and the tests use.
 
 The configuration names (`ServerConfig`, `server_config`, ...) are re-exported from `disagg.serverconfig`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
+from disagg.kv.stale import DEFAULT_DIRECTORY as KV_DIRECTORY
+from disagg.kv.stale import DEFAULT_PREFIX as KV_PREFIX
+from disagg.kv.stale import clean_stale_regions
 from disagg.procfs import PROC, read_stat
-from disagg.regions import DEFAULT_DIRECTORY as KV_DIRECTORY
-from disagg.regions import DEFAULT_PREFIX as KV_PREFIX
-from disagg.regions import clean_stale_regions
-from disagg.restart import RestartPolicy
 from disagg.serverconfig import (
     ADMIN_HEADER,
-    ADMIN_KEY_FILE,
-    DEFAULT_EXIT_TIMEOUT_S,
-    DEFAULT_REPOSITORY,
     ENV_ADMIN_KEY,
     ENV_GRPC_PORT,
     ENV_HTTP_PORT,
@@ -45,13 +40,11 @@ from disagg.serverconfig import (
     ENV_METRICS_PORT,
     GRPC_ADMIN_HEADER,
     RESTRICTED_APIS,
-    STATE_DIR,
     ServerConfig,
     ServerError,
     build_command,
     build_environment,
     load_or_create_admin_key,
-    parse_cpus,
     redact,
     server_config,
 )
@@ -77,7 +70,6 @@ __all__ = [
     "process_group_members",
     "redact",
     "remove_shm_regions",
-    "serve_main",
     "server_config",
 ]
 
@@ -290,116 +282,3 @@ class TritonServer:
     def __exit__(self, *exc: object) -> None:
         if self._process is not None:
             self.stop()
-
-
-def serve_main(argv: Sequence[str] | None = None) -> int:
-    """Run Triton in the foreground on a model repository until SIGINT, SIGTERM or SIGHUP.
-
-    The signal is forwarded to the server's process group; Triton drains in-flight requests up to the
-    exit timeout. Returns the server's exit status (128 + signal number if it had to be killed).
-    """
-    parser = argparse.ArgumentParser(prog="disagg serve", description=serve_main.__doc__)
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
-    parser.add_argument("--exit-timeout", type=int, default=DEFAULT_EXIT_TIMEOUT_S, metavar="SECONDS")
-    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
-    parser.add_argument("--address", default="0.0.0.0", help="bind address of HTTP and gRPC")
-    parser.add_argument(
-        "--cpus",
-        default="",
-        help="pin tritonserver's own threads, e.g. '0' to keep them off a decode core (pools and "
-        "orchestrators still pin themselves to their `cores`); default: unpinned",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=5,
-        metavar="N",
-        help="restart tritonserver when it dies on its own after it was ready, at most N times in 10 "
-        "minutes (0: never); see disagg.restart for why",
-    )
-    args = parser.parse_args(argv)
-    if args.max_restarts < 0:
-        parser.error("--max-restarts must be >= 0")
-    policy = RestartPolicy(max_restarts=args.max_restarts)
-    stopping: list[int] = []
-    holder: list[TritonServer] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        stopping.append(signum)
-        for server in holder:
-            server.signal(signum)
-
-    def fail(exc: Exception) -> int:
-        print(f"disagg serve: {redact(str(exc), os.environ.get(ENV_ADMIN_KEY, ''))}", file=sys.stderr)
-        return 2
-
-    # Installed before the start, so that no signal can leave an orphaned server behind.
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        try:
-            config = server_config(
-                args.model_repository,
-                exit_timeout_s=args.exit_timeout,
-                log_verbose=args.log_verbose,
-                address=args.address,
-                cpus=parse_cpus(args.cpus),
-            )
-        except (ValueError, ServerError, OSError) as exc:
-            return fail(exc)
-        print(
-            f"disagg serve: HTTP {config.http_url}, gRPC {config.grpc_url}, metrics {config.metrics_url}; "
-            f"admin APIs need header {ADMIN_HEADER!r} (key in {STATE_DIR / ADMIN_KEY_FILE} or "
-            f"${ENV_ADMIN_KEY})",
-            file=sys.stderr,
-            flush=True,
-        )
-        while True:
-            server = TritonServer(config)
-            holder[:] = [server]
-            try:
-                server.start()
-            except (ValueError, ServerError, OSError) as exc:
-                return fail(exc)
-            if stopping:
-                server.signal(stopping[0])
-            status, was_ready = _supervise(server, stopping)
-            clean = bool(stopping) or status == 0
-            if not policy.should_restart(now=time.monotonic(), was_ready=was_ready, stopping=clean):
-                break
-            print(
-                f"disagg serve: tritonserver exited with {_describe(status)} while serving; restarting it "
-                f"({policy.recent} of at most {policy.max_restarts} restarts in {policy.window_s:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-            server.stop(grace_s=5)  # its stubs and shared memory, before the next one starts
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    server.stop(grace_s=5)  # already exited: only kills leftover stubs and removes their shared memory
-    return 128 - status if status < 0 else status
-
-
-def _describe(status: int) -> str:
-    if status < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-status).name}"
-    return f"status {status}"
-
-
-def _supervise(server: TritonServer, stopping: list[int]) -> tuple[int, bool]:
-    """Wait for the server to exit; announce readiness once; after a stop signal, SIGKILL the group if it
-    outlives the exit timeout plus `KILL_GRACE_S`. Returns the exit status and whether it was ready."""
-    deadline: float | None = None
-    announced = False
-    while True:
-        if stopping and deadline is None:
-            deadline = time.monotonic() + server.config.exit_timeout_s + KILL_GRACE_S
-        try:
-            return server.wait(0.5), announced
-        except ServerTimeout:
-            if deadline is not None and time.monotonic() >= deadline:
-                server.signal(signal.SIGKILL)
-        if not announced and not stopping and server.is_ready():
-            announced = True
-            print("disagg serve: ready", file=sys.stderr, flush=True)

@@ -47,10 +47,10 @@ def engine_greedy(
     as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with."""
     from disagg.engine.engine import Engine, EngineConfig
     from disagg.engine.params import SamplingParams
-    from disagg.engine.scheduler import generate
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer
     from disagg.serving.detokenizer import IncrementalDetokenizer
+    from disagg.serving.offline import generate
 
     class MarginEngine(Engine):
         margin = math.inf

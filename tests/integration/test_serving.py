@@ -188,6 +188,40 @@ def test_sixteen_concurrent_streams_complete_and_overlap(server: TritonServer) -
     )
 
 
+HUNDRED = 100
+LONG_TOKENS = 64
+
+
+def test_a_hundred_concurrent_llm_streams_all_complete(server: TritonServer) -> None:
+    """More concurrent streams than the decode batch holds (64): the hand-offs beyond it wait for a
+    slot (the decode scheduler's capacity limit) instead of failing. Every stream ends with a final
+    response, no error, and exactly `max_tokens` tokens (`min_length` rules out an early end)."""
+    idle(server)
+    before = metric_sum(server, "disagg_output_tokens_sum", model="llm")
+    count = metric_sum(server, "disagg_output_tokens_count", model="llm")
+    min_length = np.array([[LONG_TOKENS]], dtype=np.int32)
+    streams = [GrpcStream(server.config.grpc_url) for _ in range(HUNDRED)]
+    try:
+        for n, stream in enumerate(streams):
+            stream.send(
+                "llm", text_inputs(f"{PROMPTS[n % 2]} {n}", LONG_TOKENS, stream=True, min_length=min_length)
+            )
+        results = [read_stream(stream) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+    failed = [(n, r.error) for n, r in enumerate(results) if r.error is not None or not r.final]
+    assert not failed, f"{len(failed)} of {HUNDRED} streams failed: {failed[:3]}"
+    wait_until(
+        lambda: metric_sum(server, "disagg_output_tokens_count", model="llm") == count + HUNDRED,
+        10,
+        "the 100 requests recorded",
+    )
+    produced = metric_sum(server, "disagg_output_tokens_sum", model="llm") - before
+    assert produced == HUNDRED * LONG_TOKENS, "every stream produced exactly max_tokens tokens"
+    idle(server)  # every block back, no active sequence left on any pool
+
+
 def test_sixteen_concurrent_fp32_streams_equal_the_fp32_engine(
     fp32_server: TritonServer, leak_probe: LeakProbe
 ) -> None:

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
+from disagg.serving.offline import generate
 from disagg_tools import catalog, converter
 
 TEXTS = [

@@ -32,16 +32,37 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
     """Every parameter the repository gives a pool converts and validates as the adapter does it."""
     import re
 
-    from disagg.serving.pool import PoolConfig
-    from disagg.triton.pool_model import ADAPTER_KEYS, _typed
+    from disagg.triton.pool_model import pool_config
 
     for name in ("prefill", "decode", "colocated"):
         text = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
         params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
-        settings = _typed({k: v for k, v in params.items() if k not in ADAPTER_KEYS and k != "cores"})
-        config = PoolConfig.from_dict({"role": params["role"], "model_dir": tiny_model_dir, **settings})
-        assert config.engine.dtype == "bfloat16"
+        config = pool_config(
+            {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
+        )
+        assert config.role == name and config.engine.dtype == "bfloat16"
+        assert config.engine.cores == tuple(int(c) for c in params["cores"].split(","))
         assert config.nice == (10 if name == "prefill" else 0)
+
+
+def test_orchestrator_parameters_parse_into_valid_configs():
+    """The entry points' parameters (orchestrator, orchestrator_colocated, llm) are all OrchestratorConfig
+    keys, typed as the adapter reads them."""
+    import re
+
+    from disagg.config import build
+    from disagg.serving.orchestrator import OrchestratorConfig
+
+    for name, mode in (
+        ("orchestrator", "disaggregated"),
+        ("orchestrator_colocated", "colocated"),
+        ("llm", "disaggregated"),
+    ):
+        text = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        config = build(OrchestratorConfig, params, strings=True)
+        assert config.mode == mode and config.request_timeout_s == Layout().request_timeout_s
+        assert config.role == ("llm" if name == "llm" else "orchestrator") and config.cores == "0"
 
 
 def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_path, tiny_model_dir):
@@ -49,9 +70,9 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
     instance's GPU, CUDA IPC between prefill and decode. Rendered and validated here; NOT run on a GPU."""
     import re
 
-    from disagg.serving.pool import PoolConfig, transport_options
+    from disagg.serving.pool import transport_options
     from disagg.triton import glue
-    from disagg.triton.pool_model import ADAPTER_KEYS, _typed
+    from disagg.triton.pool_model import pool_config
 
     argv = ["--out", str(tmp_path), "--prefill-gpus", "0", "--decode-gpus", "1,2", "--colocated-gpus", "3"]
     assert main(argv) == 0
@@ -65,12 +86,13 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
     for name, body in text.items():
         params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
         assert params["device"] == "cuda"
-        settings = _typed({k: v for k, v in params.items() if k not in ADAPTER_KEYS and k != "cores"})
-        # what the adapter adds for the instance Triton placed on GPU 2 (decode's second)
-        settings["device"] = glue.instance_device(
-            {"model_instance_kind": "GPU", "model_instance_device_id": "2"}
-        )
-        config = PoolConfig.from_dict({"role": params["role"], "model_dir": tiny_model_dir, **settings})
+        # the instance Triton placed on GPU 2 (decode's second): the adapter puts the engine there
+        instance = {
+            "model_instance_name": f"{name}_1",
+            "model_instance_kind": "GPU",
+            "model_instance_device_id": "2",
+        }
+        config = pool_config({**params, "model_dir": str(tiny_model_dir)}, instance)
         assert config.engine.device == "cuda:2"
         if name == "colocated":
             assert "transport" not in params and transport_options(config) == {}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg.cli import serve_main
 from disagg.server import (
     ADMIN_HEADER,
     ENV_ADMIN_KEY,
@@ -19,11 +20,10 @@ from disagg.server import (
     build_command,
     build_environment,
     load_or_create_admin_key,
-    parse_cpus,
     remove_shm_regions,
-    serve_main,
     server_config,
 )
+from disagg.serverconfig import parse_cpus
 from disagg.tritonbin import TritonFiles, TritonFilesError, prepare_backend_directory, project_backend_source
 
 KEY = "k" * 32

@@ -2,29 +2,24 @@
 
 Every section is a frozen dataclass; :func:`build_config` turns a plain mapping (the parsed file with
 flags laid over it) into them, refusing unknown keys, wrong types and inconsistent values with a
-:class:`ConfigError` whose message names the key.
+:class:`ConfigError` (the project's one, :class:`disagg.config.ConfigError`) whose message names the key.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import types
-import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
+
+from disagg.config import ConfigError, build
 
 SOURCE_KINDS = ("triton", "prometheus")
 ACTUATOR_KINDS = ("log", "triton", "kubernetes")
 ROLES = ("prefill", "decode")
 DEFAULT_ADMIN_HEADER = "disagg-admin-key"  # the header the server's restricted APIs expect
 DEFAULT_ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
-
-
-class ConfigError(ValueError):
-    """Invalid configuration; the message names the offending key."""
 
 
 @dataclass(frozen=True)
@@ -125,65 +120,6 @@ class AutoscalerConfig:
     metrics_address: str = "127.0.0.1"
 
 
-T = TypeVar("T")
-
-
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, where)
-    if origin is Literal:
-        if value not in typing.get_args(hint):
-            raise ConfigError(f"{where}: must be one of {', '.join(map(str, typing.get_args(hint)))}")
-        return value
-    if origin is tuple:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: must be a list")
-        (inner, _) = typing.get_args(hint)
-        return tuple(_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}: must be a finite number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: must be a non-empty string")
-        return value
-    raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in this module
-
-
-def _build(cls: type[T], data: Any, where: str, nested: Mapping[str, Any] | None = None) -> T:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: must be a mapping")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))}")
-    kwargs: dict[str, Any] = {}
-    for name, f in known.items():
-        key = f"{where}.{name}" if where else name
-        if name in (nested or {}):
-            kwargs[name] = nested[name](data.get(name, {}), key)  # type: ignore[index]
-        elif name in data:
-            kwargs[name] = _convert(data[name], hints[name], key)
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ConfigError(f"{key}: required")
-    return cls(**kwargs)
-
-
 def _positive(value: float, key: str) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: must be > 0")
@@ -225,25 +161,17 @@ def _check_pool(pool: PoolConfig, where: str, interval_s: float) -> None:
 
 
 def build_config(data: Any) -> AutoscalerConfig:
-    """Validate a plain mapping (parsed file + flags) into an :class:`AutoscalerConfig`."""
+    """Validate a plain mapping (parsed file + flags) into an :class:`AutoscalerConfig`.
 
-    def pools(value: Any, where: str) -> tuple[PoolConfig, ...]:
-        if isinstance(value, Mapping) or not isinstance(value, (list, tuple)) or not value:
-            raise ConfigError(f"{where}: must be a non-empty list")
-        return tuple(_build(PoolConfig, p, f"{where}[{i}]") for i, p in enumerate(value))
-
-    if isinstance(data, Mapping) and "pools" not in data:
-        raise ConfigError("pools: required (or give --ttft-target / --tpot-target)")
-    config = _build(
-        AutoscalerConfig,
-        data,
-        "",
-        nested={
-            "pools": pools,
-            "source": lambda v, w: _build(SourceConfig, v, w),
-            "actuator": lambda v, w: _build(ActuatorConfig, v, w),
-        },
-    )
+    Types, unknown and missing keys: :func:`disagg.config.build`; the ranges and cross-field rules here.
+    """
+    if isinstance(data, Mapping):
+        if "pools" not in data:
+            raise ConfigError("pools: required (or give --ttft-target / --tpot-target)")
+        pools = data["pools"]
+        if isinstance(pools, Mapping) or not isinstance(pools, (list, tuple)) or not pools:
+            raise ConfigError("pools: must be a non-empty list")
+    config = build(AutoscalerConfig, data)
     _positive(config.interval_s, "interval_s")
     if config.window_s < config.interval_s:
         raise ConfigError("window_s: must be >= interval_s")

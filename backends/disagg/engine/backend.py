@@ -77,7 +77,9 @@ class EngineBackend(Protocol):
         ``export_sequence`` instead of adding it to the decode batch. All-or-nothing."""
 
     def decode_step(self) -> list[StepOutput]:
-        """Advance every sequence in the decode batch by one token; finished ones are freed."""
+        """New tokens of the decode batch's sequences, in order, a finished one's last (it is freed).
+        The torch engine gives exactly one per sequence; an engine that batches on its own may give
+        none or several. Raises SequenceFailed naming sequences it lost (and freed)."""
 
     def export_sequence(self, seq_id: int, transport: Any) -> Exported:
         """Offer a held, prefilled sequence's KV under a lease; it stays held until ``free``."""
@@ -90,3 +92,6 @@ class EngineBackend(Protocol):
 
     def usage(self) -> BlockUsage:
         """KV blocks in use and free, now."""
+
+    def close(self) -> None:
+        """Release the engine's threads and devices (the pool is going away); idempotent."""

@@ -9,13 +9,14 @@ engine would silently get wrong is refused with an error naming the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from disagg.config import ConfigError, build
 from disagg.engine.errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -70,13 +71,6 @@ def _int_list(value: Any, field: str) -> tuple[int, ...]:
     raise CheckpointError(f"config field {field!r} must be an integer or a list of integers")
 
 
-def _positive_int(raw: dict[str, Any], field: str, default: int | None = None) -> int:
-    value = raw.get(field, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CheckpointError(f"config field {field!r} must be a positive integer")
-    return value
-
-
 def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     """RoPE settings from either spelling; refuse types and fields this engine does not implement."""
     params = raw.get("rope_parameters")
@@ -123,54 +117,92 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     return cfg
 
 
+@dataclass(frozen=True)
+class _ConfigJson:
+    """The ``config.json`` keys this engine reads, typed (:func:`disagg.config.build`). Every other key
+    of the file is transformers' business and ignored; a null value counts as absent."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None  # default: num_attention_heads
+    head_dim: int | None = None  # default: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    pretraining_tp: int = 1
+    bos_token_id: Any = None  # kept only when an integer
+    eos_token_id: Any = None  # an integer or a list of them (_int_list)
+
+
+_CONFIG_JSON_KEYS = frozenset(f.name for f in fields(_ConfigJson))
+
+
+def _positive(value: int, field: str) -> int:
+    if value <= 0:
+        raise CheckpointError(f"config field {field!r} must be a positive integer")
+    return value
+
+
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """Validate a ``config.json`` dict and reduce it to what the engine needs."""
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    try:
+        c = build(_ConfigJson, {k: v for k, v in raw.items() if k in _CONFIG_JSON_KEYS and v is not None})
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json: {exc}") from None
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"unsupported model_type {c.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(f"unsupported hidden_act {act!r} (only 'silu')")
-    hidden = _positive_int(raw, "hidden_size")
-    heads = _positive_int(raw, "num_attention_heads")
-    kv_heads = _positive_int(raw, "num_key_value_heads", heads)
+    if c.hidden_act != "silu":
+        raise CheckpointError(f"unsupported hidden_act {c.hidden_act!r} (only 'silu')")
+    hidden = _positive(c.hidden_size, "hidden_size")
+    heads = _positive(c.num_attention_heads, "num_attention_heads")
+    kv_heads = _positive(
+        heads if c.num_key_value_heads is None else c.num_key_value_heads, "num_key_value_heads"
+    )
     if heads % kv_heads:
         raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
-    head_dim = raw.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+    head_dim = c.head_dim or hidden // heads
+    if head_dim <= 0 or head_dim % 2:
         raise CheckpointError("head_dim must be a positive even integer")
-    max_pos = _positive_int(raw, "max_position_embeddings", 2048)
-    if model_type == "mistral" and raw.get("sliding_window"):
+    max_pos = _positive(c.max_position_embeddings, "max_position_embeddings")
+    if c.model_type == "mistral" and c.sliding_window:
         # Attention equals full attention while the context fits in the window: cap the context there.
-        max_pos = min(max_pos, _positive_int(raw, "sliding_window"))
-    if model_type == "qwen2" and raw.get("use_sliding_window"):
+        max_pos = min(max_pos, _positive(c.sliding_window, "sliding_window"))
+    if c.model_type == "qwen2" and c.use_sliding_window:
         raise CheckpointError("unsupported use_sliding_window=true")
-    if model_type == "llama" and raw.get("pretraining_tp", 1) != 1:
+    if c.model_type == "llama" and c.pretraining_tp != 1:
         raise CheckpointError("unsupported pretraining_tp != 1")
-    eps = raw.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+    if not 0 < c.rms_norm_eps < 1:
         raise CheckpointError("rms_norm_eps must be a number in (0, 1)")
-    attention_bias = bool(raw.get("attention_bias", False))
+    bos = c.bos_token_id
     return ModelConfig(
-        model_type=model_type,
-        vocab_size=_positive_int(raw, "vocab_size"),
+        model_type=c.model_type,
+        vocab_size=_positive(c.vocab_size, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_positive_int(raw, "intermediate_size"),
-        num_layers=_positive_int(raw, "num_hidden_layers"),
+        intermediate_size=_positive(c.intermediate_size, "intermediate_size"),
+        num_layers=_positive(c.num_hidden_layers, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(eps),
+        rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=max_pos,
         rope=parse_rope(raw),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=attention_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-        eos_token_ids=_int_list(raw.get("eos_token_id"), "eos_token_id"),
+        tie_word_embeddings=c.tie_word_embeddings,
+        qkv_bias=c.model_type == "qwen2" or c.attention_bias,
+        o_bias=c.attention_bias,
+        mlp_bias=c.mlp_bias,
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+        eos_token_ids=_int_list(c.eos_token_id, "eos_token_id"),
     )
 
 

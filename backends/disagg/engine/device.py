@@ -1,10 +1,12 @@
-"""Devices, dtypes and CPU pinning for an engine instance."""
+"""Devices, dtypes and CPU pinning for an engine instance (``pin_process`` is in ``disagg.affinity``)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from disagg.affinity import pin_process as pin_process  # re-exported: the pool stub pins with it
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,25 +19,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
     return device
-
-
-def pin_process(cores: tuple[int, ...]) -> int:
-    """Pin every thread of this process, those already running included, to ``cores``.
-
-    ``sched_setaffinity(0, ...)`` moves only the calling thread (and threads it starts later): a
-    Triton stub has threads of its own by the time a model initializes, and those would keep
-    running on any core, a neighbour pool's included. Returns how many threads were moved.
-    """
-    moved = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), set(cores))
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile
-        except (OSError, ValueError):
-            raise ValueError(f"cores {sorted(cores)} are not available to this process") from None
-        moved += 1
-    return moved
 
 
 def pin_cpu(cores: tuple[int, ...] | None, num_threads: int | None = None) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from disagg.config import build
 from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.blocks import BlockPool
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
@@ -76,12 +77,10 @@ class EngineConfig:
                 raise ValueError("cores must be a non-empty list of core numbers")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        """Build from e.g. JSON parameters; unknown keys are errors."""
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown engine setting(s): {sorted(unknown)}")
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> EngineConfig:
+        """Build from e.g. JSON or (``strings``) config.pbtxt parameters with :func:`disagg.config.build`:
+        typed, unknown keys are errors (``ConfigError``, a ``ValueError``)."""
+        return build(cls, data, strings=strings, where=where)
 
 
 def plan_kv(config: EngineConfig, model: ModelConfig | None = None) -> tuple[KVLayout, int]:
@@ -137,6 +136,9 @@ class Engine:
     @property
     def limits(self) -> EngineLimits:
         return self._limits
+
+    def close(self) -> None:
+        """Nothing to release: the model and the KV memory go with the object."""
 
     def usage(self) -> BlockUsage:
         free = self.pool.free_blocks

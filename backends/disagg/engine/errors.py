@@ -33,6 +33,17 @@ class BatchFull(EngineError):
         self.limit = limit
 
 
+class SequenceFailed(EngineError):
+    """``decode_step`` could not advance the sequences ``seq_ids`` (an engine that runs each request
+    on its own, e.g. TensorRT-LLM, lost their streams): they are freed, the other sequences' tokens of
+    that step come with the next ``decode_step``. An engine fault that loses every sequence is any
+    other exception."""
+
+    def __init__(self, seq_ids: list[int]) -> None:
+        super().__init__(f"the engine failed sequence(s) {seq_ids}")
+        self.seq_ids = seq_ids
+
+
 class UnknownSequence(EngineError, KeyError):
     """A sequence id that the engine does not hold (finished, aborted or never known)."""
 

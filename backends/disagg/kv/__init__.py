@@ -2,7 +2,16 @@
 
 Public API: ``create_transport(kind, TransportConfig(secret=load_secret(...)))`` returns a
 ``Transport`` (see ``transport`` for the protocol); errors are in ``errors``.
+
+Importing this package does not import torch: the layout, descriptors, errors and secrets load
+now; the transport names (which need torch) load on first access, so the torch-free text path
+(tokenizer, orchestrator, error mapping) can use ``disagg.kv.errors`` and ``disagg.kv.stale``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from disagg.kv.descriptor import Descriptor, DescriptorLimits
 from disagg.kv.errors import (
@@ -17,44 +26,40 @@ from disagg.kv.errors import (
 )
 from disagg.kv.layout import KVLayout
 from disagg.kv.secret import load_secret
-from disagg.kv.transport import (
-    ImportResult,
-    Transport,
-    TransportConfig,
-    create_transport,
-    register_transport,
-    transport_kinds,
-)
+
+if TYPE_CHECKING:
+    from disagg.kv.transport import (
+        ImportResult,
+        Transport,
+        TransportConfig,
+        create_transport,
+        register_transport,
+        transport_kinds,
+    )
+
+# Names that live in a torch-dependent module, loaded on first access: name -> module.
+_LAZY: dict[str, str] = {
+    "ImportResult": "disagg.kv.transport",
+    "Transport": "disagg.kv.transport",
+    "TransportConfig": "disagg.kv.transport",
+    "create_transport": "disagg.kv.transport",
+    "register_transport": "disagg.kv.transport",
+    "transport_kinds": "disagg.kv.transport",
+}
 
 
-def _fake() -> type[Transport]:
-    from disagg.kv.fake import FakeTransport
-
-    return FakeTransport
-
-
-def _shm() -> type[Transport]:
-    from disagg.kv.shm import ShmTransport
-
-    return ShmTransport
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
-def _nixl() -> type[Transport]:
-    from disagg.kv.nixl import NixlTransport
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
-    return NixlTransport
-
-
-def _cuda_ipc() -> type[Transport]:
-    from disagg.kv.cuda_ipc import CudaIpcTransport
-
-    return CudaIpcTransport
-
-
-register_transport("fake", _fake)
-register_transport("shm", _shm)
-register_transport("nixl", _nixl)
-register_transport("cuda_ipc", _cuda_ipc)
 
 __all__ = [
     "ChecksumMismatch",

@@ -16,17 +16,19 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from disagg.config import build
 from disagg.kv.descriptor import Descriptor
 from disagg.kv.errors import DescriptorError, TransferError
 from disagg.kv.lease import ReleaseCallback
 from disagg.kv.mapped import MappedTransport, RemoteView
 from disagg.kv.region import Region
-from disagg.kv.transport import Clock, TransportConfig, parse_config
+from disagg.kv.transport import Clock, TransportConfig
 
 _B64_RE = re.compile(r"^[A-Za-z0-9+/=]{4,4096}$")
 
@@ -149,8 +151,9 @@ class CudaIpcConfig:
             raise ValueError("CudaIpcConfig.map_cache must be a positive integer")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CudaIpcConfig:
-        return parse_config(cls, data)
+    def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> CudaIpcConfig:
+        """Typed by :func:`disagg.config.build`; unknown keys are errors."""
+        return build(cls, data, strings=strings, where=where)
 
 
 def _check_handle(h: Any) -> bool:

@@ -26,17 +26,19 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from disagg.config import build
 from disagg.kv.blocks import paired_runs
 from disagg.kv.descriptor import Descriptor, parse_ack
 from disagg.kv.errors import DescriptorError, LeaseGone, TransferError
 from disagg.kv.lease import ReleaseCallback
 from disagg.kv.region import Region
-from disagg.kv.transport import Clock, Transport, TransportConfig, parse_config
+from disagg.kv.transport import Clock, Transport, TransportConfig
 
 _LOCATION_KEYS = {"agent", "meta", "digest", "mem", "dev", "pool", "tags"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -68,11 +70,9 @@ class NixlConfig:
                 raise ValueError(f"NixlConfig.{name} must be a non-negative integer")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> NixlConfig:
-        data = dict(data)
-        if isinstance(data.get("backends"), list):
-            data["backends"] = tuple(data["backends"])
-        return parse_config(cls, data)
+    def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> NixlConfig:
+        """Typed by :func:`disagg.config.build`; unknown keys are errors."""
+        return build(cls, data, strings=strings, where=where)
 
 
 def _mem_type(t: torch.Tensor) -> str:

@@ -22,20 +22,22 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from disagg.config import build
 from disagg.kv.descriptor import Descriptor
 from disagg.kv.errors import DescriptorError, TransferError
 from disagg.kv.lease import ReleaseCallback
 from disagg.kv.mapped import MappedTransport, RemoteView
 from disagg.kv.region import Region
-from disagg.kv.transport import Clock, TransportConfig, parse_config
-from disagg.regions import HEADER as _HEADER
-from disagg.regions import MAGIC as _MAGIC
-from disagg.regions import clean_stale_regions, name_pattern, owner_start_time
+from disagg.kv.stale import HEADER as _HEADER
+from disagg.kv.stale import MAGIC as _MAGIC
+from disagg.kv.stale import clean_stale_regions, name_pattern, owner_start_time
+from disagg.kv.transport import Clock, TransportConfig
 
 _HEADER_BYTES = 4096
 _PAGE = 4096
@@ -58,8 +60,9 @@ class ShmConfig:
             raise ValueError("ShmConfig.populate must be a boolean")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShmConfig:
-        return parse_config(cls, data)
+    def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> ShmConfig:
+        """Typed by :func:`disagg.config.build`; unknown keys are errors."""
+        return build(cls, data, strings=strings, where=where)
 
 
 def _round(n: int) -> int:

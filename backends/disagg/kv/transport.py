@@ -17,6 +17,7 @@ staging, checksums, counters, replay protection. A subclass supplies memory
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import re
@@ -25,12 +26,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
+from disagg.config import ConfigError, build
 from disagg.kv.blocks import check_block_ids, to_runs
 from disagg.kv.descriptor import (
     Descriptor,
@@ -93,21 +95,15 @@ class TransportConfig:
             raise ValueError("TransportConfig.transfer_timeout_s must be in (0, 3600]")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], secret: bytes) -> TransportConfig:
-        """Build from parsed config (e.g. config.pbtxt parameters); unknown keys are errors."""
-        return parse_config(cls, {**data, "secret": secret})
-
-
-def parse_config(cls: type, data: dict[str, Any]) -> Any:
-    """Instantiate frozen config dataclass ``cls`` from ``data``, refusing unknown keys."""
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s): {sorted(unknown)}")
-    data = dict(data)
-    if "limits" in data and isinstance(data["limits"], dict):
-        data["limits"] = parse_config(DescriptorLimits, data["limits"])
-    return cls(**data)
+    def from_dict(
+        cls, data: Mapping[str, Any], secret: bytes, *, strings: bool = False, where: str = ""
+    ) -> TransportConfig:
+        """Build from parsed config (e.g. config.pbtxt parameters with ``strings``) and the deployment
+        secret, which is never a setting; typed by :func:`disagg.config.build`, unknown keys are errors."""
+        if "secret" in data:
+            key = f"{where}.secret" if where else "secret"
+            raise ConfigError(f"{key}: not a setting (the deployment secret is passed apart)")
+        return build(cls, {**data, "secret": secret}, strings=strings, where=where)
 
 
 @dataclass(frozen=True)
@@ -468,7 +464,25 @@ def _digest(pool: torch.Tensor, runs: list[tuple[int, int]]) -> str:
 # ---- registry -----------------------------------------------------------------------------
 
 Factory = Callable[..., Transport]
-_REGISTRY: dict[str, Callable[[], Factory]] = {}
+
+
+def _builtin(module: str, name: str) -> Callable[[], Factory]:
+    """A loader that imports ``module`` only when its kind is created (NIXL imports are heavy)."""
+
+    def load() -> Factory:
+        return getattr(importlib.import_module(module), name)
+
+    return load
+
+
+# The built-in kinds are known from the first import of this module, however it is reached
+# (``disagg.kv`` or ``disagg.kv.transport``); their modules load on first use.
+_REGISTRY: dict[str, Callable[[], Factory]] = {
+    "cuda_ipc": _builtin("disagg.kv.cuda_ipc", "CudaIpcTransport"),
+    "fake": _builtin("disagg.kv.fake", "FakeTransport"),
+    "nixl": _builtin("disagg.kv.nixl", "NixlTransport"),
+    "shm": _builtin("disagg.kv.shm", "ShmTransport"),
+}
 
 
 def register_transport(kind: str, loader: Callable[[], Factory]) -> None:

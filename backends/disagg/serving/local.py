@@ -7,11 +7,12 @@ behaviour the Triton BLS client (``disagg.triton``) must match.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.loop import EngineLoop, Event, Failed, Job, Prefilled, Token
+from disagg.serving.loop import EngineLoop
+from disagg.serving.messages import DecodeJob, Event, Failed, GenerateJob, Job, Prefilled, PrefillJob, Token
 
 
 class QueueSink:
@@ -44,16 +45,16 @@ class LocalPools:
             raise ServingError(UNAVAILABLE, f"no {pool} pool is deployed")
         return loop
 
-    def _submit(self, pool: str, job_kwargs: dict) -> QueueSink:
+    def _submit(self, pool: str, make: Callable[[QueueSink], Job]) -> QueueSink:
         sink = QueueSink(asyncio.get_running_loop())
-        job = Job(sink=sink, **job_kwargs)
+        job = make(sink)
         loop = self._loop(pool)
         loop.validate(job)
         loop.submit(job)
         return sink
 
     async def prefill(self, handle: str, request: Request) -> Prefilled:
-        sink = self._submit("prefill", dict(handle=handle, request=request))
+        sink = self._submit("prefill", lambda sink: PrefillJob(handle, sink, request))
         event, _ = await sink.queue.get()
         if isinstance(event, Failed):
             raise event.error
@@ -72,10 +73,10 @@ class LocalPools:
                 return
 
     def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
-        return self._stream(self._submit("decode", dict(handle=handle, state=state, descriptor=descriptor)))
+        return self._stream(self._submit("decode", lambda sink: DecodeJob(handle, sink, state, descriptor)))
 
     def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
-        return self._stream(self._submit("colocated", dict(handle=handle, request=request)))
+        return self._stream(self._submit("colocated", lambda sink: GenerateJob(handle, sink, request)))
 
     async def stop(self, pool: str, handle: str) -> None:
         self._loop(pool).stop(handle)

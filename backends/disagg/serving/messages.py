@@ -130,3 +130,21 @@ class Released:
 
 
 Message = Submit | Stop | Cancelled | Released
+
+
+# ---------------------------------------------------------------- control requests to a pool
+
+
+@dataclass(frozen=True)
+class AbortLease:
+    """Give back an exported lease's blocks now (its request ended between prefill and decode)."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    """A liveness probe: a live pool answers at once."""
+
+
+Control = Stop | AbortLease | Ping

@@ -16,7 +16,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Literal, Protocol
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
@@ -54,16 +55,60 @@ class Responder(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+MAX_INFLIGHT_LIMIT = 65536
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
+    """One orchestrator instance: the ``orchestrator`` / ``llm`` models' config.pbtxt parameters, parsed
+    once by ``disagg.config.build(OrchestratorConfig, params, strings=True)``; unknown keys are errors.
+
+    ``role``, ``cores``, ``model_dir`` and ``secret_file`` are read by the adapter (which entry point, its
+    CPU pinning, the tokenizer's folder, the deployment secret); the rest is the orchestrator's.
+    """
+
     mode: str = "disaggregated"
     request_timeout_s: float = 600.0
+    max_inflight: int = 256
+    """Requests in flight on one instance at most; more are refused UNAVAILABLE."""
+    prefill_model: str = "prefill"
+    """Names of the pool models (the targets of BLS calls)."""
+    decode_model: str = "decode"
+    colocated_model: str = "colocated"
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    slo_window_s: float = 60.0
+    role: Literal["orchestrator", "llm"] | None = None
+    cores: str = ""
+    """Core sets as ``glue.parse_cores`` reads them (``"0"``, ``"0,1"``, per instance ``"0;1"``)."""
+    model_dir: Path | None = None
+    """The tokenizer's checkpoint folder (default: ``disagg.paths.resolve_model_dir()``)."""
+    secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError("request_timeout_s must be in (0, 86400]")
+        inflight = self.max_inflight
+        if (
+            not isinstance(inflight, int)
+            or isinstance(inflight, bool)
+            or not 1 <= inflight <= MAX_INFLIGHT_LIMIT
+        ):
+            raise ValueError(f"max_inflight must be an integer in [1, {MAX_INFLIGHT_LIMIT}]")
+        for name in ("prefill_model", "decode_model", "colocated_model"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty model name")
+        for name in ("slo_ttft_s", "slo_tpot_s", "slo_window_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
+                raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
+
+    @property
+    def pool_models(self) -> dict[str, str]:
+        """Pool role -> the model name its requests go to."""
+        return {"prefill": self.prefill_model, "decode": self.decode_model, "colocated": self.colocated_model}
 
 
 @dataclass

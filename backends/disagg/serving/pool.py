@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from disagg.config import ConfigError, build
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.kv.transport import Transport, TransportConfig, create_transport
-from disagg.serving.loop import ROLES, EngineLoop
+from disagg.role import Role
+from disagg.scheduling import SchedulerConfig, create_scheduler
+from disagg.serving.loop import EngineLoop
 
 
 @dataclass(frozen=True)
 class PoolConfig:
     """One pool instance. ``engine`` settings as EngineConfig; the rest is serving policy."""
 
-    role: str
+    role: Role
     engine: EngineConfig
     transport: str = "shm"
     lease_ttl_s: float = 30.0
@@ -29,8 +33,7 @@ class PoolConfig:
     prefix: str = "disagg"
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}")
+        object.__setattr__(self, "role", Role.parse(self.role))
         if not 0 < self.lease_ttl_s <= 3600:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -39,15 +42,18 @@ class PoolConfig:
             raise ValueError("nice must be an integer in [0, 19]")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PoolConfig:
-        """From flat parameters (config.pbtxt); engine keys go to EngineConfig; unknown keys are errors."""
-        mine = {f.name for f in fields(cls)} - {"engine"}
+    def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False) -> PoolConfig:
+        """From flat parameters (config.pbtxt ones with ``strings``): EngineConfig's keys make ``engine``,
+        the rest are this class's. Typed by :func:`disagg.config.build`; unknown keys are errors
+        (``ConfigError``, a ``ValueError``, naming the key: ``engine.block_size``)."""
         engine_keys = {f.name for f in fields(EngineConfig)}
-        unknown = set(data) - mine - engine_keys
-        if unknown:
-            raise ValueError(f"unknown pool parameter(s): {sorted(unknown)}")
-        engine = EngineConfig.from_dict({k: v for k, v in data.items() if k in engine_keys})
-        return cls(engine=engine, **{k: v for k, v in data.items() if k in mine})
+        own = {k: v for k, v in data.items() if k not in engine_keys}
+        flat = {k: v for k, v in data.items() if k in engine_keys}
+        if "engine" not in own:
+            own["engine"] = flat
+        elif flat:
+            raise ConfigError("engine: give the engine settings flat or as one mapping, not both")
+        return build(cls, own, strings=strings)
 
 
 def transport_options(config: PoolConfig) -> dict[str, Any]:
@@ -69,7 +75,7 @@ def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
     transport: Transport | None = None
     relay: list[EngineLoop] = []
-    if config.role in ("prefill", "decode"):
+    if config.role.needs_transport:
         transport = create_transport(
             config.transport,
             TransportConfig(
@@ -81,16 +87,17 @@ def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport
         )
     try:
         memory = None
-        if config.role == "prefill":
+        if config.role.exports_kv:  # the exported blocks are copied straight out of transport memory
             layout, num_blocks = plan_kv(config.engine)
             memory = transport.allocate_pool(num_blocks, layout.block_bytes)  # type: ignore[union-attr]
         engine = Engine(config.engine, kv_memory=memory)
-        loop = EngineLoop(engine, config.role, transport, max_queue=config.max_queue)
+        scheduler = create_scheduler(config.role, engine.limits, SchedulerConfig(max_queue=config.max_queue))
+        loop = EngineLoop(engine, scheduler, transport)
     except BaseException:
         if transport is not None:
             transport.close()
         raise
     relay.append(loop)
-    if transport is not None and config.role == "prefill":
+    if transport is not None and config.role.exports_kv:
         transport.start_reaper(0.01)  # takes in native acks and expires leases
     return loop, transport

@@ -6,8 +6,8 @@ a sequence is stopped with a ``control`` request to its pool, keyed by the reque
 
 A pool instance whose stub process dies (``kill -9``, OOM) never completes its open requests on
 Triton 2.51, and the stub is not restarted: a wait for its next response would block forever. So
-while a response is overdue the pool is probed (a ``stop`` of a handle nobody holds, answered at
-once by a live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE.
+while a response is overdue the pool is probed (a ``ping`` control request, answered at once by a
+live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE.
 
 A finished iterator is never simply dropped: it goes to the ``Graveyard``, which releases it once the
 stub has dropped its own reference (Triton 2.51 would otherwise free its responses without the GIL;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
-from disagg.serving.messages import Prefilled, Token
+from disagg.serving.messages import AbortLease, Control, Ping, Prefilled, Stop, Token
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
 
@@ -46,7 +45,6 @@ def _drain(responses: Iterator[Any], graveyard: Graveyard) -> None:
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
-PROBE_HANDLE = "liveness-probe"  # no request has this handle: stopping it is a no-op
 
 
 class TritonPools:
@@ -105,7 +103,7 @@ class TritonPools:
             if done:
                 return pending.result()
             try:
-                await asyncio.wait_for(self.stop(pool, PROBE_HANDLE), PROBE_TIMEOUT_S)
+                await asyncio.wait_for(self.ping(pool), PROBE_TIMEOUT_S)
             except (ServingError, TimeoutError):
                 # the thread blocked in next() stays blocked: the iterator has no cancel() here
                 raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding") from None
@@ -153,7 +151,7 @@ class TritonPools:
                     yield event
 
     def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
-        inputs = self._job_inputs(handle, state=json.dumps(state.to_dict()), descriptor=descriptor)
+        inputs = self._job_inputs(handle, state=wire.encode_state(state), descriptor=descriptor)
         return self._tokens("decode", inputs)
 
     def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
@@ -162,14 +160,18 @@ class TritonPools:
         )
         return self._tokens("colocated", inputs)
 
-    async def _control(self, pool: str, body: dict[str, Any]) -> None:
-        inputs = [glue.bytes_tensor(self._pb, "control", json.dumps(body))]
+    async def _control(self, pool: str, control: Control) -> None:
+        inputs = [glue.bytes_tensor(self._pb, "control", wire.encode_control(control))]
         async with contextlib.aclosing(self._responses(await self._call(pool, inputs))) as responses:
             async for _ in responses:
                 pass
 
     async def stop(self, pool: str, handle: str) -> None:
-        await self._control(pool, {"op": "stop", "handle": handle})
+        await self._control(pool, Stop(handle))
 
     async def abort_lease(self, lease_id: str) -> None:
-        await self._control("prefill", {"op": "abort_lease", "lease_id": lease_id})
+        await self._control("prefill", AbortLease(lease_id))
+
+    async def ping(self, pool: str) -> None:
+        """Raises ServingError when the pool does not answer as live."""
+        await self._control(pool, Ping())

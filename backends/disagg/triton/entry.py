@@ -6,6 +6,7 @@ import logging
 import sys
 from typing import Any
 
+from disagg.role import Role
 from disagg.triton import glue
 from disagg.triton.watchdog import ParentWatch
 
@@ -24,7 +25,7 @@ def _nothing() -> None:
 
 def _adapter(args: dict[str, Any], pb_utils: Any) -> Any:
     role = glue.model_parameters(args).get("role", "")
-    if role in ("prefill", "decode", "colocated"):
+    if role in {r.value for r in Role}:
         from disagg.triton.pool_model import PoolModel
 
         return PoolModel(args, pb_utils)

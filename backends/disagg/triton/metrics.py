@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from disagg.kv.transport import Transport
 from disagg.serving.errors import ServingError
-from disagg.serving.loop import EngineLoop
 from disagg.serving.orchestrator import Outcome
 from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains
+
+if TYPE_CHECKING:
+    # Types only: both import torch, and the text models that use this module must not.
+    from disagg.kv.transport import Transport
+    from disagg.serving.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +218,7 @@ class PoolReporter:
         interval_s: float = 0.25,
     ) -> None:
         fam = self._fam = Families(pb_utils)  # families must outlive their metrics
-        role = loop.role
+        role = loop.role.value
         # one series per instance: instances are processes, and a shared series would be overwritten
         labels = {"model": model, "pool": role, "instance": instance}
         self._loop, self._transport, self._interval = loop, transport, interval_s

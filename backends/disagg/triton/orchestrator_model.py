@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from disagg.affinity import pin_process
+from disagg.config import build
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serving.auth import TokenSigner
@@ -55,31 +57,20 @@ class OrchestratorModel:
     def __init__(self, args: dict[str, Any], pb_utils: Any, *, direct: bool) -> None:
         self._pb = pb_utils
         self.direct = direct  # llm: text in, tokenized here; else input_ids from preprocessing
-        params = glue.model_parameters(args)
-        cores = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
+        # every parameter typed and range-checked once; an unknown one is a ConfigError naming it
+        self.config = build(OrchestratorConfig, glue.model_parameters(args), strings=True)
+        cores = glue.parse_cores(self.config.cores, args["model_instance_name"])
         if cores:
-            from disagg.engine.device import pin_process
-
             pin_process(cores)  # the stub's own threads too, not only those started from here
-        self.max_inflight = int(params.get("max_inflight", "256"))
-        self.config = OrchestratorConfig(
-            mode=params.get("mode", "disaggregated"),
-            request_timeout_s=float(params.get("request_timeout_s", "600")),
-        )
-        models = {
-            "prefill": params.get("prefill_model", "prefill"),
-            "decode": params.get("decode_model", "decode"),
-            "colocated": params.get("colocated_model", "colocated"),
-        }
-        self.tokenizer = Tokenizer(resolve_model_dir(params.get("model_dir") or None))
-        signer = TokenSigner(glue.deployment_secret(params.get("secret_file", "")))
-        self.pools = TritonPools(pb_utils, signer, models, self.max_inflight)
+        self.max_inflight = self.config.max_inflight
+        self.tokenizer = Tokenizer(resolve_model_dir(self.config.model_dir))
+        secret_file = self.config.secret_file
+        signer = TokenSigner(glue.deployment_secret(str(secret_file) if secret_file else ""))
+        self.pools = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
         self.orchestrator = Orchestrator(self.config, self.pools, self.tokenizer.decode)
         self._inflight = 0
         slo = SloConfig(
-            ttft_s=float(params.get("slo_ttft_s", "1.0")),
-            tpot_s=float(params.get("slo_tpot_s", "0.1")),
-            window_s=float(params.get("slo_window_s", "60")),
+            ttft_s=self.config.slo_ttft_s, tpot_s=self.config.slo_tpot_s, window_s=self.config.slo_window_s
         )
         self.metrics = OrchestratorMetrics(
             pb_utils, args["model_name"], self.config.mode, SloWindow(slo), args["model_instance_name"]

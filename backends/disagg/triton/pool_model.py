@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from disagg.engine.device import pin_process
-from disagg.engine.engine import EngineConfig
-from disagg.engine.sequence import Request
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import classify, invalid
-from disagg.serving.loop import Event, Failed, Job
+from disagg.serving.errors import UNAVAILABLE, ServingError, classify
+from disagg.serving.messages import AbortLease, Control, Event, Failed, Stop
 from disagg.serving.pool import PoolConfig, build_pool
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
@@ -22,8 +18,9 @@ log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 10.0  # within Triton's default exit timeout of the launcher (15 s)
 
-# config.pbtxt parameters read by the adapter rather than by PoolConfig
-ADAPTER_KEYS = ("role", "secret_file")
+# config.pbtxt parameters the adapter reads itself (role and cores reach PoolConfig after it); every
+# other parameter is a PoolConfig or EngineConfig key
+ADAPTER_KEYS = ("role", "secret_file", "cores")
 
 
 class TritonSink:
@@ -57,16 +54,7 @@ class PoolModel:
         self.role = params.get("role", "")
         secret = glue.deployment_secret(params.get("secret_file", ""))
         self._signer = TokenSigner(secret)
-        settings = {k: v for k, v in params.items() if k not in ADAPTER_KEYS and v != ""}
-        settings = _typed(settings)
-        settings["cores"] = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
-        if settings["cores"] is None:
-            del settings["cores"]
-        device = glue.instance_device(args)
-        if device is not None:  # KIND_GPU: the GPU Triton placed this instance on (NOT verified on a GPU)
-            settings["device"] = device
-        settings.setdefault("model_dir", _default_model_dir())
-        self.config = PoolConfig.from_dict({"role": self.role, **settings})
+        self.config = pool_config(params, args)
         self.loop, self.transport = build_pool(self.config, secret)
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
             pin_process(self.config.engine.cores)
@@ -94,34 +82,26 @@ class PoolModel:
             self._control(wire.decode_control(control))
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        handle = wire.decode_handle(glue.first_bytes(values["handle"]))
-        sink = TritonSink(pb, sender, descriptor_output=self.role == "prefill")
-        if self.role == "decode":
-            descriptor = glue.first_bytes(values["descriptor"])
-            state = glue.first_bytes(values["state"])
-            if descriptor is None or state is None:
-                raise invalid("decode requests need a KV descriptor and a sequence state")
-            job = Job(handle, sink, state=wire.decode_state(state), descriptor=descriptor)
-        else:
-            ids, sampling = values["input_ids"], glue.first_bytes(values["sampling"])
-            if ids is None or sampling is None:
-                raise invalid(f"{self.role} requests need input_ids and sampling")
-            prompt = tuple(int(t) for t in np.asarray(ids).reshape(-1))
-            job = Job(handle, sink, request=Request(prompt, wire.decode_sampling(sampling)))
+        sink = TritonSink(pb, sender, descriptor_output=self.config.role.exports_kv)
+        job = wire.decode_job(self.config.role, values, sink)
         self.loop.validate(job)
         self.loop.submit(job)
 
-    def _control(self, control: dict[str, Any]) -> None:
-        if control["op"] == "stop":
-            self.loop.stop(str(control.get("handle", "")))
-        elif self.role == "prefill":
-            self.loop.abort_lease(str(control.get("lease_id", "")))
+    def _control(self, control: Control) -> None:
+        if isinstance(control, Stop):
+            self.loop.stop(control.handle)
+        elif isinstance(control, AbortLease):
+            self.loop.abort_lease(control.lease_id)
+        elif not self.loop.healthy:  # Ping
+            raise ServingError(UNAVAILABLE, f"{self.config.role.value} pool is not serving")
 
     def finalize(self) -> None:
         # Finish what Triton already handed over and let exported KV be pulled before the memory
         # goes: bounded, since Triton's exit timeout bounds the whole unload.
         if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S)):
-            log.warning("%s pool instance unloads with work or KV leases still outstanding", self.role)
+            log.warning(
+                "%s pool instance unloads with work or KV leases still outstanding", self.config.role.value
+            )
         self.reporter.retire()
         self.loop.shutdown()
         if self.transport is not None:
@@ -141,26 +121,18 @@ def _default_model_dir() -> str:
     return str(resolve_model_dir())
 
 
-def _field_types() -> dict[str, str]:
-    """Setting name -> annotation text, from the config dataclasses themselves (no list to keep in step)."""
-    return {f.name: str(f.type) for cls in (PoolConfig, EngineConfig) for f in fields(cls)}
-
-
-def _typed(settings: dict[str, str]) -> dict[str, Any]:
-    """config.pbtxt parameters are strings: convert each to its config field's scalar type."""
-    types = _field_types()
-    out: dict[str, Any] = {}
-    for key, value in settings.items():
-        kind = types.get(key, "str").split("|")[0].strip()
-        try:
-            if kind == "int":
-                out[key] = int(value)
-            elif kind == "float":
-                out[key] = float(value)
-            elif kind == "bool":
-                out[key] = value.strip().lower() in ("1", "true", "yes")
-            else:
-                out[key] = value
-        except ValueError:
-            raise ValueError(f"parameter {key}={value!r} is not a number") from None
-    return out
+def pool_config(params: Mapping[str, str], args: Mapping[str, Any]) -> PoolConfig:
+    """One instance's PoolConfig from its config.pbtxt parameters (strings, typed by
+    ``PoolConfig.from_dict(strings=True)``) and what Triton's ``args`` say of the instance: its core set
+    (``cores`` by instance index) and, for ``KIND_GPU``, its GPU. Raises ConfigError (a ValueError)."""
+    settings: dict[str, Any] = {k: v for k, v in params.items() if k not in ADAPTER_KEYS}
+    settings["role"] = params.get("role", "")
+    cores = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
+    if cores is not None:
+        settings["cores"] = cores
+    device = glue.instance_device(args)
+    if device is not None:  # KIND_GPU: the GPU Triton placed this instance on (NOT verified on a GPU)
+        settings["device"] = device
+    if not settings.get("model_dir"):
+        settings["model_dir"] = _default_model_dir()
+    return PoolConfig.from_dict(settings, strings=True)

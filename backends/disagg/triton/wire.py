@@ -7,6 +7,7 @@ Pool inputs (all optional; which ones are present decides the kind of request):
   ``descriptor``BYTES [1]    signed KV descriptor (decode)
   ``handle``    BYTES [1]    the orchestrator's request id (every job)
   ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "abort_lease", "lease_id": ...}
+                             | {"op": "ping"}
 Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``).
 Every pool request carries the request parameter ``disagg_auth`` (``disagg.serving.auth``).
 """
@@ -17,10 +18,27 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from disagg.engine.params import SamplingParams
-from disagg.engine.sequence import SequenceState
+from disagg.engine.sequence import Request, SequenceState
+from disagg.role import Operation, Role
 from disagg.serving.errors import invalid
-from disagg.serving.messages import Event, Prefilled, Token
+from disagg.serving.messages import (
+    AbortLease,
+    Control,
+    DecodeJob,
+    Event,
+    GenerateJob,
+    Job,
+    Ping,
+    Prefilled,
+    PrefillJob,
+    Sink,
+    Stop,
+    Token,
+)
+from disagg.triton.glue import first_bytes
 
 POOL_INPUTS = ("input_ids", "sampling", "state", "descriptor", "handle", "control")
 MAX_HANDLE = 128
@@ -52,6 +70,10 @@ def _sampling_from(data: Any) -> SamplingParams:
         raise invalid("malformed sampling parameters") from None
 
 
+def encode_state(state: SequenceState) -> str:
+    return json.dumps(state.to_dict())
+
+
 def decode_state(raw: bytes) -> SequenceState:
     try:
         return SequenceState.from_dict(json.loads(raw))
@@ -65,14 +87,45 @@ def decode_handle(raw: bytes | None) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def decode_control(raw: bytes) -> dict[str, Any]:
+def encode_control(control: Control) -> str:
+    if isinstance(control, Stop):
+        return json.dumps({"op": "stop", "handle": control.handle})
+    if isinstance(control, AbortLease):
+        return json.dumps({"op": "abort_lease", "lease_id": control.lease_id})
+    return json.dumps({"op": "ping"})
+
+
+def decode_control(raw: bytes) -> Control:
     try:
         data = json.loads(raw)
     except ValueError:
         data = None
-    if not isinstance(data, dict) or data.get("op") not in ("stop", "abort_lease"):
-        raise invalid("malformed control request")
-    return data
+    op = data.get("op") if isinstance(data, dict) else None
+    if op == "stop" and isinstance(data.get("handle"), str):
+        return Stop(data["handle"])
+    if op == "abort_lease" and isinstance(data.get("lease_id"), str):
+        return AbortLease(data["lease_id"])
+    if op == "ping" and set(data) == {"op"}:
+        return Ping()
+    raise invalid("malformed control request")
+
+
+def decode_job(role: Role, values: dict[str, Any], sink: Sink) -> Job:
+    """The job a pool request asks for: a sequence state and KV descriptor make a DecodeJob; a prompt
+    and sampling parameters a PrefillJob (prefill role) or a GenerateJob (colocated)."""
+    handle = decode_handle(first_bytes(values.get("handle")))
+    state, descriptor = first_bytes(values.get("state")), first_bytes(values.get("descriptor"))
+    if state is not None or descriptor is not None:
+        if state is None or descriptor is None:
+            raise invalid("decode requests need a KV descriptor and a sequence state")
+        return DecodeJob(handle, sink, decode_state(state), descriptor)
+    ids, sampling = values.get("input_ids"), first_bytes(values.get("sampling"))
+    if ids is None or sampling is None:
+        raise invalid(f"{role.value} requests need input_ids and sampling")
+    request = Request(tuple(int(t) for t in np.asarray(ids).reshape(-1)), decode_sampling(sampling))
+    if Operation.PREFILL in role.operations:
+        return PrefillJob(handle, sink, request)
+    return GenerateJob(handle, sink, request)
 
 
 def encode_event(event: Event) -> str:

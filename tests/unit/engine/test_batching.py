@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import ColocatedScheduler, generate
 from disagg.engine.sequence import Request
+from disagg.serving.offline import OfflineRun, generate
 
 
 def _requests(n: int, seed: int = 0, sampled: bool = False) -> list[Request]:
@@ -32,7 +32,7 @@ def _alone(make_engine, requests):
 
 def _staggered(engine, requests, joins_every: int = 3):
     """Submit one request every ``joins_every`` steps, so sequences join and leave mid-batch."""
-    scheduler = ColocatedScheduler(engine)
+    scheduler = OfflineRun(engine)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     pending = list(enumerate(requests))
     step = 0
@@ -69,7 +69,7 @@ def test_all_at_once_equals_alone(make_engine):
     requests = _requests(12, seed=9)
     expected = _alone(make_engine, requests)
     engine = make_engine()
-    scheduler = ColocatedScheduler(engine)
+    scheduler = OfflineRun(engine)
     for i, r in enumerate(requests):
         scheduler.submit(i, r)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}

@@ -10,9 +10,9 @@ import torch
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.layout import KVLayout
+from disagg.serving.offline import generate
 
 PROMPTS = [(1, 7, 9, 11), (1, *range(20, 63))]
 

@@ -8,8 +8,8 @@ import pytest
 from checkpoints import comparable_prefix, reference_greedy
 
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
+from disagg.serving.offline import generate
 
 KINDS = ["llama-mha", "llama-gqa", "llama-tied", "qwen2-bias", "mistral", "llama3-rope", "legacy-rope"]
 NEW_TOKENS = 40

@@ -9,8 +9,8 @@ import pytest
 
 from disagg.engine.errors import InvalidRequest, OutOfBlocks
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import ColocatedScheduler, generate
 from disagg.engine.sequence import Request
+from disagg.serving.offline import OfflineRun, generate
 
 PROMPT = (1, 40, 41, 42, 43)
 
@@ -105,7 +105,7 @@ def test_top_k_limits_the_choice(make_engine):
 
 def test_block_accounting_with_aborts(make_engine):
     engine = make_engine(num_blocks=200, block_size=4, max_batch_size=16)
-    scheduler = ColocatedScheduler(engine)
+    scheduler = OfflineRun(engine)
     rng = random.Random(1)
     start = engine.pool.free_blocks
     submitted = 0

@@ -9,9 +9,9 @@ from checkpoints import comparable_prefix, reference_greedy
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
+from disagg.serving.offline import generate
 from disagg_tools.catalog import SMOLLM2, package_file
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from kv_support import SECRET, Clock
 from disagg.kv import Transport, TransportConfig, create_transport
 from disagg.kv.cuda_ipc import CudaIpcTransport, FakeCudaIpc
 from disagg.kv.faulty import FaultyTransport
-from disagg.regions import list_regions
+from disagg.kv.stale import list_regions
 
 
 @pytest.fixture

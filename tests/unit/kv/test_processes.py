@@ -17,7 +17,7 @@ from kv_support import CROSS_PROCESS_KINDS, SECRET, small_layout
 from kvpeer import digest, exporter_main, fill, importer_main, make_transport
 
 from disagg.kv import TransferError
-from disagg.regions import list_regions
+from disagg.kv.stale import list_regions
 
 CTX = mp.get_context("spawn")
 TIMEOUT = 60

@@ -16,7 +16,7 @@ from disagg.kv.fake import fake_regions
 from disagg.kv.faulty import FaultConfig
 from disagg.kv.lease import LeaseConfig, LeaseTable
 from disagg.kv.secret import load_secret
-from disagg.regions import list_regions
+from disagg.kv.stale import list_regions
 
 
 def test_secret_created_once_with_mode_0600(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.loop import Failed, Job, Prefilled, Token
+from disagg.serving.messages import DecodeJob, Failed, Prefilled, PrefillJob, Token
 from disagg.serving.pool import PoolConfig, build_pool
 
 
@@ -49,21 +49,21 @@ def pools(tiny_model_dir):
 def test_drain_waits_for_exported_kv_to_be_pulled(pools):
     prefill, decode = pools["prefill"], pools["decode"]
     sink = Sink()
-    prefill.submit(Job("r1", sink, request=Request((1, 5, 6, 7), SamplingParams(max_tokens=4))))
+    prefill.submit(PrefillJob("r1", sink, Request((1, 5, 6, 7), SamplingParams(max_tokens=4))))
     assert sink.done.wait(30)
     first = sink.events[-1]
     assert isinstance(first, Prefilled) and prefill.stats().held_leases == 1
 
     assert prefill.drain(0.2) is False, "a held lease keeps the instance from draining"
     with pytest.raises(ServingError) as refused:
-        prefill.submit(Job("r2", Sink(), request=Request((1, 2), SamplingParams(max_tokens=2))))
+        prefill.submit(PrefillJob("r2", Sink(), Request((1, 2), SamplingParams(max_tokens=2))))
     assert refused.value.code == UNAVAILABLE
 
     drained = []
     waiter = threading.Thread(target=lambda: drained.append(prefill.drain(20.0)))
     waiter.start()
     out = Sink()
-    decode.submit(Job("r1", out, state=first.state, descriptor=first.descriptor))
+    decode.submit(DecodeJob("r1", out, first.state, first.descriptor))
     assert out.done.wait(30) and isinstance(out.events[-1], Token) and out.events[-1].finished
     waiter.join(30)
     assert drained == [True], "the importer's ack released the lease and the drain completed"
@@ -77,11 +77,11 @@ def test_engine_calls_are_counted_with_their_time(pools):
     assert (prefill.stats().engine_steps, decode.stats().engine_steps) == (0, 0)
     sink = Sink()
     params = SamplingParams(max_tokens=5, min_length=5)
-    prefill.submit(Job("r1", sink, request=Request((1, 5, 6, 7), params)))
+    prefill.submit(PrefillJob("r1", sink, Request((1, 5, 6, 7), params)))
     assert sink.done.wait(30)
     first = sink.events[-1]
     out = Sink()
-    decode.submit(Job("r1", out, state=first.state, descriptor=first.descriptor))
+    decode.submit(DecodeJob("r1", out, first.state, first.descriptor))
     assert out.done.wait(30) and out.events[-1].finished
     prefilled, decoded = prefill.stats(), decode.stats()
     assert prefilled.engine_steps == 1
@@ -97,7 +97,7 @@ def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
     firsts = []
     for i in range(2):
         sink = Sink()
-        prefill.submit(Job(f"r{i}", sink, request=Request((1, 5, 6, 7 + i), SamplingParams(max_tokens=50))))
+        prefill.submit(PrefillJob(f"r{i}", sink, Request((1, 5, 6, 7 + i), SamplingParams(max_tokens=50))))
         assert sink.done.wait(30)
         firsts.append(sink.events[-1])
     steps = []
@@ -112,7 +112,7 @@ def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
     decode.engine.decode_step = failing_step
     outs = [Sink() for _ in firsts]
     for i, (first, out) in enumerate(zip(firsts, outs, strict=True)):
-        decode.submit(Job(f"r{i}", out, state=first.state, descriptor=first.descriptor))
+        decode.submit(DecodeJob(f"r{i}", out, first.state, first.descriptor))
     for out in outs:
         assert out.done.wait(30), "a sequence of the failed batch never ended"
         failed = out.events[-1]
@@ -120,7 +120,7 @@ def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
         assert "decode pool failed" in failed.error.message
     assert decode.healthy is False and decode.stats().healthy is False
     with pytest.raises(ServingError) as refused:
-        decode.submit(Job("r9", Sink(), state=firsts[0].state, descriptor=firsts[0].descriptor))
+        decode.submit(DecodeJob("r9", Sink(), firsts[0].state, firsts[0].descriptor))
     assert refused.value.code == UNAVAILABLE and "not serving" in refused.value.message
 
 
@@ -147,13 +147,13 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
         firsts = []
         for n in range(5):
             sink = Sink()
-            prefill.submit(Job(f"r{n}", sink, request=Request((1, 5 + n, 6), SamplingParams(max_tokens=6))))
+            prefill.submit(PrefillJob(f"r{n}", sink, Request((1, 5 + n, 6), SamplingParams(max_tokens=6))))
             assert sink.done.wait(30)
             firsts.append(sink.events[-1])
         assert all(isinstance(first, Prefilled) for first in firsts)
         outs = [Sink() for _ in firsts]
         for n, (first, out) in enumerate(zip(firsts, outs, strict=True)):
-            decode.submit(Job(f"r{n}", out, state=first.state, descriptor=first.descriptor))
+            decode.submit(DecodeJob(f"r{n}", out, first.state, first.descriptor))
         for out in outs:
             assert out.done.wait(60)
             assert not any(isinstance(e, Failed) for e in out.events), out.events

@@ -10,10 +10,10 @@ from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
-from disagg.engine.scheduler import generate
 from disagg.engine.sequence import Request
 from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG
 from disagg.serving.interface import TextRequest
+from disagg.serving.offline import generate
 
 PROMPTS = ["The quick brown fox", "naïve café — 日本語 🙂 and more", "x"]
 

@@ -1,8 +1,8 @@
 """Shared-memory KV regions whose owner process is gone: finding and removing them.
 
-Torch-free and outside ``disagg.kv`` (whose package imports torch), so that the server launcher can
-sweep after a server whose pool processes died (``disagg.server``) without importing the engine.
-Region files and their header are described in ``disagg.kv.shm``.
+Torch-free (as is the ``disagg.kv`` package itself), so that the server launcher can sweep after a
+server whose pool processes died (``disagg.server``) without importing the engine. Region files
+and their header are described in ``disagg.kv.shm``.
 """
 
 from __future__ import annotations

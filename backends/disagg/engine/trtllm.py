@@ -1,0 +1,675 @@
+"""TensorRT-LLM behind ``EngineBackend``: ``TrtllmBackend`` drives one ``tensorrt_llm.LLM``.
+
+NOT VERIFIED — never run against a real TensorRT-LLM. TensorRT-LLM cannot be installed on the
+machines this project is tested on; this adapter is written against its documented LLM API
+(``LLM.generate_async``, ``SamplingParams``, ``DisaggregatedParams``, ``KvCacheConfig``,
+``CacheTransceiverConfig``) and tested only through a fake of that module
+(``tests/unit/engine/fake_trtllm.py``).
+
+How the step-shaped protocol maps onto an engine that batches on its own:
+
+- ``prefill(decode=False)``: a ``context_only`` request; its one response carries the first token
+  and TensorRT-LLM's ``DisaggregatedParams`` (context request id, opaque transceiver state), which the
+  context engine honours by keeping the KV for the generation side to pull.
+- ``export_sequence``: those parameters plus the ``SequenceState``, in an HMAC-signed envelope
+  (``disagg.kv.envelope``) with a lease id and expiry. No KV bytes move through us: TensorRT-LLM's
+  own cache transceiver (UCX / NIXL / MPI) moves them.
+- ``import_sequence``: verifies the envelope and starts a ``generation_only`` streaming request with
+  those parameters; it returns once the first response arrived (the KV is then on this engine).
+- ``prefill(decode=True)``: a plain streaming request; ``prefill`` returns its first token.
+- ``decode_step``: the tokens each stream produced since the last call (a reader thread per
+  request turns TensorRT-LLM's blocking iteration into a queue), waiting at most ``step_wait_s``
+  when none has arrived yet. A sequence may get several tokens in one call, in order.
+
+Capacity (``limits``, ``usage``) is this adapter's own ledger, sized from the config and kept with
+the same rule as the reference engine. TensorRT-LLM's KV cache manager is not introspectable in a
+stable way, so the ledger can differ from it: the context side may keep blocks after ``free`` until
+its transfer completes or times out.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
+from disagg.engine.errors import (
+    BatchFull,
+    EngineError,
+    InvalidRequest,
+    OutOfBlocks,
+    SequenceFailed,
+    UnknownSequence,
+)
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState, StepOutput
+from disagg.kv.descriptor import new_lease_id
+from disagg.kv.envelope import open_sealed, seal
+from disagg.kv.errors import DescriptorError, LeaseExpired, LeaseGone, TransferError
+
+log = logging.getLogger(__name__)
+
+PURPOSE = "disagg.trtllm.descriptor"
+VERSION = 1
+MAX_DESCRIPTOR_BYTES = 1 << 20
+TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MPI")
+_FIELDS = {"version", "engine", "fingerprint", "lease_id", "issued_at", "expires_at", "trtllm", "state"}
+# DisaggregatedParams fields that travel (JSON-safe; opaque_state as base64). Older TensorRT-LLM
+# versions lack some: only those that are set are passed back.
+_PARAMS = (
+    "first_gen_tokens",
+    "ctx_request_id",
+    "opaque_state",
+    "draft_tokens",
+    "disagg_request_id",
+    "ctx_dp_rank",
+    "ctx_info_endpoint",
+)
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+Clock = Callable[[], float]
+
+
+class TrtllmError(EngineError):
+    """TensorRT-LLM failed, or did not answer in time, for a request (maps to INTERNAL)."""
+
+
+@dataclass(frozen=True)
+class TrtllmConfig:
+    """Settings of one TensorRT-LLM backend, validated at construction.
+
+    ``model`` is what ``tensorrt_llm.LLM(model=...)`` takes (a Hugging Face checkpoint folder or a
+    built engine dir). ``vocab_size`` / ``max_context`` / ``eos_token_ids`` default to its
+    ``config.json`` (``generation_config.json``'s eos ids win). ``secret`` signs descriptors; unset,
+    the transport passed to export/import supplies it (``transport.config.secret``).
+    """
+
+    model: Path
+    max_batch_size: int = 64
+    num_blocks: int = 1024
+    tokens_per_block: int = 32
+    max_context: int | None = None
+    max_tokens_cap: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+    model_id: str | None = None  # names the model in the descriptor fingerprint; default: folder name
+    transceiver_backend: str = "DEFAULT"
+    tensor_parallel_size: int = 1
+    secret: bytes | None = field(default=None, repr=False)
+    ttl_s: float = 30.0
+    request_timeout_s: float = 60.0
+    step_wait_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", Path(self.model))
+        for name in ("max_batch_size", "num_blocks", "tokens_per_block", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer")
+        if self.tokens_per_block < 2 or self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError("tokens_per_block must be a power of two > 1 (TensorRT-LLM's rule)")
+        for name in ("max_context", "max_tokens_cap", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or unset")
+        if self.eos_token_ids is not None:
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.transceiver_backend not in TRANSCEIVER_BACKENDS:
+            raise ValueError(f"transceiver_backend must be one of {list(TRANSCEIVER_BACKENDS)}")
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+            raise ValueError("secret must be at least 16 bytes")
+        for name in ("ttl_s", "request_timeout_s", "step_wait_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600]")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrtllmConfig:
+        """Build from e.g. JSON parameters; unknown keys are errors."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown TensorRT-LLM setting(s): {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass
+class _Event:
+    tokens: list[int]
+    final: bool
+    reason: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    blocks: int
+    decoding: bool
+    generated: list[int] = field(default_factory=list)
+    result: Any = None  # tensorrt_llm GenerationResult
+    wire: dict[str, Any] | None = None  # context_only: TensorRT-LLM's DisaggregatedParams, JSON-safe
+    inbox: deque[_Event] = field(default_factory=deque)  # filled by the reader thread, under the lock
+    ready: deque[int] = field(default_factory=deque)  # tokens not yet handed out
+    ended: str | None = None  # the stream ended: its finish reason ("" for none)
+    error: BaseException | None = None
+    reader: threading.Thread | None = None
+
+    def state(self) -> SequenceState:
+        return SequenceState(self.prompt, tuple(self.generated), self.params)
+
+
+def _import_llmapi() -> Any:
+    try:
+        return importlib.import_module("tensorrt_llm.llmapi")
+    except ImportError as exc:
+        raise ImportError(
+            "TrtllmBackend needs the 'tensorrt_llm' package (NVIDIA TensorRT-LLM, GPU only), "
+            "which cannot be imported here"
+        ) from exc
+
+
+def _model_facts(model: Path) -> dict[str, Any]:
+    """vocab size, context and eos ids from a checkpoint's or engine dir's config.json, if readable."""
+    try:
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if isinstance(raw, dict) and isinstance(raw.get("pretrained_config"), dict):
+        raw = raw["pretrained_config"]  # a TensorRT-LLM engine dir
+    if not isinstance(raw, dict):
+        return {}
+    eos = raw.get("eos_token_id")
+    try:
+        gen = json.loads((model / "generation_config.json").read_text())
+        eos = gen.get("eos_token_id", eos) if isinstance(gen, dict) else eos
+    except (OSError, ValueError):
+        pass
+    return {
+        "vocab_size": raw.get("vocab_size"),
+        "max_context": raw.get("max_position_embeddings"),
+        "eos": [eos] if isinstance(eos, int) else eos,
+    }
+
+
+def trtllm_sampling(params: SamplingParams, api: Any) -> Any:
+    """Our SamplingParams as ``tensorrt_llm.SamplingParams`` (token ids out, no detokenizing).
+
+    Greedy is ``top_k=1``. TensorRT-LLM's sampler seeds differently from the reference engine: a
+    sampled request gives other tokens on the two engines, and whether a generation-only request
+    continues the seeded stream of its context request exactly is not verified.
+    """
+    kw: dict[str, Any] = {"max_tokens": params.max_tokens, "n": 1, "detokenize": False, "seed": params.seed}
+    if params.greedy:
+        kw["top_k"] = 1
+    else:
+        kw["temperature"] = float(params.temperature)
+        if params.top_k:
+            kw["top_k"] = params.top_k
+        if params.top_p < 1.0:
+            kw["top_p"] = float(params.top_p)
+    if params.min_length:
+        kw["min_tokens"] = params.min_length
+    if params.end_id is not None:
+        kw["end_id"] = params.end_id
+    if params.stop_token_ids:
+        kw["stop_token_ids"] = list(params.stop_token_ids)
+    return api.SamplingParams(**kw)
+
+
+class TrtllmBackend:
+    """``EngineBackend`` over one ``tensorrt_llm.LLM``. NOT VERIFIED: never run against a real
+    TensorRT-LLM, only against the fake in ``tests/unit/engine/fake_trtllm.py``.
+
+    Driven by one thread, like every backend; each live TensorRT-LLM stream has a daemon reader
+    thread. ``close()`` aborts every request and shuts the LLM down.
+    """
+
+    def __init__(self, config: TrtllmConfig, *, clock: Clock | None = None) -> None:
+        self.config = config
+        self._api = _import_llmapi()
+        facts = _model_facts(config.model)
+        vocab = config.vocab_size or facts.get("vocab_size")
+        context = config.max_context or facts.get("max_context")
+        eos = config.eos_token_ids if config.eos_token_ids is not None else facts.get("eos") or ()
+        if not isinstance(vocab, int) or not isinstance(context, int):
+            raise ValueError("set vocab_size and max_context: the model's config.json does not give them")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise ValueError("eos_token_ids must be integers")
+        self._eos = frozenset(eos)
+        self._limits = EngineLimits(
+            config.num_blocks, config.tokens_per_block, config.max_batch_size, context, vocab
+        )
+        self._max_tokens_cap = min(config.max_tokens_cap or context, context)
+        model_id = config.model_id or config.model.name
+        self._fingerprint = hashlib.blake2b(
+            f"{model_id}|{config.tokens_per_block}".encode(), digest_size=8
+        ).hexdigest()
+        self._clock = clock or time.time
+        self._cond = threading.Condition()
+        self._seqs: dict[int, _Seq] = {}
+        self._ids = itertools.count(1)
+        self._carry: list[StepOutput] = []
+        self._consumed: OrderedDict[str, float] = OrderedDict()  # lease id -> expiry (replay guard)
+        self._readers: list[threading.Thread] = []
+        api = self._api
+        # Block reuse off: shared prefix blocks would make TensorRT-LLM's use differ from our ledger.
+        kv_cache = api.KvCacheConfig(
+            max_tokens=config.num_blocks * config.tokens_per_block,
+            tokens_per_block=config.tokens_per_block,
+            enable_block_reuse=False,
+        )
+        self._llm = api.LLM(
+            model=str(config.model),
+            max_batch_size=config.max_batch_size,
+            max_seq_len=context,
+            kv_cache_config=kv_cache,
+            cache_transceiver_config=api.CacheTransceiverConfig(backend=config.transceiver_backend),
+            tensor_parallel_size=config.tensor_parallel_size,
+            disable_overlap_scheduler=True,  # the documented setting for disaggregated instances
+        )
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def usage(self) -> BlockUsage:
+        used = sum(s.blocks for s in self._seqs.values())
+        return BlockUsage(used, self._limits.num_blocks - used)
+
+    def active_sequences(self) -> list[int]:
+        return [s.seq_id for s in self._seqs.values() if s.decoding]
+
+    def held_sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest naming the first problem; nothing is allocated."""
+        prompt, vocab = request.prompt_token_ids, self._limits.vocab_size
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt is empty (0 tokens)")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        request.params.validate(vocab, self._max_tokens_cap)
+        if len(prompt) + request.params.max_tokens > self._limits.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds the "
+                f"model's context of {self._limits.max_context} tokens"
+            )
+
+    # ----------------------------------------------------------------- phases
+
+    def prefill(self, requests: Sequence[Request], *, decode: bool) -> list[StepOutput]:
+        """Submit every prompt (TensorRT-LLM batches them), then wait for each first token.
+        All-or-nothing: on any error every request of this call is aborted and freed."""
+        requests = list(requests)
+        for request in requests:
+            self.validate(request)
+        if decode and len(self.active_sequences()) + len(requests) > self._limits.max_batch_size:
+            raise BatchFull(self._limits.max_batch_size)
+        needed = [self._limits.blocks_needed(r, decode=decode) for r in requests]
+        self._reserve(sum(needed))
+        seqs = [
+            self._add(r.prompt_token_ids, r.params, n, decode) for r, n in zip(requests, needed, strict=True)
+        ]
+        try:
+            for seq in seqs:
+                sampling = trtllm_sampling(seq.params, self._api)
+                if decode:
+                    self._stream(seq, sampling, None)
+                else:
+                    ctx = self._api.DisaggregatedParams(request_type="context_only")
+                    seq.result = self._llm.generate_async(
+                        list(seq.prompt), sampling_params=sampling, streaming=False, disaggregated_params=ctx
+                    )
+            return [self._first(seq) if decode else self._context_done(seq) for seq in seqs]
+        except BaseException:
+            for seq in seqs:
+                self.free(seq.seq_id)
+            raise
+
+    def _context_done(self, seq: _Seq) -> StepOutput:
+        try:
+            result = seq.result.result(timeout=self.config.request_timeout_s)
+        except queue.Empty:
+            raise TrtllmError("TensorRT-LLM did not answer the context request in time") from None
+        except Exception as exc:
+            raise TrtllmError("TensorRT-LLM failed the context request") from exc
+        out = result.outputs[0]
+        tokens = list(out.token_ids or ())
+        if not tokens:
+            raise TrtllmError("TensorRT-LLM's context response has no token")
+        token = tokens[0]
+        seq.generated.append(token)
+        reason = self._finish_reason(seq, token) or (FINISH_STOP if out.finish_reason == "stop" else None)
+        if reason is None:
+            params = getattr(out, "disaggregated_params", None) or getattr(
+                result, "disaggregated_params", None
+            )
+            if params is None:
+                raise TrtllmError("TensorRT-LLM's context response carries no disaggregated params")
+            seq.wire = _params_to_wire(params)
+        else:
+            self.free(seq.seq_id)
+        return StepOutput(seq.seq_id, token, reason is not None, reason)
+
+    def _first(self, seq: _Seq) -> StepOutput:
+        self._await_first(seq)
+        outs, failure = self._emit(seq, limit=1)
+        if failure is not None:
+            raise TrtllmError("TensorRT-LLM failed the request") from failure
+        if not outs:
+            raise TrtllmError("TensorRT-LLM did not produce a first token in time")
+        return outs[0]
+
+    def decode_step(self) -> list[StepOutput]:
+        """The tokens every decoding sequence produced since the last call (several per sequence
+        when TensorRT-LLM ran ahead), waiting up to ``step_wait_s`` for one if none is there yet.
+        Finished sequences are freed. Raises SequenceFailed for streams that failed."""
+        if self._carry:
+            carried, self._carry = self._carry, []
+            return carried
+        batch = [s for s in self._seqs.values() if s.decoding]
+        if not batch:
+            return []
+        if not any(s.ready or s.ended is not None or s.error is not None for s in batch):
+            self._wait(lambda: any(s.inbox for s in batch), self.config.step_wait_s)
+        self._collect(batch)
+        outputs: list[StepOutput] = []
+        failed: list[int] = []
+        for seq in batch:
+            outs, failure = self._emit(seq)
+            outputs.extend(outs)
+            if failure is not None:
+                log.warning("TensorRT-LLM stream of sequence %d failed: %s", seq.seq_id, failure)
+                failed.append(seq.seq_id)
+                self.free(seq.seq_id)
+        if failed:
+            self._carry = outputs
+            raise SequenceFailed(failed)
+        return outputs
+
+    # ----------------------------------------------------------------- hand-off
+
+    def export_sequence(self, seq_id: int, transport: Any) -> Exported:
+        """Sign TensorRT-LLM's disaggregated params and the sequence state under a new lease.
+        TensorRT-LLM's context engine keeps the KV for its transceiver; ``free`` gives it up."""
+        seq = self._get(seq_id)
+        if seq.decoding or seq.wire is None:
+            raise InvalidRequest("sequence was not prefilled for export (prefill with decode=False)")
+        secret = self._secret(transport)
+        lease_id, now = new_lease_id(), self._clock()
+        state = seq.state()
+        body = {
+            "version": VERSION,
+            "engine": "tensorrt_llm",
+            "fingerprint": self._fingerprint,
+            "lease_id": lease_id,
+            "issued_at": now,
+            "expires_at": now + self.config.ttl_s,
+            "trtllm": seq.wire,
+            "state": state.to_dict(),
+        }
+        return Exported(seal(body, secret, PURPOSE), lease_id, state)
+
+    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Any) -> Imported:
+        """Verify the descriptor, start the generation-only request and wait for its first response
+        (TensorRT-LLM pulls the KV before it): ``transfer_s`` is that wait, one decode step included."""
+        body = open_sealed(descriptor, self._secret(transport), PURPOSE, MAX_DESCRIPTOR_BYTES)
+        lease_id, expires_at, wire = self._check_body(body)
+        sealed = SequenceState.from_dict(body["state"])
+        if sealed != state:
+            raise InvalidRequest("sequence state does not match its descriptor")
+        request = Request(tuple(state.prompt_token_ids), state.params)
+        self.validate(request)
+        if not state.generated_token_ids or len(state.generated_token_ids) >= state.params.max_tokens:
+            raise InvalidRequest("sequence state has no token to continue from, or is already complete")
+        if list(state.generated_token_ids) != wire.get("first_gen_tokens"):
+            raise InvalidRequest("sequence state does not match TensorRT-LLM's first generated tokens")
+        if len(self.active_sequences()) >= self._limits.max_batch_size:
+            raise BatchFull(self._limits.max_batch_size)
+        needed = self._limits.blocks_needed(request)
+        self._reserve(needed)
+        self._consume(lease_id, expires_at)
+        seq = self._add(request.prompt_token_ids, state.params, needed, True)
+        seq.generated = list(state.generated_token_ids)
+        params = {k: v for k, v in wire.items() if v is not None}
+        if "opaque_state" in params:
+            params["opaque_state"] = base64.b64decode(params["opaque_state"])
+        start = time.perf_counter()
+        try:
+            gen = self._api.DisaggregatedParams(request_type="generation_only", **params)
+            # The generation-only output repeats first_gen_tokens (TensorRT-LLM's own disaggregated
+            # tests compare it with the whole single-engine output): skip what we already have.
+            self._stream(seq, trtllm_sampling(state.params, self._api), gen, skip=len(seq.generated))
+            self._await_first(seq)
+            if seq.error is not None or not seq.ready:
+                raise TransferError("KV hand-off through TensorRT-LLM's cache transceiver failed")
+        except BaseException as exc:
+            self.free(seq.seq_id)
+            with self._cond:  # nothing arrived: the caller may retry while the lease lives
+                self._consumed.pop(lease_id, None)
+            if isinstance(exc, TransferError) or not isinstance(exc, Exception):
+                raise
+            raise TransferError("KV hand-off through TensorRT-LLM's cache transceiver failed") from exc
+        return Imported(seq.seq_id, time.perf_counter() - start)
+
+    def _check_body(self, body: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+        if body.get("version") != VERSION or set(body) != _FIELDS or body.get("engine") != "tensorrt_llm":
+            raise DescriptorError("descriptor has an unknown version or fields")
+        if body["fingerprint"] != self._fingerprint:
+            raise DescriptorError("descriptor is for another model or block size")
+        lease_id, issued, expires = body["lease_id"], body["issued_at"], body["expires_at"]
+        if not isinstance(lease_id, str) or len(lease_id) != 32:
+            raise DescriptorError("descriptor lease id is invalid")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (issued, expires)):
+            raise DescriptorError("descriptor lifetime is invalid")
+        if not 0 < expires - issued <= 3600:
+            raise DescriptorError("descriptor lifetime is out of range")
+        if self._clock() >= expires:
+            raise LeaseExpired("descriptor lease has expired")
+        wire = body["trtllm"]
+        if not isinstance(wire, dict) or not set(wire) <= set(_PARAMS):
+            raise DescriptorError("descriptor carries unknown TensorRT-LLM parameters")
+        first = wire.get("first_gen_tokens")
+        if not isinstance(first, list) or not first or not all(type(t) is int for t in first):
+            raise DescriptorError("descriptor has no first generated tokens")
+        if wire.get("opaque_state") is not None and not isinstance(wire["opaque_state"], str):
+            raise DescriptorError("descriptor opaque state is malformed")
+        with self._cond:
+            if lease_id in self._consumed:
+                raise LeaseGone("descriptor was already used")
+        return lease_id, float(expires), wire
+
+    def _consume(self, lease_id: str, expires_at: float) -> None:
+        now = self._clock()
+        with self._cond:
+            while self._consumed and next(iter(self._consumed.values())) < now:
+                self._consumed.popitem(last=False)
+            self._consumed[lease_id] = expires_at
+
+    def _secret(self, transport: Any) -> bytes:
+        if self.config.secret is not None:
+            return self.config.secret
+        secret = getattr(getattr(transport, "config", None), "secret", None)
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("no deployment secret: set TrtllmConfig.secret or pass a transport with one")
+        return secret
+
+    # ----------------------------------------------------------------- lifetime
+
+    def free(self, seq_id: int) -> bool:
+        """Drop a sequence and abort its TensorRT-LLM request; False when it was already gone.
+
+        Aborting a finished context-only request is meant to let TensorRT-LLM drop the KV it keeps
+        for the transceiver; whether it does (or waits for its transfer timeout) is not verified.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.result is not None and (not seq.decoding or not seq.result.finished):
+            try:
+                seq.result.abort()
+            except Exception:
+                log.debug("aborting TensorRT-LLM request of sequence %d failed", seq_id, exc_info=True)
+        return True
+
+    abort = free
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Abort every request, shut the LLM down and join the reader threads. Idempotent."""
+        for seq_id in list(self._seqs):
+            self.free(seq_id)
+        try:
+            self._llm.shutdown()
+        finally:
+            deadline = time.monotonic() + timeout_s
+            for reader in self._readers:
+                reader.join(max(0.0, deadline - time.monotonic()))
+            self._readers = [r for r in self._readers if r.is_alive()]
+
+    def __enter__(self) -> TrtllmBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _get(self, seq_id: int) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence {seq_id}") from None
+
+    def _reserve(self, blocks: int) -> None:
+        free = self.usage().free
+        if blocks > free:
+            raise OutOfBlocks(blocks, free)
+
+    def _add(self, prompt: tuple[int, ...], params: SamplingParams, blocks: int, decoding: bool) -> _Seq:
+        seq = _Seq(next(self._ids), tuple(prompt), params, blocks, decoding)
+        self._seqs[seq.seq_id] = seq
+        return seq
+
+    def _stream(self, seq: _Seq, sampling: Any, disagg: Any, skip: int = 0) -> None:
+        kwargs = {} if disagg is None else {"disaggregated_params": disagg}
+        seq.result = self._llm.generate_async(
+            list(seq.prompt), sampling_params=sampling, streaming=True, **kwargs
+        )
+        self._readers = [r for r in self._readers if r.is_alive()]
+        seq.reader = threading.Thread(
+            target=self._read, args=(seq, skip), name=f"trtllm-seq-{seq.seq_id}", daemon=True
+        )
+        self._readers.append(seq.reader)
+        seq.reader.start()
+
+    def _read(self, seq: _Seq, seen: int) -> None:
+        """Reader thread: each ``next()`` blocks until TensorRT-LLM's next response of this stream."""
+        try:
+            for result in seq.result:
+                out = result.outputs[0]
+                tokens = list(out.token_ids or ())
+                event = _Event(tokens[seen:], bool(result.finished), out.finish_reason)
+                seen = max(seen, len(tokens))
+                self._post(seq, event)
+                if event.final:
+                    return
+            self._post(seq, _Event([], True, None))
+        except BaseException as exc:  # a failed request raises from the iteration
+            self._post(seq, _Event([], True, None, exc))
+
+    def _post(self, seq: _Seq, event: _Event) -> None:
+        with self._cond:
+            seq.inbox.append(event)
+            self._cond.notify_all()
+
+    def _wait(self, predicate: Callable[[], bool], timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(predicate, timeout)
+
+    def _await_first(self, seq: _Seq) -> None:
+        """Wait (up to ``request_timeout_s``) until the stream has a token for us, failed or ended."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while not (seq.ready or seq.error is not None or seq.ended is not None):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wait(lambda: bool(seq.inbox), left)
+            self._collect([seq])
+
+    def _collect(self, seqs: list[_Seq]) -> None:
+        with self._cond:
+            events = [(s, list(s.inbox)) for s in seqs]
+            for s in seqs:
+                s.inbox.clear()
+        for seq, evs in events:
+            for ev in evs:
+                if seq.ended is not None or seq.error is not None:
+                    break
+                seq.ready.extend(ev.tokens)
+                if ev.error is not None:
+                    seq.error = ev.error
+                elif ev.final:
+                    seq.ended = ev.reason or ""
+
+    def _emit(self, seq: _Seq, limit: int | None = None) -> tuple[list[StepOutput], BaseException | None]:
+        """Hand out ready tokens (at most ``limit``); free the sequence when it finishes."""
+        outs: list[StepOutput] = []
+        while seq.ready and (limit is None or len(outs) < limit):
+            token = seq.ready.popleft()
+            seq.generated.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is None and not seq.ready and seq.error is None and seq.ended is not None:
+                reason = _FINISH.get(seq.ended)
+                if reason is None:
+                    return outs, TrtllmError(f"stream ended as {seq.ended or 'nothing'!r}")
+            outs.append(StepOutput(seq.seq_id, token, reason is not None, reason))
+            if reason is not None:
+                self.free(seq.seq_id)
+                return outs, None
+        if not seq.ready and seq.error is not None:
+            return outs, seq.error
+        if not seq.ready and seq.ended is not None:
+            return outs, TrtllmError("stream ended without its final token")
+        return outs, None
+
+    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+        """The reference engine's rule: a stop token once min_length is reached, else max_tokens."""
+        params = seq.params
+        stops = {params.end_id} if params.end_id is not None else set(self._eos)
+        if token in stops | set(params.stop_token_ids) and len(seq.generated) > params.min_length:
+            return FINISH_STOP
+        if len(seq.generated) >= params.max_tokens:
+            return FINISH_LENGTH
+        return None
+
+
+def _params_to_wire(params: Any) -> dict[str, Any]:
+    wire: dict[str, Any] = {}
+    for name in _PARAMS:
+        value = getattr(params, name, None)
+        if value is None:
+            continue
+        if name == "opaque_state":
+            value = base64.b64encode(bytes(value)).decode()
+        elif name in ("first_gen_tokens", "draft_tokens"):
+            value = [int(t) for t in value]
+        wire[name] = value
+    if not wire.get("first_gen_tokens"):
+        raise TrtllmError("TensorRT-LLM's context response has no first generated tokens")
+    return wire

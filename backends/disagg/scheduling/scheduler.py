@@ -1,0 +1,214 @@
+"""The scheduler every role shares: the queue, the running set, the block ledger, removal, and the
+mapping of results to events. Each role's subclass says only what ``schedule()`` admits."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from disagg.engine.backend import EngineLimits
+from disagg.engine.sequence import StepOutput
+from disagg.role import Role
+from disagg.scheduling.ledger import BlockLedger
+from disagg.scheduling.plan import Emission, Handed, Joined, Plan, Refused, Removal, Result, Started, Stepped
+from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.messages import Failed, Job, Token, prompt_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Queue bound and prefill budget of one pool instance."""
+
+    max_queue: int = 256  # jobs waiting for admission; one more is refused UNAVAILABLE
+    # prompt tokens prefilled per colocated step, so running sequences keep getting tokens; at least
+    # one prompt per step is always admitted, however long
+    max_prefill_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer")
+
+
+class Scheduler(ABC):
+    """Driven by one thread (the engine loop); pure: it never calls the engine."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
+        self.limits = limits
+        self.config = config or SchedulerConfig()
+        self.operations = self.role.operations
+        self.ledger = BlockLedger(limits.num_blocks)
+        self._waiting: deque[Job] = deque()
+        self._running: dict[int, Job] = {}  # seq id -> job, in the decode batch
+        self._seq_of: dict[str, int] = {}  # handle -> seq id, while running
+        self._known: set[str] = set()  # handles of every job not yet ended
+
+    # ------------------------------------------------------------- queries
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        return sum(prompt_tokens(job) for job in self._waiting)
+
+    @property
+    def held_leases(self) -> int:
+        return 0
+
+    def blocks_needed(self, job: Job) -> int:
+        """Blocks the engine allocates for ``job`` (a prefill-only sequence holds just its prompt)."""
+        return self.limits.blocks_needed(job.request, decode=not isinstance(job, self._prefill_only))
+
+    _prefill_only: ClassVar[tuple[type, ...]] = ()
+
+    # ------------------------------------------------------------- admission
+
+    def check(self, job: Job) -> None:
+        """Refuse a job this pool can never run (ServingError INVALID_ARG). Pure; any thread."""
+        if job.operation not in self.operations:
+            raise ServingError(
+                INVALID_ARG, f"a {self.role.value} pool does not run {job.operation.value} jobs"
+            )
+        needed = self.blocks_needed(job)
+        if needed > self.limits.num_blocks:
+            raise ServingError(
+                INVALID_ARG,
+                f"request needs {needed} KV blocks; the {self.role.value} pool has {self.limits.num_blocks}",
+            )
+
+    def add(self, job: Job) -> Emission | None:
+        """Queue a checked job; an Emission refusing it when the queue is full or its handle is taken."""
+        if job.handle in self._known or self.ledger.holds(job.handle):
+            return Emission(job, Failed(ServingError(INVALID_ARG, "request handle is already in use")), True)
+        if len(self._waiting) >= self.config.max_queue:
+            error = ServingError(
+                UNAVAILABLE, f"{self.role.value} queue is full ({self.config.max_queue}), retry later"
+            )
+            return Emission(job, Failed(error), True)
+        self._known.add(job.handle)
+        self._waiting.append(job)
+        return None
+
+    @abstractmethod
+    def schedule(self) -> Plan:
+        """Take what runs next off the queue, reserving its blocks and slots."""
+
+    def _head(self) -> Job | None:
+        """The head of the queue when its blocks fit now (FIFO: nothing overtakes a waiting job)."""
+        if not self._waiting:
+            return None
+        head = self._waiting[0]
+        return head if self.ledger.fits(self.blocks_needed(head)) else None
+
+    def _admit(self, job: Job) -> None:
+        self._waiting.remove(job)
+        self.ledger.reserve(job.handle, self.blocks_needed(job))
+
+    def _free_slots(self) -> int:
+        return self.limits.max_batch_size - len(self._running)
+
+    # ------------------------------------------------------------- results
+
+    def postprocess(self, results: Iterable[Result]) -> list[Emission]:
+        out: list[Emission] = []
+        for result in results:
+            if isinstance(result, Refused):
+                self._end(result.job)
+                out.append(Emission(result.job, Failed(result.error), True))
+            elif isinstance(result, Started):
+                out.append(self._token(result.job, result.seq_id, result.output, joining=True))
+            elif isinstance(result, Handed):
+                out.append(self._handed(result))
+            elif isinstance(result, Joined):
+                self._join(result.job, result.seq_id)
+            elif isinstance(result, Stepped):
+                for output in result.outputs:
+                    job = self._running.get(output.seq_id)
+                    if job is not None:
+                        out.append(self._token(job, output.seq_id, output))
+                for seq_id in result.failed:
+                    job = self._running.get(seq_id)
+                    if job is not None:
+                        self._end(job)
+                        out.append(
+                            Emission(
+                                job, Failed(ServingError(INTERNAL, "the engine failed this request")), True
+                            )
+                        )
+        return out
+
+    def _handed(self, result: Handed) -> Emission:
+        raise RuntimeError(f"a {self.role.value} scheduler does not export KV")
+
+    def _join(self, job: Job, seq_id: int) -> None:
+        self._running[seq_id] = job
+        self._seq_of[job.handle] = seq_id
+
+    def _token(self, job: Job, seq_id: int, output: StepOutput, joining: bool = False) -> Emission:
+        if output.finished:  # the engine freed the sequence
+            self._end(job)
+        elif joining:
+            self._join(job, seq_id)
+        return Emission(job, Token(output.token_id, output.finished, output.finish_reason), output.finished)
+
+    def _end(self, job: Job) -> None:
+        """Forget a job whose final event is being sent; its blocks are back in the engine."""
+        seq_id = self._seq_of.pop(job.handle, None)
+        if seq_id is not None:
+            self._running.pop(seq_id, None)
+        self.ledger.release(job.handle)
+        self._known.discard(job.handle)
+
+    # ------------------------------------------------------------- removal
+
+    def remove(self, handle: str) -> Removal | None:
+        """Take a stopped or cancelled request out, wherever it is; None when nothing is known of it."""
+        for job in self._waiting:
+            if job.handle == handle:
+                self._waiting.remove(job)
+                self._known.discard(handle)
+                return Removal(job)
+        seq_id = self._seq_of.get(handle)
+        if seq_id is not None:
+            job = self._running[seq_id]
+            self._end(job)
+            return Removal(job, seq_id=seq_id)
+        return None
+
+    def lease_released(self, lease_id: str) -> int | None:
+        """An exported lease ended: the seq id whose blocks the engine frees now (None if unknown)."""
+        return None
+
+    def lease_ids(self) -> list[str]:
+        """Ids of the export leases still held."""
+        return []
+
+    def drop_all(self) -> list[Job]:
+        """Every job not yet ended (shutdown, engine fault); the scheduler is empty afterwards."""
+        jobs = list(self._waiting) + list(self._running.values())
+        for job in jobs:
+            self._end(job)
+        self._waiting.clear()
+        return jobs
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(waiting={len(self._waiting)}, running={len(self._running)}, "
+            f"blocks={self.ledger.reserved}/{self.limits.num_blocks})"
+        )

@@ -1,0 +1,74 @@
+"""Runs a scheduler's plan on an engine: the only code between the schedulers and ``EngineBackend``.
+
+A failure of one job (bad KV descriptor, a transfer that fails) becomes that job's ``Refused`` result,
+with whatever the engine held for it given back; a failure of the decode step is the engine's and
+propagates (the loop then fails every job).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from disagg.engine.backend import EngineBackend
+from disagg.engine.errors import SequenceFailed
+from disagg.scheduling.plan import Handed, Joined, Plan, Refused, Result, Started, Stepped
+from disagg.serving.errors import classify
+from disagg.serving.messages import DecodeJob, GenerateJob, PrefillJob
+
+T = TypeVar("T")
+
+
+class Runner:
+    def __init__(self, backend: EngineBackend, transport: Any = None) -> None:
+        self.backend = backend
+        self.transport = transport  # moves the KV of PrefillJobs and DecodeJobs
+        self.steps = 0  # engine calls so far (each prefill, each decode step) ...
+        self.busy_s = 0.0  # ... and the seconds spent in them (disagg_engine_* metrics)
+        self.transfer_times: deque[float] = deque(maxlen=4096)  # seconds of each KV import
+
+    def run(self, plan: Plan) -> list[Result]:
+        results: list[Result] = [Refused(job, error) for job, error in plan.refused]
+        results.extend(self._prefill(job) for job in plan.prefill)
+        results.extend(self._import(job) for job in plan.imports)
+        if plan.decode:
+            try:
+                results.append(Stepped(tuple(self._timed(self.backend.decode_step))))
+            except SequenceFailed as failure:  # those are freed; the rest of the batch carries on
+                results.append(Stepped((), tuple(failure.seq_ids)))
+        return results
+
+    def _prefill(self, job: PrefillJob | GenerateJob) -> Result:
+        export = isinstance(job, PrefillJob)
+        try:
+            (output,) = self._timed(self.backend.prefill, [job.request], decode=not export)
+        except Exception as exc:
+            return Refused(job, classify(exc))
+        if not isinstance(job, PrefillJob):
+            return Started(job, output.seq_id, output)
+        if output.finished:
+            return Handed(job, output.seq_id, output, None)
+        try:
+            exported = self.backend.export_sequence(output.seq_id, self.transport)
+        except Exception as exc:
+            self.backend.free(output.seq_id)
+            return Refused(job, classify(exc))
+        return Handed(job, output.seq_id, output, exported)
+
+    def _import(self, job: DecodeJob) -> Result:
+        try:
+            imported = self.backend.import_sequence(job.state, job.descriptor, self.transport)
+        except Exception as exc:
+            return Refused(job, classify(exc))
+        self.transfer_times.append(imported.transfer_s)
+        return Joined(job, imported.seq_id, imported.transfer_s)
+
+    def _timed(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - started
+            self.steps += 1

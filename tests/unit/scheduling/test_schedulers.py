@@ -1,0 +1,271 @@
+"""The role schedulers alone, over a pure-Python backend: admission order, capacity limits, waiting,
+the prefill token budget, cancellation, and exact block accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_fakes import FakeBackend, decode_job, generate_job, prefill_job
+
+from disagg.engine.errors import SequenceFailed
+from disagg.scheduling import (
+    ColocatedScheduler,
+    DecodeScheduler,
+    PrefillScheduler,
+    Scheduler,
+    SchedulerConfig,
+    create_scheduler,
+)
+from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.messages import Failed, Prefilled, Token
+from disagg.serving.runner import Runner
+
+
+def _drive(scheduler: Scheduler, backend: FakeBackend, steps: int = 1) -> list:
+    """``steps`` iterations of the engine loop, without threads; returns every emission."""
+    runner = Runner(backend)
+    out = []
+    for _ in range(steps):
+        plan = scheduler.schedule()
+        out.extend(scheduler.postprocess(runner.run(plan)))
+        assert scheduler.ledger.reserved == backend.usage().used, "the ledger mirrors the engine"
+    return out
+
+
+def _finals(emissions) -> list[str]:
+    return [e.job.handle for e in emissions if e.final]
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+def test_decode_batch_full_means_wait_then_run():
+    """max_batch_size=2, three hand-offs: the third waits (no error), then runs when a slot frees."""
+    backend = FakeBackend(max_batch_size=2)
+    scheduler = DecodeScheduler(backend.limits)
+    jobs = [decode_job("a", max_tokens=3), decode_job("b", max_tokens=5), decode_job("c", max_tokens=3)]
+    for job in jobs:
+        assert scheduler.add(job) is None
+    first = scheduler.schedule()
+    assert [j.handle for j in first.imports] == ["a", "b"] and first.decode
+    emissions = scheduler.postprocess(Runner(backend).run(first))
+    assert scheduler.num_waiting == 1 and scheduler.num_running == 2
+    assert not any(isinstance(e.event, Failed) for e in emissions)
+    emissions = _drive(scheduler, backend, steps=1)  # "a" reaches max_tokens (its 3rd token)
+    assert _finals(emissions) == ["a"] and scheduler.num_waiting == 1
+    plan = scheduler.schedule()
+    assert [j.handle for j in plan.imports] == ["c"], "the freed slot goes to the waiting job"
+    emissions = scheduler.postprocess(Runner(backend).run(plan))
+    emissions += _drive(scheduler, backend, steps=5)
+    assert sorted(_finals(emissions)) == ["b", "c"]
+    assert all(isinstance(e.event, Token) for e in emissions)
+    assert scheduler.idle and backend.usage().used == 0
+
+
+def test_decode_waits_on_full_kv_in_fifo_order():
+    backend = FakeBackend(num_blocks=4, block_size=4, max_batch_size=8)
+    scheduler = DecodeScheduler(backend.limits)
+    # each needs blocks_for(4 + 4) = 2 blocks: two fit, the third and fourth wait, in order
+    for name in "abcd":
+        scheduler.add(decode_job(name))
+    plan = scheduler.schedule()
+    assert [j.handle for j in plan.imports] == ["a", "b"]
+    scheduler.postprocess(Runner(backend).run(plan))
+    emissions = _drive(scheduler, backend, steps=2)  # tokens 3 and 4 of 4
+    assert _finals(emissions) == ["a", "b"] and scheduler.num_waiting == 2
+    plan = scheduler.schedule()
+    assert [j.handle for j in plan.imports] == ["c", "d"]
+
+
+def test_a_small_job_does_not_overtake_the_head():
+    backend = FakeBackend(num_blocks=6, block_size=4)
+    scheduler = DecodeScheduler(backend.limits)
+    scheduler.add(decode_job("big", prompt_len=12, max_tokens=4))  # 4 blocks
+    _drive(scheduler, backend)
+    scheduler.add(decode_job("huge", prompt_len=16, max_tokens=4))  # 5 blocks: waits for "big"
+    scheduler.add(decode_job("small", prompt_len=1, max_tokens=3))  # 1 block would fit
+    plan = scheduler.schedule()
+    assert plan.imports == () and plan.decode, "FIFO: the head waits and nothing overtakes it"
+
+
+def test_check_refuses_what_could_never_fit_and_foreign_operations():
+    backend = FakeBackend(num_blocks=4, block_size=4)
+    scheduler = DecodeScheduler(backend.limits)
+    with pytest.raises(ServingError) as too_big:
+        scheduler.check(decode_job("x", prompt_len=20, max_tokens=4))
+    assert too_big.value.code == INVALID_ARG and "needs 6 KV blocks" in too_big.value.message
+    with pytest.raises(ServingError) as foreign:
+        scheduler.check(prefill_job("y"))
+    assert foreign.value.code == INVALID_ARG and "does not run prefill jobs" in foreign.value.message
+
+
+def test_queue_bound_refuses_unavailable():
+    scheduler = DecodeScheduler(FakeBackend().limits, SchedulerConfig(max_queue=2))
+    assert scheduler.add(decode_job("a")) is None and scheduler.add(decode_job("b")) is None
+    refusal = scheduler.add(decode_job("c"))
+    assert refusal is not None and refusal.final
+    assert isinstance(refusal.event, Failed) and refusal.event.error.code == UNAVAILABLE
+    assert "queue is full (2)" in refusal.event.error.message and scheduler.num_waiting == 2
+
+
+def test_duplicate_handle_is_refused():
+    scheduler = DecodeScheduler(FakeBackend().limits)
+    scheduler.add(decode_job("a"))
+    refusal = scheduler.add(decode_job("a"))
+    assert refusal is not None and refusal.event.error.code == INVALID_ARG
+
+
+def test_cancel_while_queued_and_while_running():
+    backend = FakeBackend(max_batch_size=1)
+    scheduler = DecodeScheduler(backend.limits)
+    scheduler.add(decode_job("run", max_tokens=8))
+    scheduler.add(decode_job("queued"))
+    _drive(scheduler, backend)
+    queued = scheduler.remove("queued")
+    assert queued is not None and queued.job.handle == "queued" and queued.seq_id is None
+    running = scheduler.remove("run")
+    assert running is not None and running.seq_id is not None
+    assert scheduler.ledger.reserved == 0, "a removed sequence's blocks are released in the ledger"
+    backend.free(running.seq_id)
+    assert scheduler.idle and backend.usage().used == 0
+    assert scheduler.remove("run") is None, "removal is idempotent"
+
+
+# ----------------------------------------------------------------------------------- prefill
+
+
+def test_prefill_one_prompt_per_step_fifo_and_blocks_held_by_lease():
+    backend = FakeBackend(num_blocks=4, block_size=4)
+    scheduler = PrefillScheduler(backend.limits)
+    for name in "abc":
+        scheduler.add(prefill_job(name, prompt_len=8))  # 2 blocks each (prompt only)
+    handed = _drive(scheduler, backend, steps=2)
+    assert _finals(handed) == ["a", "b"] and all(isinstance(e.event, Prefilled) for e in handed)
+    assert scheduler.held_leases == 2 and scheduler.ledger.free == 0
+    assert _drive(scheduler, backend) == [], "c waits while leases hold every block"
+    seq_id = scheduler.lease_released(handed[0].event.lease_id)
+    assert seq_id is not None
+    backend.free(seq_id)
+    assert _finals(_drive(scheduler, backend)) == ["c"]
+    assert backend.calls == ["prefill"] * 3
+
+
+def test_prefill_stop_after_export_aborts_the_lease():
+    backend = FakeBackend()
+    scheduler = PrefillScheduler(backend.limits)
+    scheduler.add(prefill_job("a"))
+    (handed,) = _drive(scheduler, backend)
+    removal = scheduler.remove("a")
+    assert removal is not None and removal.job is None and removal.lease_id == handed.event.lease_id
+    assert scheduler.held_leases == 1, "the lease ends when the transport reports it"
+    backend.free(scheduler.lease_released(removal.lease_id))
+    assert scheduler.idle and scheduler.ledger.reserved == 0 == backend.usage().used
+
+
+def test_prefill_first_token_that_ends_the_sequence_holds_nothing():
+    backend = FakeBackend()
+    scheduler = PrefillScheduler(backend.limits)
+    scheduler.add(prefill_job("a", max_tokens=1))
+    (emission,) = _drive(scheduler, backend)
+    assert (
+        isinstance(emission.event, Prefilled) and emission.event.finished and emission.event.lease_id is None
+    )
+    assert scheduler.idle and scheduler.held_leases == 0
+
+
+# ----------------------------------------------------------------------------------- colocated
+
+
+def test_colocated_prefill_token_budget_admits_at_least_one_prompt():
+    backend = FakeBackend(num_blocks=256)
+    scheduler = ColocatedScheduler(backend.limits, SchedulerConfig(max_prefill_tokens=10))
+    scheduler.add(generate_job("long", prompt_len=40))  # over the budget alone: still admitted
+    scheduler.add(generate_job("x", prompt_len=4))
+    plan = scheduler.schedule()
+    assert [j.handle for j in plan.prefill] == ["long"]
+    scheduler.postprocess(Runner(backend).run(plan))
+    scheduler.add(generate_job("y", prompt_len=4))
+    scheduler.add(generate_job("z", prompt_len=4))
+    plan = scheduler.schedule()
+    assert [j.handle for j in plan.prefill] == ["x", "y"], "4 + 4 tokens fit the budget of 10; z waits"
+    assert plan.decode
+
+
+def test_colocated_batch_slots_and_first_tokens():
+    backend = FakeBackend(num_blocks=256, max_batch_size=2)
+    scheduler = ColocatedScheduler(backend.limits)
+    for name in "abc":
+        scheduler.add(generate_job(name, max_tokens=2))
+    emissions = _drive(scheduler, backend)
+    # a and b prefilled (first tokens) and stepped once (their last tokens); c waited for a slot
+    assert [(e.job.handle, e.final) for e in emissions] == [
+        ("a", False),
+        ("b", False),
+        ("a", True),
+        ("b", True),
+    ]
+    assert _finals(_drive(scheduler, backend)) == ["c"]
+    assert scheduler.idle and backend.usage().used == 0
+
+
+@pytest.mark.parametrize("role", ["decode", "colocated"])
+def test_random_workload_keeps_exact_accounting(role):
+    """Random arrivals, lengths and cancellations: the ledger always equals the engine's usage, no
+    capacity error ever reaches a job, and everything is given back at the end."""
+    rng = random.Random(7)
+    backend = FakeBackend(num_blocks=40, block_size=4, max_batch_size=5)
+    scheduler = create_scheduler(role, backend.limits)
+    make = decode_job if role == "decode" else generate_job
+    runner, finals, submitted = Runner(backend), set(), 0
+    for _ in range(400):
+        if submitted < 150 and rng.random() < 0.5:
+            job = make(f"r{submitted}", prompt_len=rng.randrange(1, 30), max_tokens=rng.randrange(2, 12))
+            scheduler.check(job)
+            assert scheduler.add(job) is None
+            submitted += 1
+        if submitted and rng.random() < 0.1:
+            removal = scheduler.remove(f"r{rng.randrange(submitted)}")
+            if removal is not None:
+                finals.add(removal.job.handle)
+                if removal.seq_id is not None:
+                    backend.free(removal.seq_id)
+        for emission in scheduler.postprocess(runner.run(scheduler.schedule())):
+            assert not isinstance(emission.event, Failed), emission.event
+            if emission.final:
+                assert emission.job.handle not in finals, "exactly one final per job"
+                finals.add(emission.job.handle)
+        assert scheduler.ledger.reserved == backend.usage().used <= backend.limits.num_blocks
+        assert scheduler.num_running <= backend.limits.max_batch_size
+    while not scheduler.idle:
+        for emission in scheduler.postprocess(runner.run(scheduler.schedule())):
+            if emission.final:
+                finals.add(emission.job.handle)
+    assert len(finals) == submitted == 150
+    assert backend.usage().used == 0 and scheduler.ledger.reserved == 0
+
+
+def test_a_sequence_the_engine_loses_fails_alone():
+    """decode_step raising SequenceFailed (an engine that runs each request on its own lost one):
+    that job ends INTERNAL, the rest of the batch keeps decoding."""
+
+    class Losing(FakeBackend):
+        lose: int | None = None
+
+        def decode_step(self):
+            if self.lose is not None:
+                lost, self.lose = self.lose, None
+                self.free(lost)
+                raise SequenceFailed([lost])
+            return super().decode_step()
+
+    backend = Losing()
+    scheduler = DecodeScheduler(backend.limits)
+    scheduler.add(decode_job("a", max_tokens=4))
+    scheduler.add(decode_job("b", max_tokens=4))
+    _drive(scheduler, backend)
+    backend.lose = scheduler._seq_of["a"]
+    (failed,) = _drive(scheduler, backend)
+    assert failed.job.handle == "a" and failed.final and failed.event.error.code == "INTERNAL"
+    emissions = _drive(scheduler, backend, steps=2)
+    assert _finals(emissions) == ["b"] and scheduler.idle and backend.usage().used == 0

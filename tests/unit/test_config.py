@@ -1,0 +1,309 @@
+"""disagg.config.build: typed by the dataclass's annotations, a strings mode for config.pbtxt, errors
+that name the key path; and the orchestrator's settings through it."""
+
+from __future__ import annotations
+
+import enum
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from disagg.config import ConfigError, build
+from disagg.serving.orchestrator import OrchestratorConfig
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Level(enum.Enum):
+    LOW = 1
+    HIGH = 2
+
+
+@dataclass(frozen=True)
+class Inner:
+    size: int = 1
+    name: str = "inner"
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError("size must be >= 1")
+
+
+@dataclass(frozen=True)
+class Sample:
+    count: int
+    ratio: float = 0.5
+    flag: bool = False
+    label: str = "x"
+    note: str = ""
+    path: Path = Path("/tmp")
+    kind: Literal["a", "b"] = "a"
+    colour: Colour = Colour.RED
+    level: Level = Level.LOW
+    limit: int | None = None
+    names: tuple[str, ...] = ()
+    cores: tuple[int, ...] | None = None
+    pair: tuple[int, float] = (0, 0.0)
+    inner: Inner = field(default_factory=Inner)
+    extra: Any = None
+    blob: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.count > 100:
+            raise ValueError("count must be at most 100")
+
+
+@dataclass(frozen=True)
+class Outer:
+    items: tuple[Inner, ...]
+    main: Inner = field(default_factory=Inner)
+
+
+def refused(cls: type, data: dict[str, Any], **kw: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        build(cls, data, **kw)
+    return str(info.value)
+
+
+def test_every_type_is_converted_from_plain_values() -> None:
+    cfg = build(
+        Sample,
+        {
+            "count": 3,
+            "ratio": 2,  # an int is fine for a float
+            "flag": True,
+            "label": "y",
+            "path": "/data/model",
+            "kind": "b",
+            "colour": "blue",
+            "level": 2,
+            "limit": None,
+            "names": ["p", "q"],
+            "cores": (0, 1),
+            "pair": [1, 2.5],
+            "inner": {"size": 4},
+            "extra": {"anything": [1]},
+            "blob": b"\x00\x01",
+        },
+    )
+    assert cfg == Sample(
+        count=3,
+        ratio=2.0,
+        flag=True,
+        label="y",
+        path=Path("/data/model"),
+        kind="b",
+        colour=Colour.BLUE,
+        level=Level.HIGH,
+        names=("p", "q"),
+        cores=(0, 1),
+        pair=(1, 2.5),
+        inner=Inner(size=4),
+        extra={"anything": [1]},
+        blob=b"\x00\x01",
+    )
+    assert isinstance(cfg.ratio, float) and isinstance(cfg.names, tuple)
+    assert build(Sample, {"count": 1}) == Sample(count=1)  # defaults, default_factory included
+    assert build(Sample, {"count": 1, "colour": Colour.BLUE}).colour is Colour.BLUE
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"count": True}, "count: must be an integer"),  # bool is not an int
+        ({"count": "3"}, "count: must be an integer"),  # no strings outside strings mode
+        ({"count": 1.0}, "count: must be an integer"),
+        ({"count": 1, "ratio": False}, "ratio: must be a finite number"),
+        ({"count": 1, "ratio": float("nan")}, "ratio: must be a finite number"),
+        ({"count": 1, "flag": 1}, "flag: must be true or false"),
+        ({"count": 1, "label": ""}, "label: must be a non-empty string"),
+        ({"count": 1, "label": 5}, "label: must be a non-empty string"),
+        ({"count": 1, "kind": "c"}, "kind: must be one of a, b"),
+        ({"count": 1, "colour": "green"}, "colour: must be one of red, blue"),
+        ({"count": 1, "level": True}, "level: must be one of 1, 2"),
+        ({"count": 1, "names": "p,q"}, "names: must be a list"),
+        ({"count": 1, "names": ["p", 3]}, "names[1]: must be a non-empty string"),
+        ({"count": 1, "pair": [1]}, "pair: must have 2 items"),
+        ({"count": 1, "path": 3}, "path: must be a non-empty path"),
+        ({"count": 1, "blob": "text"}, "blob: must be bytes"),
+        ({"count": 1, "inner": 3}, "inner: must be a mapping"),
+        ({"count": 1, "limit": "7"}, "limit: must be an integer"),
+    ],
+)
+def test_wrong_types_are_refused_by_key(data: dict[str, Any], message: str) -> None:
+    assert refused(Sample, data) == message
+
+
+def test_empty_string_is_allowed_only_where_it_is_the_default() -> None:
+    assert build(Sample, {"count": 1, "note": ""}).note == ""
+    assert "label" in refused(Sample, {"count": 1, "label": ""})
+
+
+def test_unknown_and_missing_keys_are_refused() -> None:
+    assert refused(Sample, {"count": 1, "colr": "red", "bogus": 1}) == "unknown key(s) bogus, colr"
+    assert refused(Sample, {"ratio": 0.1}) == "count: required"
+    assert refused(Outer, {}) == "items: required"
+    assert refused(Inner, {"sise": 2}, where="pools[0]") == "pools[0]: unknown key(s) sise"
+
+
+def test_nested_errors_carry_the_key_path() -> None:
+    assert refused(Outer, {"items": [{}, {"size": "2"}]}) == "items[1].size: must be an integer"
+    assert refused(Outer, {"items": [], "main": {"colour": "red"}}) == "main: unknown key(s) colour"
+    assert refused(Sample, {"count": 1, "inner": {"size": 0}}, where="engine") == (
+        "engine.inner: size must be >= 1"
+    )
+    outer = build(Outer, {"items": [{"size": 2}, Inner(size=3)]})
+    assert outer.items == (Inner(size=2), Inner(size=3)) and outer.main == Inner()
+
+
+def test_post_init_value_errors_become_config_errors_with_the_prefix() -> None:
+    with pytest.raises(ConfigError) as info:
+        build(Sample, {"count": 101}, where="pools[2]")
+    assert str(info.value) == "pools[2]: count must be at most 100"
+    assert isinstance(info.value, ValueError)  # callers catching ValueError still do
+    assert isinstance(info.value.__cause__, ValueError)
+    assert refused(Sample, {"count": 101}) == "count must be at most 100"
+
+
+def test_strings_mode_parses_config_pbtxt_values() -> None:
+    cfg = build(
+        Sample,
+        {
+            "count": " 7 ",
+            "ratio": "0.25",
+            "flag": "Yes",
+            "path": "/m",
+            "kind": "b",
+            "colour": "blue",
+            "level": "2",
+            "limit": "12",
+            "names": "p, q",
+            "cores": "0,1,2",
+            "pair": "3,4.5",
+            "inner": {"size": "9"},
+        },
+        strings=True,
+    )
+    assert (cfg.count, cfg.ratio, cfg.flag, cfg.path) == (7, 0.25, True, Path("/m"))
+    assert (cfg.kind, cfg.colour, cfg.level, cfg.limit) == ("b", Colour.BLUE, Level.HIGH, 12)
+    assert (cfg.names, cfg.cores, cfg.pair, cfg.inner) == (("p", "q"), (0, 1, 2), (3, 4.5), Inner(size=9))
+    for word, value in (
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+    ):
+        assert build(Sample, {"count": "1", "flag": word}, strings=True).flag is value
+
+
+def test_strings_mode_empty_values() -> None:
+    cfg = build(
+        Sample, {"count": "1", "limit": "", "cores": "", "names": "", "ratio": "", "label": ""}, strings=True
+    )
+    assert cfg.limit is None and cfg.cores is None  # "" is None for an optional field
+    assert cfg.names == ()  # and no items for a list
+    assert (cfg.ratio, cfg.label) == (0.5, "x")  # and the default elsewhere
+    assert refused(Sample, {"count": ""}, strings=True) == "count: required"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"flag": "on"}, "flag: must be one of 1, true, yes, 0, false, no"),
+        ({"count": "3.5"}, "count: must be an integer"),
+        ({"ratio": "fast"}, "ratio: must be a finite number"),
+        ({"ratio": "inf"}, "ratio: must be a finite number"),
+        ({"cores": "0,x"}, "cores[1]: must be an integer"),
+        ({"kind": "c"}, "kind: must be one of a, b"),
+        ({"colour": "RED"}, "colour: must be one of red, blue"),
+    ],
+)
+def test_strings_mode_refuses_bad_text(data: dict[str, Any], message: str) -> None:
+    assert refused(Sample, {"count": "1", **data}, strings=True) == message
+
+
+def test_not_a_dataclass_is_a_bug_not_bad_input() -> None:
+    with pytest.raises(TypeError):
+        build(dict, {})  # type: ignore[type-var]
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        build(Inner, ["size", 1])  # type: ignore[arg-type]
+
+
+def test_the_module_imports_without_torch_or_numpy() -> None:
+    code = "import sys, disagg.config; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------ OrchestratorConfig
+
+
+def test_orchestrator_config_from_parameters() -> None:
+    params = {
+        "role": "llm",
+        "mode": "colocated",
+        "cores": "0;1",
+        "request_timeout_s": "30",
+        "max_inflight": "64",
+        "prefill_model": "p",
+        "decode_model": "d",
+        "colocated_model": "c",
+        "slo_ttft_s": "0.5",
+        "slo_tpot_s": "0.05",
+        "slo_window_s": "120",
+        "model_dir": "/models/x",
+        "secret_file": "",
+    }
+    cfg = build(OrchestratorConfig, params, strings=True)
+    assert (cfg.role, cfg.mode, cfg.cores, cfg.request_timeout_s) == ("llm", "colocated", "0;1", 30.0)
+    assert cfg.max_inflight == 64
+    assert cfg.pool_models == {"prefill": "p", "decode": "d", "colocated": "c"}
+    assert (cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.slo_window_s) == (0.5, 0.05, 120.0)
+    assert cfg.model_dir == Path("/models/x") and cfg.secret_file is None
+    with pytest.raises(AttributeError):
+        cfg.max_inflight = 1  # type: ignore[misc]
+
+
+def test_orchestrator_config_defaults() -> None:
+    cfg = build(OrchestratorConfig, {}, strings=True)
+    assert cfg == OrchestratorConfig()
+    assert (cfg.mode, cfg.request_timeout_s, cfg.max_inflight) == ("disaggregated", 600.0, 256)
+    assert cfg.pool_models == {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+    assert (cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.slo_window_s) == (1.0, 0.1, 60.0)
+    assert cfg.model_dir is None and cfg.cores == ""
+    assert OrchestratorConfig(mode="colocated", request_timeout_s=5.0).max_inflight == 256
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"max_inflght": "10"}, "unknown key(s) max_inflght"),
+        ({"max_inflight": "0"}, "max_inflight must be an integer in [1, 65536]"),
+        ({"max_inflight": "65537"}, "max_inflight must be an integer in [1, 65536]"),
+        ({"max_inflight": "many"}, "max_inflight: must be an integer"),
+        ({"mode": "both"}, "mode must be one of"),
+        ({"role": "prefill"}, "role: must be one of orchestrator, llm"),
+        ({"slo_ttft_s": "0"}, "slo_ttft_s must be a positive number"),
+        ({"request_timeout_s": "-1"}, "request_timeout_s must be in (0, 86400]"),
+    ],
+)
+def test_orchestrator_config_refuses_bad_parameters(params: dict[str, str], message: str) -> None:
+    assert message in refused(OrchestratorConfig, params, strings=True)
+
+
+def test_orchestrator_config_range_edges_and_direct_construction() -> None:
+    assert build(OrchestratorConfig, {"max_inflight": "1"}, strings=True).max_inflight == 1
+    assert build(OrchestratorConfig, {"max_inflight": "65536"}, strings=True).max_inflight == 65536
+    with pytest.raises(ValueError, match="decode_model"):
+        OrchestratorConfig(decode_model="")
+    with pytest.raises(ValueError, match="max_inflight"):
+        OrchestratorConfig(max_inflight=True)  # type: ignore[arg-type]
