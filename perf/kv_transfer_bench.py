@@ -40,7 +40,7 @@ def config(prefix: str) -> TransportConfig:
 
 def importer(kind: str, prefix: str, num_blocks: int, conn) -> None:
     t = create_transport(kind, config(prefix))
-    pool = t.allocate_pool(num_blocks, BLOCK.block_bytes)
+    pool = t.allocate_memory(num_blocks, BLOCK.block_bytes)
     pool.fill_(0)  # fault the pages in before timing, as a running engine would have
     conn.send("ready")
     while (msg := conn.recv()) is not None:
@@ -55,7 +55,7 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     num_blocks = max(sizes) // MIB
     t = create_transport(kind, config(prefix))
-    pool = t.allocate_pool(num_blocks, BLOCK.block_bytes)
+    pool = t.allocate_memory(num_blocks, BLOCK.block_bytes)
     pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=importer, args=(kind, prefix, num_blocks, child), daemon=True)

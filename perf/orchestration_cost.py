@@ -50,8 +50,8 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
+from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.messages import DecodeJob, Failed, Prefilled, PrefillJob
-from disagg.serving.pool import PoolConfig, build_pool
 from disagg_tools.autoscaler.snapshot import parse_exposition
 from disagg_tools.autoscaler.source import http_get
 
@@ -87,7 +87,7 @@ class LocalPools:
         self.transports = []
         for role, core in (("prefill", PREFILL_CORE), ("decode", DECODE_CORE)):
             engine = EngineConfig(model_dir=model_dir, dtype=dtype, cores=(core,), kv_cache_mb=64)
-            loop, transport = build_pool(PoolConfig(role=role, engine=engine, prefix=prefix), secret)
+            loop, transport = build_instance(PoolConfig(role=role, engine=engine, prefix=prefix), secret)
             self.loops[role] = loop.start()  # the loop thread inherits this thread's pinning
             self.transports.append(transport)
         os.sched_setaffinity(0, {PREFILL_CORE})

@@ -48,7 +48,7 @@ def importer_main(kind: str, prefix: str, secret: bytes, conn: Any, layout: dict
     """Import every token received into blocks [0, n); reply (status, digest-or-error, ack)."""
     t = make_transport(kind, prefix, secret)
     L = KVLayout.from_dict(layout)
-    pool = t.allocate_pool(num_blocks, L.block_bytes)
+    pool = t.allocate_memory(num_blocks, L.block_bytes)
     try:
         while True:
             msg = conn.recv()
@@ -72,7 +72,7 @@ def exporter_main(
     """Export blocks on request ("export", ids, tokens) -> token; ("held",) -> lease count after poll."""
     t = make_transport(kind, prefix, secret)
     L = KVLayout.from_dict(layout)
-    pool = t.allocate_pool(num_blocks, L.block_bytes)
+    pool = t.allocate_memory(num_blocks, L.block_bytes)
     fill(pool, seed)
     conn.send(("ready", os.getpid()))
     try:
@@ -100,7 +100,7 @@ def netns_side(role: str, layout_json: str) -> None:
     secret = os.environ["DISAGG_SECRET"].encode()
     L = KVLayout.from_dict(json.loads(layout_json))
     t = make_transport("nixl", "netns", secret)
-    pool = t.allocate_pool(L.num_blocks, L.block_bytes)
+    pool = t.allocate_memory(L.num_blocks, L.block_bytes)
     ids = list(range(L.num_blocks))
     if role == "export":
         fill(pool, 7)

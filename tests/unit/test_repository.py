@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from disagg.paths import REPO_ROOT
-from disagg.serving.interface import ALL_INPUTS
+from disagg.serving.text_api import ALL_INPUTS
 from disagg_tools.repository import Layout, main, render
 
 
@@ -70,7 +70,7 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
     instance's GPU, CUDA IPC between prefill and decode. Rendered and validated here; NOT run on a GPU."""
     import re
 
-    from disagg.serving.pool import transport_options
+    from disagg.serving.instance import transport_options
     from disagg.triton import glue
     from disagg.triton.pool_model import pool_config
 

@@ -18,10 +18,10 @@ import torch
 
 from disagg.config import build
 from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
-from disagg.engine.blocks import BlockPool
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import DTYPES, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
+from disagg.engine.kvcache import KVCache
 from disagg.engine.sampling import sample
 from disagg.engine.sequence import (
     FINISH_LENGTH,
@@ -115,7 +115,7 @@ class Engine:
             kv_memory = torch.zeros(
                 num_blocks, self.kv_layout.block_bytes, dtype=torch.uint8, device=self.device
             )
-        self.pool = BlockPool(self.kv_layout, num_blocks, kv_memory)
+        self.kv = KVCache(self.kv_layout, num_blocks, kv_memory)
         self.max_tokens_cap = min(config.max_tokens_cap or mc.max_context, mc.max_context)
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
@@ -141,8 +141,8 @@ class Engine:
         """Nothing to release: the model and the KV memory go with the object."""
 
     def usage(self) -> BlockUsage:
-        free = self.pool.free_blocks
-        return BlockUsage(self.pool.num_blocks - free, free)
+        free = self.kv.free_blocks
+        return BlockUsage(self.kv.num_blocks - free, free)
 
     @property
     def vocab_size(self) -> int:
@@ -179,7 +179,7 @@ class Engine:
 
     def blocks_needed(self, request: Request, *, decode: bool = True) -> int:
         tokens = len(request.prompt_token_ids) + (request.params.max_tokens if decode else 0)
-        return self.pool.blocks_for(tokens)
+        return self.kv.blocks_for(tokens)
 
     # ----------------------------------------------------------------- phases
 
@@ -196,7 +196,7 @@ class Engine:
         if decode and len(self.active_sequences()) + len(requests) > self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
         needed = [self.blocks_needed(r, decode=decode) for r in requests]
-        blocks = self.pool.allocate(sum(needed))
+        blocks = self.kv.allocate(sum(needed))
         seqs = []
         for request, count in zip(requests, needed, strict=True):
             seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks[:count])
@@ -216,7 +216,7 @@ class Engine:
         positions = torch.arange(len(seq.prompt), device=self.device)
         table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
         bs = self.kv_layout.block_size
-        logits = self.model.prefill(tokens, self.pool.cache, table[positions // bs], positions % bs)
+        logits = self.model.prefill(tokens, self.kv.cache, table[positions // bs], positions % bs)
         seq.num_cached = len(seq.prompt)
         return self._append(seq, logits)
 
@@ -225,7 +225,7 @@ class Engine:
         batch = [s for s in self._sequences.values() if s.decoding]
         if not batch:
             return []
-        width = max(self.pool.blocks_for(s.num_cached + 1) for s in batch)
+        width = max(self.kv.blocks_for(s.num_cached + 1) for s in batch)
         table = torch.zeros(len(batch), width, dtype=torch.long)
         for row, seq in enumerate(batch):
             used = seq.blocks[:width]
@@ -233,7 +233,7 @@ class Engine:
         tokens = torch.tensor([s.last_token for s in batch], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
         logits = self.model.decode(
-            tokens.to(self.device), positions.to(self.device), self.pool.cache, table.to(self.device)
+            tokens.to(self.device), positions.to(self.device), self.kv.cache, table.to(self.device)
         )
         outputs = []
         for row, seq in enumerate(batch):
@@ -277,7 +277,7 @@ class Engine:
         seq = self._sequences.pop(seq_id, None)
         if seq is None:
             return False
-        self.pool.free(seq.blocks)
+        self.kv.free(seq.blocks)
         return True
 
     abort = free
@@ -288,7 +288,7 @@ class Engine:
         """Describe a held sequence's KV: its state, the layout, and the pool blocks holding it.
 
         The blocks stay allocated (and must not be written) until ``free(seq_id)``: a transport copies
-        them straight out of ``self.pool.memory``.
+        them straight out of ``self.kv.memory``.
         """
         seq = self._get(seq_id)
         layout = self.kv_layout.with_tokens(seq.num_cached)
@@ -314,17 +314,17 @@ class Engine:
             raise InvalidRequest("sequence state has no token to continue from, or is already complete")
         if len(self.active_sequences()) >= self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
-        blocks = self.pool.allocate(self.blocks_needed(request))
+        blocks = self.kv.allocate(self.blocks_needed(request))
         try:
             dest = blocks[: layout.num_blocks]
             if isinstance(fill, torch.Tensor):
                 if tuple(fill.shape) != (layout.num_blocks, mine.block_bytes) or fill.dtype != torch.uint8:
                     raise InvalidRequest("KV payload does not match its layout")
-                self.pool.memory[torch.tensor(dest, dtype=torch.long)] = fill.to(self.device)
+                self.kv.memory[torch.tensor(dest, dtype=torch.long)] = fill.to(self.device)
             else:
-                fill(self.pool.memory, dest)
+                fill(self.kv.memory, dest)
         except BaseException:
-            self.pool.free(blocks)
+            self.kv.free(blocks)
             raise
         seq = Sequence(next(self._ids), state.prompt_token_ids, state.params, blocks)
         seq.generated = list(state.generated_token_ids)
@@ -336,9 +336,9 @@ class Engine:
 
     def export_sequence(self, seq_id: int, transport: Transport) -> Exported:
         """Offer a held sequence's blocks through ``transport`` (they are copied straight out of
-        ``self.pool.memory``, so they stay allocated until ``free``)."""
+        ``self.kv.memory``, so they stay allocated until ``free``)."""
         state, layout, blocks = self.export_kv(seq_id)
-        token = transport.export_blocks(self.pool.memory, blocks, layout)
+        token = transport.export_blocks(self.kv.memory, blocks, layout)
         return Exported(token, transport.verify(token).lease_id, state)
 
     def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Transport) -> Imported:

@@ -13,10 +13,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.kv.blocks import Run, check_block_ids, from_runs, to_runs
 from disagg.kv.envelope import open_sealed, seal
 from disagg.kv.errors import DescriptorError, LeaseExpired
 from disagg.kv.layout import KVLayout, LayoutError
+from disagg.kv.runs import Run, check_block_ids, from_runs, to_runs
 
 VERSION = 1
 PURPOSE = "disagg.kv.descriptor"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disagg.kv.blocks import paired_runs
 from disagg.kv.descriptor import Descriptor, lease_tag
 from disagg.kv.errors import LeaseGone
 from disagg.kv.region import runs_hold_tag
+from disagg.kv.runs import paired_runs
 from disagg.kv.transport import Transport
 
 

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from disagg.config import build
-from disagg.kv.blocks import paired_runs
 from disagg.kv.descriptor import Descriptor, parse_ack
 from disagg.kv.errors import DescriptorError, LeaseGone, TransferError
 from disagg.kv.lease import ReleaseCallback
 from disagg.kv.region import Region
+from disagg.kv.runs import paired_runs
 from disagg.kv.transport import Clock, Transport, TransportConfig
 
 _LOCATION_KEYS = {"agent", "meta", "digest", "mem", "dev", "pool", "tags"}

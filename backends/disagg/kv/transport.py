@@ -3,7 +3,7 @@
 One ``Transport`` object per process serves both sides:
 
 exporter (prefill)                              importer (decode)
-  pool = t.allocate_pool(n, layout.block_bytes)   pool = t.allocate_pool(m, layout.block_bytes)
+  pool = t.allocate_memory(n, layout.block_bytes)   pool = t.allocate_memory(m, layout.block_bytes)
   token = t.export_blocks(pool, ids, layout) ──▶  res = t.import_blocks(token, pool, my_ids)
   (blocks held under a lease)                     (one copy: exporter blocks -> my blocks)
   t.ack(res.ack)  ◀── relayed, or native ────────  res.ack
@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 import torch
 
 from disagg.config import ConfigError, build
-from disagg.kv.blocks import check_block_ids, to_runs
 from disagg.kv.descriptor import (
     Descriptor,
     DescriptorLimits,
@@ -54,6 +53,7 @@ from disagg.kv.hooks import TransferHooks
 from disagg.kv.layout import KVLayout
 from disagg.kv.lease import Lease, LeaseConfig, LeaseTable, ReleaseCallback
 from disagg.kv.region import Region, as_block_bytes
+from disagg.kv.runs import check_block_ids, to_runs
 from disagg.kv.staging import Staging
 from disagg.kv.stats import TransferStats
 
@@ -148,7 +148,7 @@ class Transport(ABC):
 
     # ---- memory -------------------------------------------------------------------------
 
-    def allocate_pool(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
+    def allocate_memory(self, num_blocks: int, block_bytes: int) -> torch.Tensor:
         """Allocate a ``[num_blocks, block_bytes]`` uint8 pool that exports without a copy.
 
         The engine views it as its typed block shape; it stays valid until ``close``.
@@ -168,7 +168,7 @@ class Transport(ABC):
         """Lease ``block_ids`` of ``pool`` and return a signed descriptor of them.
 
         ``layout.num_tokens`` tokens must fill exactly ``len(block_ids)`` blocks. A pool from
-        ``allocate_pool`` is exported in place (the caller must not reuse these blocks until
+        ``allocate_memory`` is exported in place (the caller must not reuse these blocks until
         its ``on_release`` callback names the lease); any other pool is copied into staging
         blocks first (needs ``staging_blocks`` > 0). Raises ValueError on bad arguments.
         """

@@ -22,9 +22,9 @@ from typing import Literal, Protocol
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify
-from disagg.serving.interface import TextRequest
 from disagg.serving.messages import Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
+from disagg.serving.text_api import TextRequest
 
 log = logging.getLogger(__name__)
 

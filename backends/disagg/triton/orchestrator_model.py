@@ -19,9 +19,9 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
-from disagg.serving.interface import INPUT_NAMES, OUTPUT_NAME, parse_text_request
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
+from disagg.serving.text_api import INPUT_NAMES, OUTPUT_NAME, parse_text_request
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.graveyard import Graveyard

@@ -9,8 +9,8 @@ from typing import Any
 from disagg.engine.device import pin_process
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
+from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.messages import AbortLease, Control, Event, Failed, Stop
-from disagg.serving.pool import PoolConfig, build_pool
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 
@@ -55,7 +55,7 @@ class PoolModel:
         secret = glue.deployment_secret(params.get("secret_file", ""))
         self._signer = TokenSigner(secret)
         self.config = pool_config(params, args)
-        self.loop, self.transport = build_pool(self.config, secret)
+        self.loop, self.transport = build_instance(self.config, secret)
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
             pin_process(self.config.engine.cores)
         self.loop.start()

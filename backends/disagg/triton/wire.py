@@ -175,7 +175,7 @@ def encode_text_request(text: Any) -> str:
 
 
 def decode_text_request(raw: bytes) -> Any:
-    from disagg.serving.interface import TextRequest
+    from disagg.serving.text_api import TextRequest
 
     try:
         data = json.loads(raw)

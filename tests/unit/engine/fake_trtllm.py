@@ -341,7 +341,7 @@ class LLM:
                 self._respond(result, [out.token_id], True, finish_reason=out.finish_reason)
                 return
             state, layout, blocks = self._engine.export_kv(out.seq_id)
-            payload = self._engine.pool.memory[torch.tensor(blocks, dtype=torch.long)].clone()
+            payload = self._engine.kv.memory[torch.tensor(blocks, dtype=torch.long)].clone()
             self._engine.free(out.seq_id)
             key = b"fake-ctx:" + secrets.token_bytes(12)
             with _TRANSCEIVER_LOCK:

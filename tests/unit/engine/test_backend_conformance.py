@@ -70,7 +70,7 @@ def trtllm_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def _make_torch(model: Path, transport: Any, max_batch_size: int, num_blocks: int) -> Engine:
     config = EngineConfig(model_dir=model, block_size=4, num_blocks=num_blocks, max_batch_size=max_batch_size)
     layout, n = plan_kv(config)
-    return Engine(config, kv_memory=transport.allocate_pool(n, layout.block_bytes))
+    return Engine(config, kv_memory=transport.allocate_memory(n, layout.block_bytes))
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def test_batched_greedy_equals_alone(make_engine):
     got, max_batch = _staggered(engine, requests)
     assert max_batch >= 4, "the schedule should really batch"
     assert got == expected
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks
 
 
 def test_batched_sampling_reproducible_per_seed(make_engine):

@@ -24,10 +24,10 @@ def _prefill_and_export(model_dir: str, request_dicts: list[dict], conn) -> None
         state = SequenceState.from_dict(item)
         (out,) = engine.prefill([Request(state.prompt_token_ids, state.params)], decode=False)
         state, layout, blocks = engine.export_kv(out.seq_id)
-        payload = engine.pool.memory[torch.tensor(blocks)].numpy().tobytes()
+        payload = engine.kv.memory[torch.tensor(blocks)].numpy().tobytes()
         conn.send((state.to_dict(), layout.to_dict(), payload))
         engine.free(out.seq_id)
-    conn.send(engine.pool.free_blocks == engine.pool.num_blocks)
+    conn.send(engine.kv.free_blocks == engine.kv.num_blocks)
     conn.close()
 
 
@@ -59,7 +59,7 @@ def test_cross_process_handoff_continues_exactly(checkpoint, make_engine, sample
         for out in decoder.decode_step():
             got[out.seq_id].append(out.token_id)
     assert list(got.values()) == expected
-    assert decoder.pool.free_blocks == decoder.pool.num_blocks
+    assert decoder.kv.free_blocks == decoder.kv.num_blocks
 
 
 def test_import_through_callable_single_copy(make_engine):
@@ -71,7 +71,7 @@ def test_import_through_callable_single_copy(make_engine):
 
     def fill(memory: torch.Tensor, dest: list[int]) -> None:
         for s, d in zip(src_blocks, dest, strict=True):  # block to block, no staging buffer
-            memory[d].copy_(src.pool.memory[s])
+            memory[d].copy_(src.kv.memory[s])
 
     dst = make_engine()
     seq_id = dst.import_kv(state, layout, fill)
@@ -80,7 +80,7 @@ def test_import_through_callable_single_copy(make_engine):
         tokens += [o.token_id for o in dst.decode_step() if o.seq_id == seq_id]
     assert tokens == expected
     src.free(out.seq_id)
-    assert src.pool.free_blocks == src.pool.num_blocks
+    assert src.kv.free_blocks == src.kv.num_blocks
 
 
 def test_failed_fill_returns_blocks(make_engine):
@@ -94,14 +94,14 @@ def test_failed_fill_returns_blocks(make_engine):
 
     with pytest.raises(OSError):
         dst.import_kv(state, layout, broken)
-    assert dst.pool.free_blocks == dst.pool.num_blocks and not dst.held_sequences()
+    assert dst.kv.free_blocks == dst.kv.num_blocks and not dst.held_sequences()
 
 
 def test_import_refuses_mismatched_layout_and_state(make_engine):
     src = make_engine()
     (out,) = src.prefill([Request((1, 2, 3, 4, 5), SamplingParams(max_tokens=5))], decode=False)
     state, layout, blocks = src.export_kv(out.seq_id)
-    payload = src.pool.memory[torch.tensor(blocks)]
+    payload = src.kv.memory[torch.tensor(blocks)]
     dst = make_engine(block_size=8)
     with pytest.raises(InvalidRequest, match="layout"):
         dst.import_kv(state, layout, payload)
@@ -110,12 +110,12 @@ def test_import_refuses_mismatched_layout_and_state(make_engine):
         dst.import_kv(state, layout.with_tokens(layout.num_tokens + 1), payload)
     with pytest.raises(InvalidRequest, match="payload"):
         dst.import_kv(state, layout, payload[:, :-1])
-    assert dst.pool.free_blocks == dst.pool.num_blocks
+    assert dst.kv.free_blocks == dst.kv.num_blocks
 
 
 def test_prefill_only_sequences_do_not_decode(make_engine):
     engine = make_engine()
     (out,) = engine.prefill([Request((1, 2, 3), SamplingParams(max_tokens=5))], decode=False)
     assert engine.decode_step() == [] and engine.held_sequences() == [out.seq_id]
-    held = engine.pool.used_blocks
-    assert held == engine.pool.blocks_for(3), "a prefill pool holds only the prompt's blocks"
+    held = engine.kv.used_blocks
+    assert held == engine.kv.blocks_for(3), "a prefill pool holds only the prompt's blocks"

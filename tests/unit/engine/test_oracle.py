@@ -30,7 +30,7 @@ def test_greedy_matches_transformers(kind, prompt_len, checkpoint, make_engine):
     assert got[:upto] == expected[:upto]
     assert len(set(expected)) >= 10, "output is a loop on a few tokens: the checkpoint is too degenerate"
     assert reason == "length" and len(got) == NEW_TOKENS
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks
 
 
 def test_legacy_and_new_rope_spellings_parse_alike(checkpoint):

@@ -39,7 +39,7 @@ def test_invalid_sampling_parameters_are_named(make_engine, params, field):
     engine = make_engine()
     with pytest.raises(InvalidRequest, match=field):
         engine.prefill([Request(PROMPT, SamplingParams(**params))])
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks
 
 
 def test_invalid_prompts(make_engine):
@@ -50,7 +50,7 @@ def test_invalid_prompts(make_engine):
         engine.validate(Request((1, 999_999), SamplingParams()))
     with pytest.raises(InvalidRequest, match="context of 512"):
         engine.validate(Request(tuple([5] * 500), SamplingParams(max_tokens=20)))
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks
 
 
 def test_out_of_blocks_is_catchable_and_allocates_nothing(make_engine):
@@ -59,7 +59,7 @@ def test_out_of_blocks_is_catchable_and_allocates_nothing(make_engine):
     with pytest.raises(OutOfBlocks) as err:
         engine.prefill([big])
     assert err.value.needed == 10 and err.value.free == 8
-    assert engine.pool.free_blocks == 8 and not engine.held_sequences()
+    assert engine.kv.free_blocks == 8 and not engine.held_sequences()
 
 
 def test_end_id_stop_tokens_and_min_length(make_engine):
@@ -107,7 +107,7 @@ def test_block_accounting_with_aborts(make_engine):
     engine = make_engine(num_blocks=200, block_size=4, max_batch_size=16)
     scheduler = OfflineRun(engine)
     rng = random.Random(1)
-    start = engine.pool.free_blocks
+    start = engine.kv.free_blocks
     submitted = 0
     for step in range(300):
         if submitted < 120 and rng.random() < 0.6:
@@ -117,13 +117,13 @@ def test_block_accounting_with_aborts(make_engine):
         if rng.random() < 0.2 and submitted:
             scheduler.cancel(rng.randrange(submitted))
         scheduler.step()
-        assert engine.pool.used_blocks <= engine.pool.num_blocks
+        assert engine.kv.used_blocks <= engine.kv.num_blocks
         if step == 150:
-            assert engine.pool.used_blocks > 0
+            assert engine.kv.used_blocks > 0
     scheduler.run()
     assert submitted == 120
-    assert engine.pool.free_blocks == start and not engine.held_sequences()
-    assert engine.pool.allocations == engine.pool.frees > 0
+    assert engine.kv.free_blocks == start and not engine.held_sequences()
+    assert engine.kv.allocations == engine.kv.frees > 0
 
 
 def test_free_is_idempotent(make_engine):
@@ -131,4 +131,4 @@ def test_free_is_idempotent(make_engine):
     (out,) = engine.prefill([Request(PROMPT, SamplingParams(max_tokens=5))])
     assert engine.abort(out.seq_id) is True
     assert engine.abort(out.seq_id) is False
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks

@@ -97,7 +97,7 @@ def test_greedy_tokens_equal_transformers_on_the_gguf(index, smollm2_dir, engine
     assert upto >= 8, f"reference has a near-tie at step {upto}"
     assert got[:upto] == expected[:upto]
     assert reason == "length" and len(got) == NEW_TOKENS
-    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert engine.kv.free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

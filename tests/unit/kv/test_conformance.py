@@ -21,9 +21,9 @@ def pair(make, kind, num_blocks=16, block_bytes=None, **cfg):
     exp = make(kind, on_release=lambda lid, why: released.append((lid, why)), **cfg)
     imp = make(kind, **cfg)
     bb = block_bytes or small_layout().block_bytes
-    src = exp.allocate_pool(num_blocks, bb)
+    src = exp.allocate_memory(num_blocks, bb)
     fill(src, 1)
-    dst = imp.allocate_pool(num_blocks, bb)
+    dst = imp.allocate_memory(num_blocks, bb)
     return exp, imp, src, dst, released
 
 
@@ -62,7 +62,7 @@ def test_plain_pool_exporter_stages(make, kind):
     imp = make(kind)
     layout = small_layout(20)
     plain = torch.randn(6, layout.block_bytes // 2).to(torch.float16)  # engine-owned memory
-    dst = imp.allocate_pool(8, layout.block_bytes)
+    dst = imp.allocate_memory(8, layout.block_bytes)
     token = exp.export_blocks(plain, [5, 1, 2], layout)
     expected = plain.view(torch.uint8).view(6, -1)[[5, 1, 2]].clone()
     plain.zero_()  # staged: the engine may reuse its blocks at once

@@ -56,7 +56,7 @@ def test_round_trip_between_processes(kind, prefix):
     layout = small_layout(64)
     exp = make_transport(kind, prefix, SECRET)
     try:
-        pool = exp.allocate_pool(32, layout.block_bytes)
+        pool = exp.allocate_memory(32, layout.block_bytes)
         fill(pool, 3)
         proc, conn = start(_importer, kind, prefix, layout.to_dict(), 16)
         for ids in ([0, 1, 2, 3, 4, 5, 6, 7], [20, 9, 31, 8, 10, 11, 12, 13]):
@@ -86,7 +86,7 @@ def test_importer_dies_before_pulling_exporter_recovers_at_ttl(kind, prefix):
     released = []
     exp._leases._on_release_user = lambda lid, why: released.append(why)
     try:
-        pool = exp.allocate_pool(8, layout.block_bytes)
+        pool = exp.allocate_memory(8, layout.block_bytes)
         proc, conn = start(_importer, kind, prefix, layout.to_dict(), 8)
         exp.export_blocks(pool, [2, 3], layout)
         conn.send("die")
@@ -114,7 +114,7 @@ def test_exporter_killed_leaves_nothing_after_restart(kind, prefix):
     imp = make_transport(kind, prefix, SECRET, ttl_s=5.0)  # a restart cleans stale regions
     try:
         assert list_regions("/dev/shm", prefix) == []
-        dst = imp.allocate_pool(4, layout.block_bytes)
+        dst = imp.allocate_memory(4, layout.block_bytes)
         with pytest.raises(TransferError) as info:
             imp.import_blocks(token, dst, [0, 1])
         assert prefix not in str(info.value)

@@ -86,8 +86,8 @@ def test_faults_partial_failure_corruption_delay(make):
     exp = make("shm")
     faulty = make("faulty")
     layout = small_layout(32)
-    src = exp.allocate_pool(8, layout.block_bytes)
-    dst = faulty.allocate_pool(8, layout.block_bytes)
+    src = exp.allocate_memory(8, layout.block_bytes)
+    dst = faulty.allocate_memory(8, layout.block_bytes)
     fill(src, 9)
     slept: list[float] = []
     faulty._hooks._sleep = slept.append
@@ -118,9 +118,9 @@ def test_long_run_leaves_no_regions_or_leases(make, kind, prefix, clock):
     exp = make(kind, ttl_s=1.0, checksum=False, staging_blocks=16)
     imp = make(kind, checksum=False)
     layout = small_layout(24)  # 3 blocks
-    src = exp.allocate_pool(64, layout.block_bytes)
+    src = exp.allocate_memory(64, layout.block_bytes)
     plain = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
-    dst = imp.allocate_pool(64, layout.block_bytes)
+    dst = imp.allocate_memory(64, layout.block_bytes)
     regions = len(list_regions("/dev/shm", prefix))
     outcomes = {"ok": 0, "abort": 0, "expire": 0, "late": 0}
     free = list(range(0, 63, 3))

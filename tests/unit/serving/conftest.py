@@ -9,10 +9,10 @@ import pytest
 
 from disagg.engine.engine import EngineConfig
 from disagg.engine.tokenizer import Tokenizer
+from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.local import LocalPools
 from disagg.serving.loop import EngineLoop
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
-from disagg.serving.pool import PoolConfig, build_pool
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Deployment:
     def clean(self) -> bool:
         """Every block back, no lease held, nothing queued."""
         return all(
-            loop.engine.pool.free_blocks == loop.engine.pool.num_blocks
+            loop.engine.kv.free_blocks == loop.engine.kv.num_blocks
             and not loop.engine.held_sequences()
             and loop.stats().queued == 0
             for loop in self.loops.values()
@@ -42,7 +42,9 @@ def deployment(tiny_model_dir) -> Iterator[Deployment]:
     built = {}
     for role in ("prefill", "decode", "colocated"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
-        built[role] = build_pool(PoolConfig(role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix), secret)
+        built[role] = build_instance(
+            PoolConfig(role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix), secret
+        )
     loops = {role: loop.start() for role, (loop, _) in built.items()}
     transports = [t for _, t in built.values() if t is not None]
     yield Deployment(Tokenizer(tiny_model_dir), loops, transports, LocalPools(**loops))

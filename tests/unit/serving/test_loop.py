@@ -11,8 +11,8 @@ from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.messages import DecodeJob, Failed, Prefilled, PrefillJob, Token
-from disagg.serving.pool import PoolConfig, build_pool
 
 
 class Sink:
@@ -35,7 +35,7 @@ def pools(tiny_model_dir):
     built = {}
     for role in ("prefill", "decode"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=32, block_size=16)
-        built[role] = build_pool(
+        built[role] = build_instance(
             PoolConfig(role=role, engine=engine, prefix=prefix, lease_ttl_s=30.0), secret
         )
     loops = {role: loop.start() for role, (loop, _) in built.items()}
@@ -67,7 +67,7 @@ def test_drain_waits_for_exported_kv_to_be_pulled(pools):
     assert out.done.wait(30) and isinstance(out.events[-1], Token) and out.events[-1].finished
     waiter.join(30)
     assert drained == [True], "the importer's ack released the lease and the drain completed"
-    assert prefill.engine.pool.free_blocks == prefill.engine.pool.num_blocks
+    assert prefill.engine.kv.free_blocks == prefill.engine.kv.num_blocks
 
 
 def test_engine_calls_are_counted_with_their_time(pools):
@@ -130,7 +130,7 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
     INVALID_ARG as if the client's input were bad."""
     secret, prefix = secrets.token_bytes(32), f"cap{secrets.token_hex(3)}"
     built = {
-        role: build_pool(
+        role: build_instance(
             PoolConfig(
                 role=role,
                 engine=EngineConfig(model_dir=tiny_model_dir, num_blocks=64, block_size=16, max_batch_size=2),
@@ -159,7 +159,7 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
             assert not any(isinstance(e, Failed) for e in out.events), out.events
             tokens = [e for e in out.events if isinstance(e, Token)]
             assert tokens[-1].finished and len(tokens) == 5  # max_tokens 6: one from prefill, five here
-        assert decode.engine.pool.free_blocks == decode.engine.pool.num_blocks
+        assert decode.engine.kv.free_blocks == decode.engine.kv.num_blocks
         assert prefill.stats().held_leases == 0
     finally:
         for loop in loops.values():

@@ -12,8 +12,8 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG
-from disagg.serving.interface import TextRequest
 from disagg.serving.offline import generate
+from disagg.serving.text_api import TextRequest
 
 PROMPTS = ["The quick brown fox", "naïve café — 日本語 🙂 and more", "x"]
 

@@ -66,7 +66,7 @@ def transport_options(config: PoolConfig) -> dict[str, Any]:
     return {"cuda": CudaIpcConfig(device=device if ":" in device else f"{device}:0")}
 
 
-def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport | None]:
+def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport | None]:
     """Create the engine (its KV memory from the transport for prefill), the transport, the loop.
 
     The caller starts the loop and, on shutdown, stops it and closes the transport.
@@ -89,7 +89,7 @@ def build_pool(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport
         memory = None
         if config.role.exports_kv:  # the exported blocks are copied straight out of transport memory
             layout, num_blocks = plan_kv(config.engine)
-            memory = transport.allocate_pool(num_blocks, layout.block_bytes)  # type: ignore[union-attr]
+            memory = transport.allocate_memory(num_blocks, layout.block_bytes)  # type: ignore[union-attr]
         engine = Engine(config.engine, kv_memory=memory)
         scheduler = create_scheduler(config.role, engine.limits, SchedulerConfig(max_queue=config.max_queue))
         loop = EngineLoop(engine, scheduler, transport)

@@ -1,6 +1,6 @@
-"""The KV block pool: fixed-size blocks, per-sequence block tables, usage counters.
+"""The KV cache of one engine: fixed-size blocks, their allocation, usage counters.
 
-The pool's memory is one ``[num_blocks, block_bytes]`` uint8 tensor, viewed as
+The cache memory is one ``[num_blocks, block_bytes]`` uint8 tensor, viewed as
 ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]`` of the cache dtype (see
 ``disagg.kv.layout``). It may be supplied from outside (shared or transport-registered memory), so
 a hand-off can copy whole blocks straight out of it.
@@ -18,7 +18,7 @@ from disagg.kv.layout import KVLayout
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class BlockPool:
+class KVCache:
     """Allocates and frees blocks of one engine's KV cache. Thread-safe."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, memory: torch.Tensor | None = None) -> None:
