@@ -12,8 +12,8 @@ How the step-shaped protocol maps onto an engine that batches on its own:
   and TensorRT-LLM's ``DisaggregatedParams`` (context request id, opaque transceiver state), which the
   context engine honours by keeping the KV for the generation side to pull.
 - ``export_sequence``: those parameters plus the ``SequenceState``, in an HMAC-signed envelope
-  (``disagg.kv.envelope``) with a lease id and expiry. No KV bytes move through us: TensorRT-LLM's
-  own cache transceiver (UCX / NIXL / MPI) moves them.
+  (``disagg.kv.envelope``) with a lease id and expiry (``disagg.engine.trtllm_descriptor``). No KV
+  bytes move through us: TensorRT-LLM's own cache transceiver (UCX / NIXL / MPI) moves them.
 - ``import_sequence``: verifies the envelope and starts a ``generation_only`` streaming request with
   those parameters; it returns once the first response arrived (the KV is then on this engine).
 - ``prefill(decode=True)``: a plain streaming request; ``prefill`` returns its first token.
@@ -25,12 +25,12 @@ Capacity (``limits``, ``usage``) is this adapter's own ledger, sized from the co
 the same rule as the reference engine. TensorRT-LLM's KV cache manager is not introspectable in a
 stable way, so the ledger can differ from it: the context side may keep blocks after ``free`` until
 its transfer completes or times out.
+
+Settings: ``TrtllmConfig`` (``disagg.engine.trtllm_config``, re-exported here).
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import importlib
 import itertools
 import json
@@ -38,9 +38,9 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,92 +55,36 @@ from disagg.engine.errors import (
 )
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState, StepOutput
-from disagg.kv.descriptor import new_lease_id
-from disagg.kv.envelope import open_sealed, seal
-from disagg.kv.errors import DescriptorError, LeaseExpired, LeaseGone, TransferError
+from disagg.engine.trtllm_config import TRANSCEIVER_BACKENDS, TrtllmConfig
+from disagg.engine.trtllm_descriptor import (
+    MAX_DESCRIPTOR_BYTES,
+    PURPOSE,
+    VERSION,
+    DescriptorSeal,
+    fingerprint,
+    params_to_wire,
+)
+from disagg.kv.errors import TransferError
+
+__all__ = [
+    "MAX_DESCRIPTOR_BYTES",
+    "PURPOSE",
+    "TRANSCEIVER_BACKENDS",
+    "VERSION",
+    "TrtllmBackend",
+    "TrtllmConfig",
+    "TrtllmError",
+    "trtllm_sampling",
+]
 
 log = logging.getLogger(__name__)
 
-PURPOSE = "disagg.trtllm.descriptor"
-VERSION = 1
-MAX_DESCRIPTOR_BYTES = 1 << 20
-TRANSCEIVER_BACKENDS = ("DEFAULT", "UCX", "NIXL", "MPI")
-_FIELDS = {"version", "engine", "fingerprint", "lease_id", "issued_at", "expires_at", "trtllm", "state"}
-# DisaggregatedParams fields that travel (JSON-safe; opaque_state as base64). Older TensorRT-LLM
-# versions lack some: only those that are set are passed back.
-_PARAMS = (
-    "first_gen_tokens",
-    "ctx_request_id",
-    "opaque_state",
-    "draft_tokens",
-    "disagg_request_id",
-    "ctx_dp_rank",
-    "ctx_info_endpoint",
-)
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 Clock = Callable[[], float]
 
 
 class TrtllmError(EngineError):
     """TensorRT-LLM failed, or did not answer in time, for a request (maps to INTERNAL)."""
-
-
-@dataclass(frozen=True)
-class TrtllmConfig:
-    """Settings of one TensorRT-LLM backend, validated at construction.
-
-    ``model`` is what ``tensorrt_llm.LLM(model=...)`` takes (a Hugging Face checkpoint folder or a
-    built engine dir). ``vocab_size`` / ``max_context`` / ``eos_token_ids`` default to its
-    ``config.json`` (``generation_config.json``'s eos ids win). ``secret`` signs descriptors; unset,
-    the transport passed to export/import supplies it (``transport.config.secret``).
-    """
-
-    model: Path
-    max_batch_size: int = 64
-    num_blocks: int = 1024
-    tokens_per_block: int = 32
-    max_context: int | None = None
-    max_tokens_cap: int | None = None
-    vocab_size: int | None = None
-    eos_token_ids: tuple[int, ...] | None = None
-    model_id: str | None = None  # names the model in the descriptor fingerprint; default: folder name
-    transceiver_backend: str = "DEFAULT"
-    tensor_parallel_size: int = 1
-    secret: bytes | None = field(default=None, repr=False)
-    ttl_s: float = 30.0
-    request_timeout_s: float = 60.0
-    step_wait_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "model", Path(self.model))
-        for name in ("max_batch_size", "num_blocks", "tokens_per_block", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer")
-        if self.tokens_per_block < 2 or self.tokens_per_block & (self.tokens_per_block - 1):
-            raise ValueError("tokens_per_block must be a power of two > 1 (TensorRT-LLM's rule)")
-        for name in ("max_context", "max_tokens_cap", "vocab_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or unset")
-        if self.eos_token_ids is not None:
-            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        if self.transceiver_backend not in TRANSCEIVER_BACKENDS:
-            raise ValueError(f"transceiver_backend must be one of {list(TRANSCEIVER_BACKENDS)}")
-        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
-            raise ValueError("secret must be at least 16 bytes")
-        for name in ("ttl_s", "request_timeout_s", "step_wait_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
-                raise ValueError(f"{name} must be a number of seconds in (0, 3600]")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrtllmConfig:
-        """Build from e.g. JSON parameters; unknown keys are errors."""
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown TensorRT-LLM setting(s): {sorted(unknown)}")
-        return cls(**data)
 
 
 @dataclass
@@ -253,16 +197,16 @@ class TrtllmBackend:
             config.num_blocks, config.tokens_per_block, config.max_batch_size, context, vocab
         )
         self._max_tokens_cap = min(config.max_tokens_cap or context, context)
-        model_id = config.model_id or config.model.name
-        self._fingerprint = hashlib.blake2b(
-            f"{model_id}|{config.tokens_per_block}".encode(), digest_size=8
-        ).hexdigest()
-        self._clock = clock or time.time
+        self._seal = DescriptorSeal(
+            fingerprint(config.model_id or config.model.name, config.tokens_per_block),
+            ttl_s=config.ttl_s,
+            clock=clock or time.time,
+            secret=config.secret,
+        )
         self._cond = threading.Condition()
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count(1)
         self._carry: list[StepOutput] = []
-        self._consumed: OrderedDict[str, float] = OrderedDict()  # lease id -> expiry (replay guard)
         self._readers: list[threading.Thread] = []
         api = self._api
         # Block reuse off: shared prefix blocks would make TensorRT-LLM's use differ from our ledger.
@@ -362,7 +306,10 @@ class TrtllmBackend:
             )
             if params is None:
                 raise TrtllmError("TensorRT-LLM's context response carries no disaggregated params")
-            seq.wire = _params_to_wire(params)
+            wire = params_to_wire(params)
+            if not wire.get("first_gen_tokens"):
+                raise TrtllmError("TensorRT-LLM's context response has no first generated tokens")
+            seq.wire = wire
         else:
             self.free(seq.seq_id)
         return StepOutput(seq.seq_id, token, reason is not None, reason)
@@ -411,45 +358,28 @@ class TrtllmBackend:
         seq = self._get(seq_id)
         if seq.decoding or seq.wire is None:
             raise InvalidRequest("sequence was not prefilled for export (prefill with decode=False)")
-        secret = self._secret(transport)
-        lease_id, now = new_lease_id(), self._clock()
-        state = seq.state()
-        body = {
-            "version": VERSION,
-            "engine": "tensorrt_llm",
-            "fingerprint": self._fingerprint,
-            "lease_id": lease_id,
-            "issued_at": now,
-            "expires_at": now + self.config.ttl_s,
-            "trtllm": seq.wire,
-            "state": state.to_dict(),
-        }
-        return Exported(seal(body, secret, PURPOSE), lease_id, state)
+        return self._seal.seal(seq.state(), seq.wire, transport)
 
     def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Any) -> Imported:
         """Verify the descriptor, start the generation-only request and wait for its first response
         (TensorRT-LLM pulls the KV before it): ``transfer_s`` is that wait, one decode step included."""
-        body = open_sealed(descriptor, self._secret(transport), PURPOSE, MAX_DESCRIPTOR_BYTES)
-        lease_id, expires_at, wire = self._check_body(body)
-        sealed = SequenceState.from_dict(body["state"])
-        if sealed != state:
+        handoff = self._seal.unseal(descriptor, transport)
+        if handoff.state != state:
             raise InvalidRequest("sequence state does not match its descriptor")
         request = Request(tuple(state.prompt_token_ids), state.params)
         self.validate(request)
         if not state.generated_token_ids or len(state.generated_token_ids) >= state.params.max_tokens:
             raise InvalidRequest("sequence state has no token to continue from, or is already complete")
-        if list(state.generated_token_ids) != wire.get("first_gen_tokens"):
+        if list(state.generated_token_ids) != handoff.first_gen_tokens:
             raise InvalidRequest("sequence state does not match TensorRT-LLM's first generated tokens")
         if len(self.active_sequences()) >= self._limits.max_batch_size:
             raise BatchFull(self._limits.max_batch_size)
+        params = handoff.disaggregated_params()  # before anything is held: it may refuse the descriptor
         needed = self._limits.blocks_needed(request)
         self._reserve(needed)
-        self._consume(lease_id, expires_at)
+        self._seal.claim(handoff)
         seq = self._add(request.prompt_token_ids, state.params, needed, True)
         seq.generated = list(state.generated_token_ids)
-        params = {k: v for k, v in wire.items() if v is not None}
-        if "opaque_state" in params:
-            params["opaque_state"] = base64.b64decode(params["opaque_state"])
         start = time.perf_counter()
         try:
             gen = self._api.DisaggregatedParams(request_type="generation_only", **params)
@@ -461,54 +391,11 @@ class TrtllmBackend:
                 raise TransferError("KV hand-off through TensorRT-LLM's cache transceiver failed")
         except BaseException as exc:
             self.free(seq.seq_id)
-            with self._cond:  # nothing arrived: the caller may retry while the lease lives
-                self._consumed.pop(lease_id, None)
+            self._seal.release(handoff)  # nothing arrived: the caller may retry while the lease lives
             if isinstance(exc, TransferError) or not isinstance(exc, Exception):
                 raise
             raise TransferError("KV hand-off through TensorRT-LLM's cache transceiver failed") from exc
         return Imported(seq.seq_id, time.perf_counter() - start)
-
-    def _check_body(self, body: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
-        if body.get("version") != VERSION or set(body) != _FIELDS or body.get("engine") != "tensorrt_llm":
-            raise DescriptorError("descriptor has an unknown version or fields")
-        if body["fingerprint"] != self._fingerprint:
-            raise DescriptorError("descriptor is for another model or block size")
-        lease_id, issued, expires = body["lease_id"], body["issued_at"], body["expires_at"]
-        if not isinstance(lease_id, str) or len(lease_id) != 32:
-            raise DescriptorError("descriptor lease id is invalid")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (issued, expires)):
-            raise DescriptorError("descriptor lifetime is invalid")
-        if not 0 < expires - issued <= 3600:
-            raise DescriptorError("descriptor lifetime is out of range")
-        if self._clock() >= expires:
-            raise LeaseExpired("descriptor lease has expired")
-        wire = body["trtllm"]
-        if not isinstance(wire, dict) or not set(wire) <= set(_PARAMS):
-            raise DescriptorError("descriptor carries unknown TensorRT-LLM parameters")
-        first = wire.get("first_gen_tokens")
-        if not isinstance(first, list) or not first or not all(type(t) is int for t in first):
-            raise DescriptorError("descriptor has no first generated tokens")
-        if wire.get("opaque_state") is not None and not isinstance(wire["opaque_state"], str):
-            raise DescriptorError("descriptor opaque state is malformed")
-        with self._cond:
-            if lease_id in self._consumed:
-                raise LeaseGone("descriptor was already used")
-        return lease_id, float(expires), wire
-
-    def _consume(self, lease_id: str, expires_at: float) -> None:
-        now = self._clock()
-        with self._cond:
-            while self._consumed and next(iter(self._consumed.values())) < now:
-                self._consumed.popitem(last=False)
-            self._consumed[lease_id] = expires_at
-
-    def _secret(self, transport: Any) -> bytes:
-        if self.config.secret is not None:
-            return self.config.secret
-        secret = getattr(getattr(transport, "config", None), "secret", None)
-        if not isinstance(secret, bytes) or len(secret) < 16:
-            raise ValueError("no deployment secret: set TrtllmConfig.secret or pass a transport with one")
-        return secret
 
     # ----------------------------------------------------------------- lifetime
 
@@ -657,19 +544,3 @@ class TrtllmBackend:
         if len(seq.generated) >= params.max_tokens:
             return FINISH_LENGTH
         return None
-
-
-def _params_to_wire(params: Any) -> dict[str, Any]:
-    wire: dict[str, Any] = {}
-    for name in _PARAMS:
-        value = getattr(params, name, None)
-        if value is None:
-            continue
-        if name == "opaque_state":
-            value = base64.b64encode(bytes(value)).decode()
-        elif name in ("first_gen_tokens", "draft_tokens"):
-            value = [int(t) for t in value]
-        wire[name] = value
-    if not wire.get("first_gen_tokens"):
-        raise TrtllmError("TensorRT-LLM's context response has no first generated tokens")
-    return wire

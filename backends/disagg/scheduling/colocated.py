@@ -14,7 +14,8 @@ from disagg.scheduling.scheduler import Scheduler
 from disagg.serving.messages import GenerateJob, prompt_tokens
 
 
-class ColocatedScheduler(Scheduler):
+class ColocatedScheduler(Scheduler[GenerateJob]):
+    job_type = GenerateJob
     role = Role.COLOCATED
 
     def schedule(self) -> Plan:
@@ -25,7 +26,7 @@ class ColocatedScheduler(Scheduler):
             if admitted and prompt_tokens(head) > budget:
                 break
             self._admit(head)
-            admitted.append(head)  # type: ignore[arg-type]  # check() admits GenerateJobs only
+            admitted.append(head)
             budget -= prompt_tokens(head)
             slots -= 1
         return Plan(prefill=tuple(admitted), decode=bool(admitted or self._running))

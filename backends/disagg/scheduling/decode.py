@@ -9,7 +9,8 @@ from disagg.scheduling.scheduler import Scheduler
 from disagg.serving.messages import DecodeJob
 
 
-class DecodeScheduler(Scheduler):
+class DecodeScheduler(Scheduler[DecodeJob]):
+    job_type = DecodeJob
     role = Role.DECODE
 
     def schedule(self) -> Plan:
@@ -17,6 +18,6 @@ class DecodeScheduler(Scheduler):
         slots = self._free_slots()
         while slots > 0 and (head := self._head()) is not None:
             self._admit(head)
-            imports.append(head)  # type: ignore[arg-type]  # check() admits DecodeJobs only
+            imports.append(head)
             slots -= 1
         return Plan(imports=tuple(imports), decode=bool(imports or self._running))

@@ -11,9 +11,9 @@ from disagg.serving.errors import UNAVAILABLE, ServingError
 from disagg.serving.messages import Prefilled, PrefillJob
 
 
-class PrefillScheduler(Scheduler):
+class PrefillScheduler(Scheduler[PrefillJob]):
+    job_type = PrefillJob
     role = Role.PREFILL
-    _prefill_only = (PrefillJob,)
 
     def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
         super().__init__(limits, config)
@@ -32,7 +32,7 @@ class PrefillScheduler(Scheduler):
         head = self._head()
         if head is not None:
             self._admit(head)
-            return Plan(prefill=(head,))  # type: ignore[arg-type]  # check() admits PrefillJobs only
+            return Plan(prefill=(head,))
         if self._waiting and not self._leases:
             # nothing will come back: the head cannot fit (only a pool too small for check() allows it)
             job = self._waiting.popleft()

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from disagg.engine.backend import EngineLimits
 from disagg.engine.sequence import StepOutput
@@ -34,17 +34,22 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer")
 
 
-class Scheduler(ABC):
-    """Driven by one thread (the engine loop); pure: it never calls the engine."""
+J = TypeVar("J", bound=Job)
+
+
+class Scheduler(ABC, Generic[J]):
+    """Driven by one thread (the engine loop); pure: it never calls the engine. ``J`` is the job type
+    of the role's operation."""
 
     role: ClassVar[Role]
+    job_type: ClassVar[type]
 
     def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
         self.limits = limits
         self.config = config or SchedulerConfig()
         self.operations = self.role.operations
         self.ledger = BlockLedger(limits.num_blocks)
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[J] = deque()
         self._running: dict[int, Job] = {}  # seq id -> job, in the decode batch
         self._seq_of: dict[str, int] = {}  # handle -> seq id, while running
         self._known: set[str] = set()  # handles of every job not yet ended
@@ -73,15 +78,13 @@ class Scheduler(ABC):
 
     def blocks_needed(self, job: Job) -> int:
         """Blocks the engine allocates for ``job`` (a prefill-only sequence holds just its prompt)."""
-        return self.limits.blocks_needed(job.request, decode=not isinstance(job, self._prefill_only))
-
-    _prefill_only: ClassVar[tuple[type, ...]] = ()
+        return self.limits.blocks_needed(job.request, decode=not self.role.exports_kv)
 
     # ------------------------------------------------------------- admission
 
     def check(self, job: Job) -> None:
         """Refuse a job this pool can never run (ServingError INVALID_ARG). Pure; any thread."""
-        if job.operation not in self.operations:
+        if job.operation not in self.operations or not isinstance(job, self.job_type):
             raise ServingError(
                 INVALID_ARG, f"a {self.role.value} pool does not run {job.operation.value} jobs"
             )
@@ -101,6 +104,8 @@ class Scheduler(ABC):
                 UNAVAILABLE, f"{self.role.value} queue is full ({self.config.max_queue}), retry later"
             )
             return Emission(job, Failed(error), True)
+        if not isinstance(job, self.job_type):  # check() refuses it first
+            return Emission(job, Failed(ServingError(INVALID_ARG, f"not a {self.role.value} job")), True)
         self._known.add(job.handle)
         self._waiting.append(job)
         return None
@@ -109,14 +114,14 @@ class Scheduler(ABC):
     def schedule(self) -> Plan:
         """Take what runs next off the queue, reserving its blocks and slots."""
 
-    def _head(self) -> Job | None:
+    def _head(self) -> J | None:
         """The head of the queue when its blocks fit now (FIFO: nothing overtakes a waiting job)."""
         if not self._waiting:
             return None
         head = self._waiting[0]
         return head if self.ledger.fits(self.blocks_needed(head)) else None
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: J) -> None:
         self._waiting.remove(job)
         self.ledger.reserve(job.handle, self.blocks_needed(job))
 

@@ -19,6 +19,7 @@ from typing import Any
 import fake_trtllm
 import pytest
 
+from disagg.config import ConfigError
 from disagg.engine.backend import BlockUsage, EngineBackend
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.engine.errors import BatchFull, InvalidRequest, OutOfBlocks, SequenceFailed, UnknownSequence
@@ -388,8 +389,12 @@ def test_trtllm_adapter_needs_tensorrt_llm_and_says_so(
 
 
 def test_trtllm_config_is_validated(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ConfigError, match=r"^unknown key\(s\) num_block$"):
         TrtllmConfig.from_dict({"model": str(tiny_model_dir), "num_block": 3})
+    with pytest.raises(ConfigError, match=r"^num_blocks: must be an integer"):
+        TrtllmConfig.from_dict({"model": str(tiny_model_dir), "num_blocks": "3"})
+    built = TrtllmConfig.from_dict({"model": str(tiny_model_dir), "eos_token_ids": [2], "ttl_s": 5})
+    assert built == TrtllmConfig(model=tiny_model_dir, eos_token_ids=(2,), ttl_s=5.0)
     with pytest.raises(ValueError, match="power of two"):
         TrtllmConfig(model=tiny_model_dir, tokens_per_block=12)
     with pytest.raises(ValueError, match="transceiver_backend"):

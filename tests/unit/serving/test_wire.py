@@ -1,0 +1,100 @@
+"""The wire module: every message between orchestrator and pools round-trips, and malformed input is
+refused as the client's error (INVALID_ARG), never a crash."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import SequenceState
+from disagg.role import Role
+from disagg.serving.errors import INVALID_ARG, ServingError
+from disagg.serving.messages import (
+    AbortLease,
+    DecodeJob,
+    GenerateJob,
+    Ping,
+    Prefilled,
+    PrefillJob,
+    Stop,
+    Token,
+)
+from disagg.triton import wire
+
+PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
+STATE = SequenceState((1, 2, 3), (9,), PARAMS)
+
+
+class _Sink:
+    def emit(self, event, final):
+        pass
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def _bytes(value: str | bytes) -> np.ndarray:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=object)
+
+
+@pytest.mark.parametrize("control", [Stop("h1"), AbortLease("lease-7"), Ping()])
+def test_controls_round_trip(control):
+    assert wire.decode_control(wire.encode_control(control).encode()) == control
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"[]", b'{"op": "reboot"}', b'{"op": "stop"}', b'{"op": "ping", "x": 1}', b'{"op": 1}']
+)
+def test_malformed_controls_are_invalid_arg(raw):
+    with pytest.raises(ServingError) as refused:
+        wire.decode_control(raw)
+    assert refused.value.code == INVALID_ARG
+
+
+def test_events_round_trip():
+    token = Token(42, True, "length")
+    assert wire.decode_event(wire.encode_event(token).encode(), None) == token
+    prefilled = Prefilled(9, False, None, b"descriptor-bytes", "lease-1", STATE)
+    assert wire.decode_event(wire.encode_event(prefilled).encode(), b"descriptor-bytes") == prefilled
+
+
+def test_state_and_sampling_round_trip():
+    assert wire.decode_state(wire.encode_state(STATE).encode()) == STATE
+    assert wire.decode_sampling(wire.encode_sampling(PARAMS).encode()) == PARAMS
+
+
+def test_jobs_by_role_and_inputs():
+    prompt = {
+        "handle": _bytes("h"),
+        "input_ids": np.array([[1, 2, 3]], dtype=np.int32),
+        "sampling": _bytes(wire.encode_sampling(PARAMS)),
+    }
+    prefill = wire.decode_job(Role.PREFILL, prompt, _Sink())
+    assert isinstance(prefill, PrefillJob) and prefill.request.prompt_token_ids == (1, 2, 3)
+    assert prefill.request.params == PARAMS and prefill.handle == "h"
+    assert isinstance(wire.decode_job(Role.COLOCATED, prompt, _Sink()), GenerateJob)
+    handoff = {"handle": _bytes("h"), "state": _bytes(wire.encode_state(STATE)), "descriptor": _bytes(b"d")}
+    decode = wire.decode_job(Role.DECODE, handoff, _Sink())
+    assert isinstance(decode, DecodeJob) and decode.state == STATE and decode.descriptor == b"d"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"input_ids": np.array([[1]], dtype=np.int32)},  # no handle
+        {"handle": _bytes("x" * 200), "input_ids": np.array([[1]], dtype=np.int32), "sampling": _bytes("{}")},
+        {"handle": _bytes("h"), "input_ids": np.array([[1]], dtype=np.int32)},  # no sampling
+        {"handle": _bytes("h"), "state": _bytes(wire.encode_state(STATE))},  # no descriptor
+        {"handle": _bytes("h"), "state": _bytes(b"{}"), "descriptor": _bytes(b"d")},
+        {
+            "handle": _bytes("h"),
+            "input_ids": np.array([[1]], dtype=np.int32),
+            "sampling": _bytes('{"bogus": 1}'),
+        },
+    ],
+)
+def test_malformed_jobs_are_invalid_arg(values):
+    with pytest.raises(ServingError) as refused:
+        wire.decode_job(Role.PREFILL, values, _Sink())
+    assert refused.value.code == INVALID_ARG
