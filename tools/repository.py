@@ -40,12 +40,16 @@ class Layout:
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 600.0
     prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
+    # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
+    colocated_chunk_tokens: int = 0
     # GPU ids ("0" or "0,1"); set: the pool is a KIND_GPU group with one instance per GPU
     prefill_gpus: str = ""
     decode_gpus: str = ""
     colocated_gpus: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.colocated_chunk_tokens, int) or self.colocated_chunk_tokens < 0:
+            raise ValueError("colocated_chunk_tokens must be an integer >= 0 (0: whole prompts)")
         ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
         if bool(ids["prefill"]) != bool(ids["decode"]):
             raise ValueError("prefill_gpus and decode_gpus go together (the KV hand-off is GPU to GPU)")
@@ -133,6 +137,9 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
+    if role == "colocated" and layout.colocated_chunk_tokens:
+        params["chunked_prefill"] = "true"
+        params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
     gpus = layout.gpus(role)
     if gpus:  # the instance's GPU id comes from Triton; NOT verified on a GPU
         params["device"] = "cuda"
@@ -257,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_mb)
     parser.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
+    parser.add_argument(
+        "--colocated-chunk-tokens",
+        type=int,
+        default=defaults.colocated_chunk_tokens,
+        help="colocated pool: prompt tokens per step, in chunks (0: whole prompts)",
+    )
     args = parser.parse_args(argv)
     try:
         layout = _layout(args)
@@ -277,6 +290,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         kv_cache_mb=args.kv_cache_mb,
         lease_ttl_s=args.lease_ttl_s,
         request_timeout_s=args.request_timeout_s,
+        colocated_chunk_tokens=args.colocated_chunk_tokens,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         colocated_gpus=args.colocated_gpus,

@@ -31,6 +31,7 @@ class EngineLimits:
     max_batch_size: int
     max_context: int
     vocab_size: int
+    chunked_prefill: bool = True  # prefill_chunk honours its token count
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -75,6 +76,17 @@ class EngineBackend(Protocol):
     def prefill(self, requests: Sequence[Request], *, decode: bool) -> list[StepOutput]:
         """Prefill each prompt and sample its first token. ``decode=False``: hold the sequence for
         ``export_sequence`` instead of adding it to the decode batch. All-or-nothing."""
+
+    def start(self, request: Request, *, decode: bool) -> int:
+        """Admit a request for ``prefill_chunk``: validate it and take its blocks (and, with
+        ``decode``, its batch slot); nothing runs yet. All-or-nothing."""
+
+    def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
+        """Prefill at most the next ``max_tokens`` prompt tokens of a started sequence; the first
+        token's output once its prompt is complete (then it joins the decode batch, or is held for
+        ``export_sequence``), None before. An engine without chunked prefill
+        (``limits.chunked_prefill`` False) prefills the whole rest of the prompt whatever
+        ``max_tokens`` says."""
 
     def decode_step(self) -> list[StepOutput]:
         """New tokens of the decode batch's sequences, in order, a finished one's last (it is freed).

@@ -184,40 +184,79 @@ class Engine:
     # ----------------------------------------------------------------- phases
 
     def prefill(self, requests: Iterable[Request], *, decode: bool = True) -> list[StepOutput]:
-        """Run each prompt, sample its first token; outputs in request order.
+        """Run each prompt whole, sample its first token; outputs in request order.
 
         With ``decode=False`` (a prefill pool) the sequences are held for export and never join
-        decode_step(); their blocks cover only the prompt. All-or-nothing: on InvalidRequest or
-        OutOfBlocks nothing is allocated.
+        decode_step(); their blocks cover only the prompt. All-or-nothing: on InvalidRequest,
+        OutOfBlocks or BatchFull nothing is allocated.
         """
         requests = list(requests)
         for request in requests:
             self.validate(request)
-        if decode and len(self.active_sequences()) + len(requests) > self.config.max_batch_size:
+        if decode and self._batch_size() + len(requests) > self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
         needed = [self.blocks_needed(r, decode=decode) for r in requests]
         blocks = self.kv.allocate(sum(needed))
         seqs = []
         for request, count in zip(requests, needed, strict=True):
-            seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks[:count])
-            seq.decoding = decode
+            seqs.append(self._add(request, blocks[:count], decode))
             blocks = blocks[count:]
-            self._sequences[seq.seq_id] = seq
-            seqs.append(seq)
         try:
-            return [self._run_prefill(seq) for seq in seqs]
+            outputs = [self._prefill_chunk(seq, len(seq.prompt)) for seq in seqs]
+            return [out for out in outputs if out is not None]  # each chunk is a whole prompt: all there
         except BaseException:
             for seq in seqs:  # an engine fault: give everything of this call back
                 self.free(seq.seq_id)
             raise
 
-    def _run_prefill(self, seq: Sequence) -> StepOutput:
-        tokens = torch.tensor(seq.prompt, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(seq.prompt), device=self.device)
+    def start(self, request: Request, *, decode: bool = True) -> int:
+        """Admit a request for chunked prefill (``prefill_chunk``): its blocks are taken now, it joins
+        the decode batch (``decode=True``) once its whole prompt is prefilled."""
+        self.validate(request)
+        if decode and self._batch_size() >= self.config.max_batch_size:
+            raise BatchFull(self.config.max_batch_size)
+        blocks = self.kv.allocate(self.blocks_needed(request, decode=decode))
+        return self._add(request, blocks, decode).seq_id
+
+    def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
+        """Prefill the next ``max_tokens`` (at most) prompt tokens of a started sequence, attending to
+        the chunks already cached; the first token's output once the prompt is complete, else None."""
+        seq = self._get(seq_id)
+        if seq.num_cached >= len(seq.prompt) or max_tokens < 1:
+            raise InvalidRequest("sequence has no prompt tokens left to prefill, or the chunk is empty")
+        try:
+            return self._prefill_chunk(seq, max_tokens)
+        except BaseException:
+            self.free(seq_id)  # an engine fault: the sequence cannot continue
+            raise
+
+    def prompt_left(self, seq_id: int) -> int:
+        """Prompt tokens of a started sequence not prefilled yet."""
+        seq = self._get(seq_id)
+        return len(seq.prompt) - seq.num_cached
+
+    def _add(self, request: Request, blocks: list[int], decode: bool) -> Sequence:
+        seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks)
+        seq.decoding = False  # joins decode_step() when its prompt is complete
+        seq.joins_decode = decode
+        self._sequences[seq.seq_id] = seq
+        return seq
+
+    def _batch_size(self) -> int:
+        """Sequences in the decode batch or on their way into it."""
+        return sum(1 for s in self._sequences.values() if s.decoding or s.joins_decode)
+
+    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> StepOutput | None:
+        start = seq.num_cached
+        end = min(len(seq.prompt), start + max_tokens)
+        tokens = torch.tensor(seq.prompt[start:end], dtype=torch.long, device=self.device)
         table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
-        bs = self.kv_layout.block_size
-        logits = self.model.prefill(tokens, self.kv.cache, table[positions // bs], positions % bs)
-        seq.num_cached = len(seq.prompt)
+        last = end == len(seq.prompt)
+        logits = self.model.prefill(tokens, start, self.kv.cache, table, logits=last)
+        seq.num_cached = end
+        if not last:
+            return None
+        seq.decoding = seq.joins_decode
         return self._append(seq, logits)
 
     def decode_step(self) -> list[StepOutput]:

@@ -41,6 +41,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose KV is in the blocks
     decoding: bool = True  # part of decode_step()'s batch
+    joins_decode: bool = True  # joins that batch once its prompt is prefilled (False: held for export)
 
     @property
     def last_token(self) -> int:

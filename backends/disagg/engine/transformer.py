@@ -100,25 +100,44 @@ class Transformer:
 
     @torch.inference_mode()
     def prefill(
-        self, tokens: torch.Tensor, cache: torch.Tensor, slot_block: torch.Tensor, slot_offset: torch.Tensor
-    ) -> torch.Tensor:
-        """Run a whole prompt tokens [T]; write its KV at the given slots [T]; logits [V] of the last."""
-        positions = torch.arange(tokens.shape[0], device=tokens.device)
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        cache: torch.Tensor,
+        blocks: torch.Tensor,
+        *,
+        logits: bool = True,
+    ) -> torch.Tensor | None:
+        """Prompt tokens [T] at positions start..start+T-1 of a sequence whose blocks are ``blocks``
+        [MB]: write their KV, attend causally to every position before (the chunks already cached)
+        and within; logits [V] of the last token (None with ``logits=False``)."""
+        bs = cache.shape[3]
+        count = tokens.shape[0]
+        positions = torch.arange(start, start + count, device=tokens.device)
+        slot_block, slot_offset = blocks[positions // bs], positions % bs
+        span = start + count
+        if start:  # the earlier chunks' KV comes from the cache: [span] positions of this sequence
+            table = blocks[: -(-span // bs)]
+            mask = torch.arange(span, device=tokens.device)[None, :] <= positions[:, None]  # [T, span]
         x = self.embed[tokens]  # [T, H]
         for n, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
             cache[slot_block, n, 0, slot_offset] = k
             cache[slot_block, n, 1, slot_offset] = v
+            if start:
+                k = cache[:, n, 0].index_select(0, table).flatten(0, 1)[:span]  # [span, nkv, hd]
+                v = cache[:, n, 1].index_select(0, table).flatten(0, 1)[:span]
             # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
                 k.transpose(0, 1)[None],
                 v.transpose(0, 1)[None],
-                is_causal=True,
+                attn_mask=mask if start else None,
+                is_causal=not start,
                 enable_gqa=True,
             )[0]  # [nh, T, hd]
             x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(-1, self.q_size))
-        return self._logits(x[-1:])[0]
+        return self._logits(x[-1:])[0] if logits else None
 
     @torch.inference_mode()
     def decode(

@@ -193,8 +193,14 @@ class TrtllmBackend:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
             raise ValueError("eos_token_ids must be integers")
         self._eos = frozenset(eos)
+        # TensorRT-LLM chunks prompts itself (its own scheduler); ours gets whole prompts
         self._limits = EngineLimits(
-            config.num_blocks, config.tokens_per_block, config.max_batch_size, context, vocab
+            config.num_blocks,
+            config.tokens_per_block,
+            config.max_batch_size,
+            context,
+            vocab,
+            chunked_prefill=False,
         )
         self._max_tokens_cap = min(config.max_tokens_cap or context, context)
         self._seal = DescriptorSeal(
@@ -205,6 +211,7 @@ class TrtllmBackend:
         )
         self._cond = threading.Condition()
         self._seqs: dict[int, _Seq] = {}
+        self._starting: dict[int, bool] = {}  # started, not yet submitted: whether it joins the batch
         self._ids = itertools.count(1)
         self._carry: list[StepOutput] = []
         self._readers: list[threading.Thread] = []
@@ -284,6 +291,42 @@ class TrtllmBackend:
         except BaseException:
             for seq in seqs:
                 self.free(seq.seq_id)
+            raise
+
+    def start(self, request: Request, *, decode: bool) -> int:
+        """Take a request's blocks (and batch slot) for ``prefill_chunk``; nothing is submitted yet."""
+        self.validate(request)
+        if (
+            decode
+            and len(self.active_sequences()) + sum(self._starting.values()) >= self._limits.max_batch_size
+        ):
+            raise BatchFull(self._limits.max_batch_size)
+        needed = self._limits.blocks_needed(request, decode=decode)
+        self._reserve(needed)
+        seq = self._add(request.prompt_token_ids, request.params, needed, False)
+        self._starting[seq.seq_id] = decode
+        return seq.seq_id
+
+    def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
+        """Submit a started sequence's whole prompt (``limits.chunked_prefill`` is False: TensorRT-LLM
+        chunks on its own) and wait for its first token."""
+        if seq_id not in self._starting:
+            raise InvalidRequest(f"sequence {seq_id} was not started, or is already prefilled")
+        decode = self._starting.pop(seq_id)
+        seq = self._get(seq_id)
+        seq.decoding = decode
+        try:
+            sampling = trtllm_sampling(seq.params, self._api)
+            if decode:
+                self._stream(seq, sampling, None)
+                return self._first(seq)
+            ctx = self._api.DisaggregatedParams(request_type="context_only")
+            seq.result = self._llm.generate_async(
+                list(seq.prompt), sampling_params=sampling, streaming=False, disaggregated_params=ctx
+            )
+            return self._context_done(seq)
+        except BaseException:
+            self.free(seq_id)
             raise
 
     def _context_done(self, seq: _Seq) -> StepOutput:
@@ -405,6 +448,7 @@ class TrtllmBackend:
         Aborting a finished context-only request is meant to let TensorRT-LLM drop the KV it keeps
         for the transceiver; whether it does (or waits for its transfer timeout) is not verified.
         """
+        self._starting.pop(seq_id, None)
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False

@@ -1,9 +1,11 @@
 """The colocated role: both phases in one engine, the baseline disaggregation is judged by.
 
-Each step first admits waiting prompts (FIFO, while batch slots and blocks allow, within the prefill
-token budget but at least one prompt) and prefills them, which emits their first token, then runs one
-decode step over every sequence of the batch. A long prompt admitted here stalls every running
-sequence for the length of its prefill: exactly the interference disaggregation removes.
+Each step first prefills prompt work within the per-step token budget (``max_prefill_tokens``):
+prompts already started, then waiting ones (FIFO, while batch slots and blocks allow); a completed
+prompt emits its first token and joins the batch. Then one decode step runs over the whole batch.
+Without chunked prefill a step takes whole prompts (at least one, however long), so a long prompt
+stalls every running sequence for the length of its prefill: the interference disaggregation removes.
+With ``chunked_prefill`` a step runs at most the budget's worth of prompt, bounding that stall.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from disagg.role import Role
 from disagg.scheduling.plan import Plan
 from disagg.scheduling.scheduler import Scheduler
-from disagg.serving.messages import GenerateJob, prompt_tokens
+from disagg.serving.messages import GenerateJob
 
 
 class ColocatedScheduler(Scheduler[GenerateJob]):
@@ -19,14 +21,5 @@ class ColocatedScheduler(Scheduler[GenerateJob]):
     role = Role.COLOCATED
 
     def schedule(self) -> Plan:
-        admitted: list[GenerateJob] = []
-        budget = self.config.max_prefill_tokens
-        slots = self._free_slots()
-        while slots > 0 and (head := self._head()) is not None:
-            if admitted and prompt_tokens(head) > budget:
-                break
-            self._admit(head)
-            admitted.append(head)
-            budget -= prompt_tokens(head)
-            slots -= 1
-        return Plan(prefill=tuple(admitted), decode=bool(admitted or self._running))
+        chunks = self._prefill_chunks(slots=self._free_slots())
+        return Plan(prefill=tuple(chunks), decode=bool(chunks or self._running))

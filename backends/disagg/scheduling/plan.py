@@ -12,11 +12,22 @@ from disagg.serving.messages import DecodeJob, Event, GenerateJob, Job, PrefillJ
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Prefill the next ``tokens`` prompt tokens of ``job``; ``seq_id`` is None for its first chunk
+    (the runner starts the sequence). The chunk that completes the prompt yields the first token (and,
+    for a PrefillJob, the export)."""
+
+    job: PrefillJob | GenerateJob
+    seq_id: int | None
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """One engine-loop iteration's work, run in this order."""
 
     refused: tuple[tuple[Job, ServingError], ...] = ()
-    prefill: tuple[PrefillJob | GenerateJob, ...] = ()  # prefill each (and export, for PrefillJob)
+    prefill: tuple[Chunk, ...] = ()
     imports: tuple[DecodeJob, ...] = ()  # pull each one's KV, join the decode batch
     decode: bool = False  # one decode step over the batch
 
@@ -34,6 +45,14 @@ class Refused:
 
     job: Job
     error: ServingError
+
+
+@dataclass(frozen=True)
+class Progressed:
+    """A chunk of a prompt was prefilled; more of it remains."""
+
+    job: PrefillJob | GenerateJob
+    seq_id: int
 
 
 @dataclass(frozen=True)
@@ -74,7 +93,7 @@ class Stepped:
     failed: tuple[int, ...] = ()
 
 
-Result = Refused | Started | Handed | Joined | Stepped
+Result = Refused | Progressed | Started | Handed | Joined | Stepped
 
 
 # ---------------------------------------------------------------- what the loop does next

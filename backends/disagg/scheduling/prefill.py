@@ -29,11 +29,10 @@ class PrefillScheduler(Scheduler[PrefillJob]):
         return len(self._leases)
 
     def schedule(self) -> Plan:
-        head = self._head()
-        if head is not None:
-            self._admit(head)
-            return Plan(prefill=(head,))
-        if self._waiting and not self._leases:
+        chunks = self._prefill_chunks(max_jobs=1)  # one prompt at a time, FIFO
+        if chunks:
+            return Plan(prefill=tuple(chunks))
+        if self._waiting and not self._leases and not self._prefilling:
             # nothing will come back: the head cannot fit (only a pool too small for check() allows it)
             job = self._waiting.popleft()
             error = ServingError(UNAVAILABLE, "prompt does not fit in the prefill KV cache")
@@ -42,6 +41,7 @@ class PrefillScheduler(Scheduler[PrefillJob]):
 
     def _handed(self, result: Handed) -> Emission:
         job, output, exported = result.job, result.output, result.exported
+        self._prefilled(job)
         if exported is None:  # the first token ended it; the engine freed it
             self._end(job)
             return Emission(

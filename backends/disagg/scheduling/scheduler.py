@@ -6,14 +6,26 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Generic, TypeVar
 
 from disagg.engine.backend import EngineLimits
 from disagg.engine.sequence import StepOutput
 from disagg.role import Role
 from disagg.scheduling.ledger import BlockLedger
-from disagg.scheduling.plan import Emission, Handed, Joined, Plan, Refused, Removal, Result, Started, Stepped
+from disagg.scheduling.plan import (
+    Chunk,
+    Emission,
+    Handed,
+    Joined,
+    Plan,
+    Progressed,
+    Refused,
+    Removal,
+    Result,
+    Started,
+    Stepped,
+)
 from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
 from disagg.serving.messages import Failed, Job, Token, prompt_tokens
 
@@ -23,15 +35,29 @@ class SchedulerConfig:
     """Queue bound and prefill budget of one pool instance."""
 
     max_queue: int = 256  # jobs waiting for admission; one more is refused UNAVAILABLE
-    # prompt tokens prefilled per colocated step, so running sequences keep getting tokens; at least
-    # one prompt per step is always admitted, however long
+    # prompt tokens prefilled per step, so the sequences already decoding keep getting tokens
     max_prefill_tokens: int = 4096
+    # True: prompts are prefilled in chunks that fill the budget exactly (a step never runs more than
+    # max_prefill_tokens of prompt); False: whole prompts, at least one per step however long
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer")
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError("chunked_prefill must be true or false")
+
+
+@dataclass
+class _Partial:
+    """A job whose prompt is being prefilled: its sequence (None until the first chunk ran) and the
+    prompt tokens not scheduled yet."""
+
+    job: Job
+    seq_id: int | None
+    left: int
 
 
 J = TypeVar("J", bound=Job)
@@ -46,19 +72,23 @@ class Scheduler(ABC, Generic[J]):
 
     def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
         self.limits = limits
-        self.config = config or SchedulerConfig()
+        config = config or SchedulerConfig()
+        if config.chunked_prefill and not limits.chunked_prefill:  # the engine prefills whole prompts
+            config = replace(config, chunked_prefill=False)
+        self.config = config
         self.operations = self.role.operations
         self.ledger = BlockLedger(limits.num_blocks)
         self._waiting: deque[J] = deque()
         self._running: dict[int, Job] = {}  # seq id -> job, in the decode batch
-        self._seq_of: dict[str, int] = {}  # handle -> seq id, while running
+        self._prefilling: dict[str, _Partial] = {}  # handle -> partial prefill, in admission order
+        self._seq_of: dict[str, int] = {}  # handle -> seq id, while prefilling or running
         self._known: set[str] = set()  # handles of every job not yet ended
 
     # ------------------------------------------------------------- queries
 
     @property
     def idle(self) -> bool:
-        return not self._waiting and not self._running
+        return not self._waiting and not self._running and not self._prefilling
 
     @property
     def num_waiting(self) -> int:
@@ -69,8 +99,15 @@ class Scheduler(ABC, Generic[J]):
         return len(self._running)
 
     @property
+    def num_prefilling(self) -> int:
+        return len(self._prefilling)
+
+    @property
     def queued_prompt_tokens(self) -> int:
-        return sum(prompt_tokens(job) for job in self._waiting)
+        """Prompt tokens not prefilled yet: the queue's, and what remains of prompts being prefilled."""
+        return sum(prompt_tokens(job) for job in self._waiting) + sum(
+            p.left for p in self._prefilling.values()
+        )
 
     @property
     def held_leases(self) -> int:
@@ -126,7 +163,43 @@ class Scheduler(ABC, Generic[J]):
         self.ledger.reserve(job.handle, self.blocks_needed(job))
 
     def _free_slots(self) -> int:
-        return self.limits.max_batch_size - len(self._running)
+        return self.limits.max_batch_size - len(self._running) - len(self._prefilling)
+
+    def _prefill_chunks(self, max_jobs: int | None = None, slots: int | None = None) -> list[Chunk]:
+        """Prompt work for one step within the token budget: prompts already started first (oldest
+        first), then new ones off the queue (FIFO, while ``slots`` and blocks allow), at most
+        ``max_jobs`` prompts."""
+        budget = self.config.max_prefill_tokens
+        chunks: list[Chunk] = []
+
+        def now(left: int) -> int:  # tokens of a prompt with ``left`` to go that run this step
+            if self.config.chunked_prefill:
+                return min(left, budget)
+            return left if not chunks or left <= budget else 0
+
+        def room() -> bool:
+            return budget > 0 and (max_jobs is None or len(chunks) < max_jobs)
+
+        for part in self._prefilling.values():
+            if not room() or not (count := now(part.left)):
+                break
+            chunks.append(Chunk(part.job, part.seq_id, count))  # type: ignore[arg-type]
+            part.left -= count
+            budget -= count
+        while room() and (slots is None or slots > 0) and (head := self._head()) is not None:
+            if not (count := now(prompt_tokens(head))):
+                break
+            self._admit(head)
+            self._prefilling[head.handle] = _Partial(head, None, prompt_tokens(head) - count)
+            chunks.append(Chunk(head, None, count))  # type: ignore[arg-type]
+            budget -= count
+            slots = None if slots is None else slots - 1
+        return chunks
+
+    def _prefilled(self, job: Job) -> None:
+        """A job's prompt is complete: it is no longer prefilling (its blocks stay reserved)."""
+        self._prefilling.pop(job.handle, None)
+        self._seq_of.pop(job.handle, None)
 
     # ------------------------------------------------------------- results
 
@@ -136,7 +209,11 @@ class Scheduler(ABC, Generic[J]):
             if isinstance(result, Refused):
                 self._end(result.job)
                 out.append(Emission(result.job, Failed(result.error), True))
+            elif isinstance(result, Progressed):
+                self._prefilling[result.job.handle].seq_id = result.seq_id
+                self._seq_of[result.job.handle] = result.seq_id
             elif isinstance(result, Started):
+                self._prefilled(result.job)
                 out.append(self._token(result.job, result.seq_id, result.output, joining=True))
             elif isinstance(result, Handed):
                 out.append(self._handed(result))
@@ -177,6 +254,7 @@ class Scheduler(ABC, Generic[J]):
         seq_id = self._seq_of.pop(job.handle, None)
         if seq_id is not None:
             self._running.pop(seq_id, None)
+        self._prefilling.pop(job.handle, None)
         self.ledger.release(job.handle)
         self._known.discard(job.handle)
 
@@ -189,6 +267,10 @@ class Scheduler(ABC, Generic[J]):
                 self._waiting.remove(job)
                 self._known.discard(handle)
                 return Removal(job)
+        part = self._prefilling.get(handle)
+        if part is not None:
+            self._end(part.job)
+            return Removal(part.job, seq_id=part.seq_id)
         seq_id = self._seq_of.get(handle)
         if seq_id is not None:
             job = self._running[seq_id]
@@ -206,7 +288,7 @@ class Scheduler(ABC, Generic[J]):
 
     def drop_all(self) -> list[Job]:
         """Every job not yet ended (shutdown, engine fault); the scheduler is empty afterwards."""
-        jobs = list(self._waiting) + list(self._running.values())
+        jobs = list(self._waiting) + [p.job for p in self._prefilling.values()] + list(self._running.values())
         for job in jobs:
             self._end(job)
         self._waiting.clear()

@@ -25,6 +25,10 @@ class PoolConfig:
     lease_ttl_s: float = 30.0
     checksum: bool = False
     max_queue: int = 256
+    # prompt tokens per engine step, and whether prompts are cut into chunks to fill it exactly (see
+    # disagg.scheduling.SchedulerConfig); chunking bounds how long one prompt stalls a colocated batch
+    max_prefill_tokens: int = 4096
+    chunked_prefill: bool = False
     # Scheduling niceness of the whole instance process (0..19). A prefill pool sharing its cores with
     # the token relay (orchestrator, text steps, Triton's own threads) runs nicer, so relaying a
     # token preempts a long prefill at once instead of waiting out its time slice.
@@ -36,10 +40,12 @@ class PoolConfig:
         object.__setattr__(self, "role", Role.parse(self.role))
         if not 0 < self.lease_ttl_s <= 3600:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
-        if not isinstance(self.max_queue, int) or self.max_queue < 1:
-            raise ValueError("max_queue must be a positive integer")
+        self.scheduling()  # validates the scheduler's settings
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ValueError("nice must be an integer in [0, 19]")
+
+    def scheduling(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_queue, self.max_prefill_tokens, self.chunked_prefill)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False) -> PoolConfig:
@@ -91,7 +97,7 @@ def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Trans
             layout, num_blocks = plan_kv(config.engine)
             memory = transport.allocate_memory(num_blocks, layout.block_bytes)  # type: ignore[union-attr]
         engine = Engine(config.engine, kv_memory=memory)
-        scheduler = create_scheduler(config.role, engine.limits, SchedulerConfig(max_queue=config.max_queue))
+        scheduler = create_scheduler(config.role, engine.limits, config.scheduling())
         loop = EngineLoop(engine, scheduler, transport)
     except BaseException:
         if transport is not None:

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import SequenceFailed
-from disagg.scheduling.plan import Handed, Joined, Plan, Refused, Result, Started, Stepped
+from disagg.scheduling.plan import Chunk, Handed, Joined, Plan, Progressed, Refused, Result, Started, Stepped
 from disagg.serving.errors import classify
-from disagg.serving.messages import DecodeJob, GenerateJob, PrefillJob
+from disagg.serving.messages import DecodeJob, PrefillJob
 
 T = TypeVar("T")
 
@@ -40,22 +40,29 @@ class Runner:
                 results.append(Stepped((), tuple(failure.seq_ids)))
         return results
 
-    def _prefill(self, job: PrefillJob | GenerateJob) -> Result:
+    def _prefill(self, chunk: Chunk) -> Result:
+        job, seq_id = chunk.job, chunk.seq_id
         export = isinstance(job, PrefillJob)
         try:
-            (output,) = self._timed(self.backend.prefill, [job.request], decode=not export)
+            if seq_id is None:
+                seq_id = self.backend.start(job.request, decode=not export)
+            output = self._timed(self.backend.prefill_chunk, seq_id, chunk.tokens)
         except Exception as exc:
+            if seq_id is not None:
+                self.backend.free(seq_id)
             return Refused(job, classify(exc))
+        if output is None:
+            return Progressed(job, seq_id)
         if not isinstance(job, PrefillJob):
-            return Started(job, output.seq_id, output)
+            return Started(job, seq_id, output)
         if output.finished:
-            return Handed(job, output.seq_id, output, None)
+            return Handed(job, seq_id, output, None)
         try:
-            exported = self.backend.export_sequence(output.seq_id, self.transport)
+            exported = self.backend.export_sequence(seq_id, self.transport)
         except Exception as exc:
-            self.backend.free(output.seq_id)
+            self.backend.free(seq_id)
             return Refused(job, classify(exc))
-        return Handed(job, output.seq_id, output, exported)
+        return Handed(job, seq_id, output, exported)
 
     def _import(self, job: DecodeJob) -> Result:
         try:

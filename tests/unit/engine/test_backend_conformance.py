@@ -230,6 +230,30 @@ def test_prefill_then_decode_to_completion(make: Factory) -> None:
     assert backend.decode_step() == []
 
 
+def test_started_sequences_prefill_in_chunks_as_one(make: Factory) -> None:
+    """start + prefill_chunk gives the tokens of prefill(); an engine with chunked prefill takes the
+    prompt in the chunks asked for (None until the last), one without takes it whole."""
+    backend = make()
+    prompt = tuple([1, *range(30, 51)])  # 22 tokens
+    request = Request(prompt, SamplingParams(max_tokens=6, min_length=6))
+    (whole,) = backend.prefill([request], decode=True)
+    expected = {whole.seq_id: [whole.token_id]}
+    drain(backend, expected)
+    seq_id = backend.start(request, decode=True)
+    assert check_usage(backend).used == backend.limits.blocks_needed(request)
+    assert backend.decode_step() == [], "a started sequence is not in the batch yet"
+    outputs = [backend.prefill_chunk(seq_id, 5)]
+    while outputs[-1] is None:
+        outputs.append(backend.prefill_chunk(seq_id, 5))
+    assert len(outputs) == (5 if backend.limits.chunked_prefill else 1)  # 5 + 5 + 5 + 5 + 2
+    streams = {seq_id: [outputs[-1].token_id]}
+    drain(backend, streams)
+    assert streams[seq_id] == expected[whole.seq_id]
+    assert check_usage(backend) == BlockUsage(0, backend.limits.num_blocks)
+    held = backend.start(request, decode=False)
+    assert backend.free(held) and check_usage(backend).used == 0, "a started sequence can be freed"
+
+
 def test_stop_token_ends_a_sequence(make: Factory) -> None:
     backend = make()
     tokens = generate(backend, Request(PROMPT, GREEDY))

@@ -30,6 +30,8 @@ class FakeBackend:
         self.ids = itertools.count(1)
         self.calls: list[str] = []
         self.exports: dict[str, SequenceState] = {}
+        self.joins: dict[int, bool] = {}  # started sequences: whether they join the decode batch
+        self.done: dict[int, int] = {}  # prompt tokens prefilled so far
 
     @property
     def limits(self) -> EngineLimits:
@@ -46,8 +48,11 @@ class FakeBackend:
     def _take(self, blocks: int, decoding: bool) -> None:
         if blocks > self.usage().free:
             raise OutOfBlocks(blocks, self.usage().free)
-        if decoding and sum(s.decoding for s in self.seqs.values()) >= self._limits.max_batch_size:
+        if decoding and self._batch() >= self._limits.max_batch_size:
             raise BatchFull(self._limits.max_batch_size)
+
+    def _batch(self) -> int:
+        return sum(s.decoding for s in self.seqs.values()) + sum(self.joins.values())
 
     def _first(self, seq_id: int) -> StepOutput:
         seq = self.seqs[seq_id]
@@ -76,6 +81,27 @@ class FakeBackend:
             out.append(self._first(seq_id))
         return out
 
+    def start(self, request: Request, *, decode: bool) -> int:
+        self.validate(request)
+        blocks = self._limits.blocks_needed(request, decode=decode)
+        self._take(blocks, decode)
+        seq_id = next(self.ids)
+        self.seqs[seq_id] = _Seq(SequenceState(request.prompt_token_ids, (), request.params), blocks, False)
+        self.joins[seq_id] = decode
+        self.done[seq_id] = 0
+        return seq_id
+
+    def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
+        self.calls.append(f"chunk {max_tokens}")
+        seq = self.seqs[seq_id]
+        self.done[seq_id] += max_tokens
+        if self.done[seq_id] > len(seq.state.prompt_token_ids):
+            raise AssertionError("chunk beyond the prompt")
+        if self.done[seq_id] < len(seq.state.prompt_token_ids):
+            return None
+        seq.decoding = self.joins.pop(seq_id)
+        return self._first(seq_id)
+
     def decode_step(self) -> list[StepOutput]:
         self.calls.append("decode")
         return [self._append(i, s) for i, s in list(self.seqs.items()) if s.decoding]
@@ -94,6 +120,8 @@ class FakeBackend:
         return Imported(seq_id, 0.001)
 
     def free(self, seq_id: int) -> bool:
+        self.joins.pop(seq_id, None)
+        self.done.pop(seq_id, None)
         return self.seqs.pop(seq_id, None) is not None
 
 

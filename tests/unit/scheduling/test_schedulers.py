@@ -4,6 +4,7 @@ the prefill token budget, cancellation, and exact block accounting."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from scheduler_fakes import FakeBackend, decode_job, generate_job, prefill_job
@@ -148,7 +149,7 @@ def test_prefill_one_prompt_per_step_fifo_and_blocks_held_by_lease():
     assert seq_id is not None
     backend.free(seq_id)
     assert _finals(_drive(scheduler, backend)) == ["c"]
-    assert backend.calls == ["prefill"] * 3
+    assert backend.calls == ["chunk 8"] * 3, "whole prompts: one chunk each"
 
 
 def test_prefill_stop_after_export_aborts_the_lease():
@@ -183,12 +184,12 @@ def test_colocated_prefill_token_budget_admits_at_least_one_prompt():
     scheduler.add(generate_job("long", prompt_len=40))  # over the budget alone: still admitted
     scheduler.add(generate_job("x", prompt_len=4))
     plan = scheduler.schedule()
-    assert [j.handle for j in plan.prefill] == ["long"]
+    assert [c.job.handle for c in plan.prefill] == ["long"]
     scheduler.postprocess(Runner(backend).run(plan))
     scheduler.add(generate_job("y", prompt_len=4))
     scheduler.add(generate_job("z", prompt_len=4))
     plan = scheduler.schedule()
-    assert [j.handle for j in plan.prefill] == ["x", "y"], "4 + 4 tokens fit the budget of 10; z waits"
+    assert [c.job.handle for c in plan.prefill] == ["x", "y"], "4 + 4 tokens fit the budget of 10; z waits"
     assert plan.decode
 
 
@@ -269,3 +270,112 @@ def test_a_sequence_the_engine_loses_fails_alone():
     assert failed.job.handle == "a" and failed.final and failed.event.error.code == "INTERNAL"
     emissions = _drive(scheduler, backend, steps=2)
     assert _finals(emissions) == ["b"] and scheduler.idle and backend.usage().used == 0
+
+
+# ----------------------------------------------------------------------------------- chunked prefill
+
+
+def test_chunked_prefill_fills_the_budget_and_decodes_between_chunks():
+    backend = FakeBackend(num_blocks=256)
+    config = SchedulerConfig(max_prefill_tokens=10, chunked_prefill=True)
+    scheduler = ColocatedScheduler(backend.limits, config)
+    scheduler.add(generate_job("short", prompt_len=2, max_tokens=20))
+    _drive(scheduler, backend)  # "short" is decoding now
+    scheduler.add(generate_job("long", prompt_len=25, max_tokens=3))
+    scheduler.add(generate_job("next", prompt_len=8, max_tokens=3))
+    backend.calls.clear()
+    firsts: dict[str, int] = {}  # handle -> step of its first token
+    for step in range(3):
+        for emission in _drive(scheduler, backend):
+            firsts.setdefault(emission.job.handle, step)
+    # 10 + 10 + (5 of long, 5 of next); next's last 3 run in the fourth step
+    assert backend.calls == ["chunk 10", "decode", "chunk 10", "decode", "chunk 5", "chunk 5", "decode"]
+    assert firsts == {"short": 0, "long": 2}, "a prompt's first token comes with its last chunk"
+    assert scheduler.num_prefilling == 1 and scheduler.queued_prompt_tokens == 3
+    backend.calls.clear()
+    emissions = _drive(scheduler, backend)
+    assert backend.calls == ["chunk 3", "decode"] and "next" in [e.job.handle for e in emissions]
+
+
+def test_unchunked_budget_takes_whole_prompts_at_least_one():
+    backend = FakeBackend(num_blocks=256)
+    scheduler = ColocatedScheduler(backend.limits, SchedulerConfig(max_prefill_tokens=10))
+    scheduler.add(generate_job("long", prompt_len=25))
+    scheduler.add(generate_job("x", prompt_len=4))
+    _drive(scheduler, backend)
+    assert backend.calls == ["chunk 25", "decode"], "whole prompt, over the budget, alone in its step"
+
+
+def test_cancel_while_prefilling_gives_the_blocks_back():
+    backend = FakeBackend(num_blocks=256)
+    scheduler = ColocatedScheduler(
+        backend.limits, SchedulerConfig(max_prefill_tokens=4, chunked_prefill=True)
+    )
+    scheduler.add(generate_job("a", prompt_len=12))
+    _drive(scheduler, backend)
+    assert scheduler.num_prefilling == 1 and backend.usage().used > 0
+    removal = scheduler.remove("a")
+    assert removal is not None and removal.job.handle == "a" and removal.seq_id is not None
+    backend.free(removal.seq_id)
+    assert scheduler.idle and scheduler.ledger.reserved == 0 == backend.usage().used
+    assert _drive(scheduler, backend) == []
+
+
+def test_prefill_role_chunks_one_prompt_at_a_time():
+    backend = FakeBackend(num_blocks=256)
+    scheduler = PrefillScheduler(backend.limits, SchedulerConfig(max_prefill_tokens=5, chunked_prefill=True))
+    scheduler.add(prefill_job("a", prompt_len=12))
+    scheduler.add(prefill_job("b", prompt_len=3))
+    handed = _drive(scheduler, backend, steps=4)
+    assert backend.calls == ["chunk 5", "chunk 5", "chunk 2", "chunk 3"], "FIFO: b waits for a's last chunk"
+    assert _finals(handed) == ["a", "b"] and scheduler.held_leases == 2
+
+
+def test_an_engine_without_chunking_gets_whole_prompts():
+    backend = FakeBackend(num_blocks=256)
+    limits = replace(backend.limits, chunked_prefill=False)
+    scheduler = ColocatedScheduler(limits, SchedulerConfig(max_prefill_tokens=4, chunked_prefill=True))
+    assert scheduler.config.chunked_prefill is False
+    scheduler.add(generate_job("a", prompt_len=12))
+    (chunk,) = scheduler.schedule().prefill
+    assert chunk.tokens == 12
+
+
+@pytest.mark.parametrize("role", ["prefill", "colocated"])
+def test_random_chunked_workload_keeps_exact_accounting(role):
+    rng = random.Random(11)
+    backend = FakeBackend(num_blocks=60, block_size=4, max_batch_size=4)
+    config = SchedulerConfig(max_prefill_tokens=7, chunked_prefill=True)
+    scheduler = create_scheduler(role, backend.limits, config)
+    make = prefill_job if role == "prefill" else generate_job
+    runner, finals, submitted = Runner(backend), set(), 0
+    for _ in range(500):
+        if submitted < 120 and rng.random() < 0.4:
+            scheduler.add(
+                make(f"r{submitted}", prompt_len=rng.randrange(1, 30), max_tokens=rng.randrange(2, 9))
+            )
+            submitted += 1
+        if submitted and rng.random() < 0.1:
+            removal = scheduler.remove(f"r{rng.randrange(submitted)}")
+            if removal is not None and removal.job is not None:
+                finals.add(removal.job.handle)
+            if removal is not None and removal.seq_id is not None:
+                backend.free(removal.seq_id)
+            if removal is not None and removal.lease_id is not None:
+                backend.free(scheduler.lease_released(removal.lease_id))
+        for emission in scheduler.postprocess(runner.run(scheduler.schedule())):
+            assert not isinstance(emission.event, Failed), emission.event
+            if emission.final:
+                assert emission.job.handle not in finals
+                finals.add(emission.job.handle)
+                lease = getattr(emission.event, "lease_id", None)
+                if lease is not None:  # the importer acks at once
+                    backend.free(scheduler.lease_released(lease))
+        assert scheduler.ledger.reserved == backend.usage().used <= backend.limits.num_blocks
+    while not scheduler.idle:
+        for emission in scheduler.postprocess(runner.run(scheduler.schedule())):
+            finals.add(emission.job.handle)
+            lease = getattr(emission.event, "lease_id", None)
+            if lease is not None:
+                backend.free(scheduler.lease_released(lease))
+    assert len(finals) == submitted == 120 and backend.usage().used == 0 == scheduler.ledger.reserved

@@ -1,0 +1,82 @@
+"""Chunked prefill: a prompt prefilled in chunks, each attending to the chunks already cached, gives the
+logits of the whole prompt at once (float32, within the summation-order noise) and the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.errors import InvalidRequest
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request
+
+PROMPT = tuple([1, *range(7, 50)])  # 44 tokens: chunks cross block boundaries (block size 4)
+
+
+def _chunked(engine, request, size, decode=True):
+    seq_id = engine.start(request, decode=decode)
+    outputs = []
+    while not outputs or outputs[-1] is None:
+        outputs.append(engine.prefill_chunk(seq_id, size))
+    assert all(o is None for o in outputs[:-1]) and len(outputs) == -(-len(request.prompt_token_ids) // size)
+    return seq_id, outputs[-1]
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "mistral"])
+@pytest.mark.parametrize("size", [1, 3, 4, 5, 16, 43])
+def test_chunked_logits_equal_whole_prompt(make_engine, kind, size):
+    engine = make_engine(kind)
+    seen: list[torch.Tensor] = []
+    model = engine.model
+    whole_prefill = model.prefill
+
+    def recording(*args, **kwargs):
+        out = whole_prefill(*args, **kwargs)
+        if out is not None:
+            seen.append(out.clone())
+        return out
+
+    model.prefill = recording
+    request = Request(PROMPT, SamplingParams(max_tokens=1))
+    engine.prefill([request])
+    _chunked(engine, request, size)
+    whole, chunked = seen
+    assert torch.allclose(whole, chunked, atol=1e-4, rtol=1e-4), (whole - chunked).abs().max()
+    assert torch.argmax(whole) == torch.argmax(chunked)
+
+
+def test_chunked_sequence_decodes_and_hands_off_like_a_whole_one(make_engine):
+    request = Request(PROMPT, SamplingParams(max_tokens=10, min_length=10))
+    engine = make_engine()
+    (out,) = engine.prefill([request])
+    expected = [out.token_id]
+    while engine.active_sequences():
+        expected += [o.token_id for o in engine.decode_step()]
+    seq_id, first = _chunked(engine, request, 6)
+    tokens = [first.token_id]
+    while engine.active_sequences():
+        tokens += [o.token_id for o in engine.decode_step()]
+    assert tokens == expected
+    # prefill-only, in chunks, then exported: the importer continues it exactly
+    src, dst = make_engine(), make_engine()
+    seq_id, first = _chunked(src, request, 7, decode=False)
+    assert src.active_sequences() == [], "a prefill-only sequence never joins the batch"
+    state, layout, blocks = src.export_kv(seq_id)
+    assert layout.num_tokens == len(PROMPT)
+    dst_id = dst.import_kv(state, layout, src.kv.memory[torch.tensor(blocks)])
+    tokens = [first.token_id]
+    while dst.active_sequences():
+        tokens += [o.token_id for o in dst.decode_step() if o.seq_id == dst_id]
+    assert tokens == expected
+    src.free(seq_id)
+    assert src.kv.free_blocks == src.kv.num_blocks == dst.kv.free_blocks
+
+
+def test_chunk_misuse_is_refused(make_engine):
+    engine = make_engine()
+    seq_id = engine.start(Request((1, 2, 3), SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidRequest):
+        engine.prefill_chunk(seq_id, 0)
+    assert engine.prefill_chunk(seq_id, 8) is not None
+    with pytest.raises(InvalidRequest):
+        engine.prefill_chunk(seq_id, 1)  # nothing left to prefill
