@@ -137,6 +137,22 @@ def concurrent_streams(server: TritonServer, prompts: list[str], **extra: Any) -
             stream.close()
 
 
+def output_tokens(server: TritonServer, model: str) -> tuple[float, float]:
+    """(requests, output tokens) the entry point `model` has recorded so far."""
+    count = metric_sum(server, "disagg_output_tokens_count", model=model)
+    return count, metric_sum(server, "disagg_output_tokens_sum", model=model)
+
+
+def tokens_since(server: TritonServer, model: str, before: tuple[float, float], requests: int) -> float:
+    """Output tokens of the next `requests` requests recorded by `model` after `before`."""
+    wait_until(
+        lambda: output_tokens(server, model)[0] == before[0] + requests,
+        10,
+        f"the {requests} requests recorded",
+    )
+    return output_tokens(server, model)[1] - before[1]
+
+
 def decode_steps(server: TritonServer) -> float:
     return metric_sum(server, "disagg_engine_steps_total", model="decode")
 
@@ -170,18 +186,12 @@ def test_sixteen_concurrent_streams_complete_and_overlap(server: TritonServer) -
     serial_estimate = sum(singles) / len(singles) * len(prompts)
 
     idle(server)
-    requests = metric_sum(server, "disagg_output_tokens_count", model="orchestrator")
-    tokens = metric_sum(server, "disagg_output_tokens_sum", model="orchestrator")
+    before = output_tokens(server, "orchestrator")
     results, wall = concurrent_streams(server, prompts, min_length=min_length)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.error is None and result.final, result
         assert "".join(result.pieces).startswith(oracle[prompt].first_piece), (prompt, result.pieces)
-    wait_until(
-        lambda: metric_sum(server, "disagg_output_tokens_count", model="orchestrator") == requests + STREAMS,
-        10,
-        "the 16 requests recorded",
-    )
-    produced = metric_sum(server, "disagg_output_tokens_sum", model="orchestrator") - tokens
+    produced = tokens_since(server, "orchestrator", before, STREAMS)
     assert produced == STREAMS * MAX_TOKENS, "every stream produced exactly max_tokens tokens"
     assert wall < 0.5 * serial_estimate, (
         f"16 streams took {wall:.2f} s; one at a time ~{serial_estimate:.2f} s"
@@ -197,8 +207,7 @@ def test_a_hundred_concurrent_llm_streams_all_complete(server: TritonServer) -> 
     slot (the decode scheduler's capacity limit) instead of failing. Every stream ends with a final
     response, no error, and exactly `max_tokens` tokens (`min_length` rules out an early end)."""
     idle(server)
-    before = metric_sum(server, "disagg_output_tokens_sum", model="llm")
-    count = metric_sum(server, "disagg_output_tokens_count", model="llm")
+    before = output_tokens(server, "llm")
     min_length = np.array([[LONG_TOKENS]], dtype=np.int32)
     streams = [GrpcStream(server.config.grpc_url) for _ in range(HUNDRED)]
     try:
@@ -212,12 +221,7 @@ def test_a_hundred_concurrent_llm_streams_all_complete(server: TritonServer) -> 
             stream.close()
     failed = [(n, r.error) for n, r in enumerate(results) if r.error is not None or not r.final]
     assert not failed, f"{len(failed)} of {HUNDRED} streams failed: {failed[:3]}"
-    wait_until(
-        lambda: metric_sum(server, "disagg_output_tokens_count", model="llm") == count + HUNDRED,
-        10,
-        "the 100 requests recorded",
-    )
-    produced = metric_sum(server, "disagg_output_tokens_sum", model="llm") - before
+    produced = tokens_since(server, "llm", before, HUNDRED)
     assert produced == HUNDRED * LONG_TOKENS, "every stream produced exactly max_tokens tokens"
     idle(server)  # every block back, no active sequence left on any pool
 
