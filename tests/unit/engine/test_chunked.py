@@ -11,6 +11,30 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 
 PROMPT = tuple([1, *range(7, 50)])  # 44 tokens: chunks cross block boundaries (block size 4)
+TIE = 1e-3  # top-two logits closer than this: a greedy choice that float32 rounding may flip
+
+
+def _margins(engine) -> list[float]:
+    """Record, for every token the engine samples from now on, its top-two logit gap."""
+    seen: list[float] = []
+    sample = engine._append
+
+    def recording(seq, logits):
+        top = torch.topk(logits.float(), 2).values
+        seen.append(float(top[0] - top[1]))
+        return sample(seq, logits)
+
+    engine._append = recording
+    return seen
+
+
+def _agree_until_tie(expected: list[int], got: list[int], margins: list[float]) -> None:
+    """Greedy streams agree up to the first step where the reference had a near tie."""
+    assert len(got) == len(expected)
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        if margins[step] < TIE:
+            return
+        assert have == want, f"step {step}: {have} != {want} (margin {margins[step]:.2e})"
 
 
 def _chunked(engine, request, size, decode=True):
@@ -42,12 +66,15 @@ def test_chunked_logits_equal_whole_prompt(make_engine, kind, size):
     _chunked(engine, request, size)
     whole, chunked = seen
     assert torch.allclose(whole, chunked, atol=1e-4, rtol=1e-4), (whole - chunked).abs().max()
-    assert torch.argmax(whole) == torch.argmax(chunked)
+    top = torch.topk(whole, 2).values
+    if top[0] - top[1] >= TIE:
+        assert torch.argmax(whole) == torch.argmax(chunked)
 
 
 def test_chunked_sequence_decodes_and_hands_off_like_a_whole_one(make_engine):
     request = Request(PROMPT, SamplingParams(max_tokens=10, min_length=10))
     engine = make_engine()
+    margins = _margins(engine)
     (out,) = engine.prefill([request])
     expected = [out.token_id]
     while engine.active_sequences():
@@ -56,7 +83,7 @@ def test_chunked_sequence_decodes_and_hands_off_like_a_whole_one(make_engine):
     tokens = [first.token_id]
     while engine.active_sequences():
         tokens += [o.token_id for o in engine.decode_step()]
-    assert tokens == expected
+    _agree_until_tie(expected, tokens, margins)
     # prefill-only, in chunks, then exported: the importer continues it exactly
     src, dst = make_engine(), make_engine()
     seq_id, first = _chunked(src, request, 7, decode=False)
@@ -67,7 +94,7 @@ def test_chunked_sequence_decodes_and_hands_off_like_a_whole_one(make_engine):
     tokens = [first.token_id]
     while dst.active_sequences():
         tokens += [o.token_id for o in dst.decode_step() if o.seq_id == dst_id]
-    assert tokens == expected
+    _agree_until_tie(expected, tokens, margins)
     src.free(seq_id)
     assert src.kv.free_blocks == src.kv.num_blocks == dst.kv.free_blocks
 

@@ -181,3 +181,44 @@ def test_request_is_frozen():
     text = TextRequest("a", SamplingParams())
     with pytest.raises(dataclasses.FrozenInstanceError):
         text.prompt = "b"  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def chunked_colocated(tiny_model_dir):
+    """A colocated pool that prefills at most 5 prompt tokens per step, in chunks."""
+    from disagg.serving.instance import PoolConfig, build_instance
+    from disagg.serving.local import LocalPools
+
+    engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
+    config = PoolConfig(role="colocated", engine=engine, max_prefill_tokens=5, chunked_prefill=True)
+    loop, _ = build_instance(config, b"s" * 32)
+    yield loop.start(), LocalPools(colocated=loop)
+    loop.shutdown()
+
+
+def test_chunked_colocated_pool_gives_the_engine_text_under_concurrency(
+    deployment, reference, chunked_colocated
+):
+    """Prompts cut into 5-token chunks, interleaved with the decode steps of the others: each request
+    still gets the text the engine gives it alone (float32)."""
+    from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+
+    loop, pools = chunked_colocated
+    tokenizer = deployment.tokenizer
+    orch = Orchestrator(OrchestratorConfig(mode="colocated"), pools, tokenizer.decode)
+    params = SamplingParams(max_tokens=12, min_length=12)
+    recorders = [Recorder() for _ in PROMPTS]
+
+    async def all_at_once():
+        await asyncio.gather(
+            *(
+                orch.serve(tokenizer.encode(p), TextRequest(p, params, stream=True), r)
+                for p, r in zip(PROMPTS, recorders, strict=True)
+            )
+        )
+
+    asyncio.run(all_at_once())
+    for prompt, rec in zip(PROMPTS, recorders, strict=True):
+        assert rec.error is None and rec.text == reference(tokenizer, prompt, params), prompt
+    assert len(tokenizer.encode(PROMPTS[1])) > 10, "one prompt really spans several chunks"
+    assert loop.engine.kv.free_blocks == loop.engine.kv.num_blocks
