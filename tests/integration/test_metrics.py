@@ -155,7 +155,14 @@ def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServ
             before, "disagg_engine_steps_total", model="prefill"
         )
         counted = moved >= expected_bytes and prefilled >= len(disagg_token_counts)
-        return now if counted and pool_baseline(now) == baseline else None
+        # every pool's reporter has published since its last request (a short colocated request can
+        # end between two reports, its gauges never leaving the baseline)
+        published = all(
+            metric_sum(now, "disagg_engine_busy_seconds_total", model=pool)
+            > metric_sum(before, "disagg_engine_busy_seconds_total", model=pool)
+            for pool in ("prefill", "decode", "colocated")
+        )
+        return now if counted and published and pool_baseline(now) == baseline else None
 
     after = wait_until(settled, timeout_s=15, what="pool gauges back to baseline and KV bytes counted")
 

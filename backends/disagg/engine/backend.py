@@ -32,6 +32,7 @@ class EngineLimits:
     max_context: int
     vocab_size: int
     chunked_prefill: bool = True  # prefill_chunk honours its token count
+    fused_steps: bool = False  # step() reads the weights once for decode rows and prompt chunks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -92,6 +93,13 @@ class EngineBackend(Protocol):
         """New tokens of the decode batch's sequences, in order, a finished one's last (it is freed).
         The torch engine gives exactly one per sequence; an engine that batches on its own may give
         none or several. Raises SequenceFailed naming sequences it lost (and freed)."""
+
+    def step(
+        self, chunks: list[tuple[int, int]], *, decode: bool = True
+    ) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """``prefill_chunk`` for each ``(seq_id, max_tokens)`` and a ``decode_step``, as one call: an
+        engine with ``limits.fused_steps`` runs them as one forward pass. Returns the decode outputs,
+        and per chunk what ``prefill_chunk`` returns."""
 
     def export_sequence(self, seq_id: int, transport: Any) -> Exported:
         """Offer a held, prefilled sequence's KV under a lease; it stays held until ``free``."""

@@ -31,7 +31,7 @@ from disagg.engine.sequence import (
     SequenceState,
     StepOutput,
 )
-from disagg.engine.transformer import Transformer
+from disagg.engine.transformer import DecodeRows, PromptChunk, Transformer
 from disagg.kv.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -120,7 +120,12 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
         self._limits = EngineLimits(
-            num_blocks, config.block_size, config.max_batch_size, mc.max_context, mc.vocab_size
+            num_blocks,
+            config.block_size,
+            config.max_batch_size,
+            mc.max_context,
+            mc.vocab_size,
+            fused_steps=True,
         )
         log.info(
             "engine ready: %s %s on %s, %d KV blocks of %d tokens",
@@ -261,9 +266,53 @@ class Engine:
 
     def decode_step(self) -> list[StepOutput]:
         """Advance every active sequence by one token (one batched forward pass)."""
-        batch = [s for s in self._sequences.values() if s.decoding]
+        outputs, _ = self.step([], decode=True)
+        return outputs
+
+    def step(
+        self, chunks: list[tuple[int, int]], *, decode: bool = True
+    ) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """One forward pass over the decode batch (``decode``) and prompt chunks of started sequences
+        (``(seq_id, max_tokens)`` each) together, so the weights are read once for both. Returns the
+        decode outputs, and per chunk what ``prefill_chunk`` would (a sequence completing its prompt
+        here joins the batch from the next step)."""
+        batch = [s for s in self._sequences.values() if s.decoding] if decode else []
+        seqs = [self._get(seq_id) for seq_id, _ in chunks]
+        if len({s.seq_id for s in seqs}) != len(seqs):
+            raise InvalidRequest("a sequence appears twice in one step")
+        parts = []
+        for seq, (_, max_tokens) in zip(seqs, chunks, strict=True):
+            if seq.decoding or seq.num_cached >= len(seq.prompt) or max_tokens < 1:
+                raise InvalidRequest("sequence has no prompt tokens left to prefill, or the chunk is empty")
+            end = min(len(seq.prompt), seq.num_cached + max_tokens)
+            tokens = torch.tensor(seq.prompt[seq.num_cached : end], dtype=torch.long, device=self.device)
+            table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
+            parts.append(PromptChunk(tokens, seq.num_cached, table, end == len(seq.prompt)))
+        if not batch and not parts:
+            return [], []
+        try:
+            logits, chunk_logits = self.model.step(self._decode_rows(batch), parts, self.kv.cache)
+        except BaseException:
+            for seq in seqs:  # an engine fault: these sequences cannot continue
+                self.free(seq.seq_id)
+            raise
+        outputs = []
+        for row, seq in enumerate(batch):
+            seq.num_cached += 1
+            outputs.append(self._append(seq, logits[row]))  # type: ignore[index]
+        results: list[StepOutput | None] = []
+        for seq, part, last in zip(seqs, parts, chunk_logits, strict=True):
+            seq.num_cached += part.tokens.shape[0]
+            if last is None:
+                results.append(None)
+                continue
+            seq.decoding = seq.joins_decode
+            results.append(self._append(seq, last))
+        return outputs, results
+
+    def _decode_rows(self, batch: list[Sequence]) -> DecodeRows | None:
         if not batch:
-            return []
+            return None
         width = max(self.kv.blocks_for(s.num_cached + 1) for s in batch)
         table = torch.zeros(len(batch), width, dtype=torch.long)
         for row, seq in enumerate(batch):
@@ -271,14 +320,7 @@ class Engine:
             table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
         tokens = torch.tensor([s.last_token for s in batch], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
-        logits = self.model.decode(
-            tokens.to(self.device), positions.to(self.device), self.kv.cache, table.to(self.device)
-        )
-        outputs = []
-        for row, seq in enumerate(batch):
-            seq.num_cached += 1
-            outputs.append(self._append(seq, logits[row]))
-        return outputs
+        return DecodeRows(tokens.to(self.device), positions.to(self.device), table.to(self.device))
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         params = seq.params

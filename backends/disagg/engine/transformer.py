@@ -30,6 +30,30 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decode batch of one step: tokens and positions [B], block table [B, MB]."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens [T] at positions start.. of a sequence whose blocks are ``blocks`` [MB];
+    ``logits``: return its last token's logits (the chunk completes the prompt)."""
+
+    tokens: torch.Tensor
+    start: int
+    blocks: torch.Tensor
+    logits: bool
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if tensors[0] is None else torch.cat(tensors)  # type: ignore[arg-type]
 
@@ -111,33 +135,8 @@ class Transformer:
         """Prompt tokens [T] at positions start..start+T-1 of a sequence whose blocks are ``blocks``
         [MB]: write their KV, attend causally to every position before (the chunks already cached)
         and within; logits [V] of the last token (None with ``logits=False``)."""
-        bs = cache.shape[3]
-        count = tokens.shape[0]
-        positions = torch.arange(start, start + count, device=tokens.device)
-        slot_block, slot_offset = blocks[positions // bs], positions % bs
-        span = start + count
-        if start:  # the earlier chunks' KV comes from the cache: [span] positions of this sequence
-            table = blocks[: -(-span // bs)]
-            mask = torch.arange(span, device=tokens.device)[None, :] <= positions[:, None]  # [T, span]
-        x = self.embed[tokens]  # [T, H]
-        for n, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
-            cache[slot_block, n, 0, slot_offset] = k
-            cache[slot_block, n, 1, slot_offset] = v
-            if start:
-                k = cache[:, n, 0].index_select(0, table).flatten(0, 1)[:span]  # [span, nkv, hd]
-                v = cache[:, n, 1].index_select(0, table).flatten(0, 1)[:span]
-            # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=mask if start else None,
-                is_causal=not start,
-                enable_gqa=True,
-            )[0]  # [nh, T, hd]
-            x = self._finish_layer(layer, x, attn.transpose(0, 1).reshape(-1, self.q_size))
-        return self._logits(x[-1:])[0] if logits else None
+        _, (out,) = self.step(None, [PromptChunk(tokens, start, blocks, logits)], cache)
+        return out
 
     @torch.inference_mode()
     def decode(
@@ -154,23 +153,106 @@ class Transformer:
         (block counts within a factor of 4), so a short sequence never pays for the padding of the
         longest one in the batch.
         """
+        logits, _ = self.step(DecodeRows(tokens, positions, block_table), [], cache)
+        return logits  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def step(
+        self, decode: DecodeRows | None, chunks: list[PromptChunk], cache: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """One forward pass over a decode batch's rows and prompt chunks' rows together: every weight
+        is read once for all of them. Attention runs per part (the decode rows over their blocks, each
+        chunk over its sequence's cached positions and itself). Returns the decode rows' logits [B, V]
+        (None without a batch) and, per chunk, its last token's logits [V] (None unless asked)."""
         bs = cache.shape[3]
-        slot_block = block_table.gather(1, (positions // bs)[:, None])[:, 0]  # [B]
-        slot_offset = positions % bs
-        groups = self._length_groups(positions, block_table, bs)
-        x = self.embed[tokens]  # [B, H]
+        dev = cache.device
+        tokens, positions, slot_blocks, parts = [], [], [], []
+        if decode is not None:
+            tokens.append(decode.tokens)
+            positions.append(decode.positions)
+            slot_blocks.append(decode.block_table.gather(1, (decode.positions // bs)[:, None])[:, 0])
+            parts.append(
+                (
+                    "decode",
+                    decode.tokens.shape[0],
+                    self._length_groups(decode.positions, decode.block_table, bs),
+                )
+            )
+        for chunk in chunks:
+            count = chunk.tokens.shape[0]
+            pos = torch.arange(chunk.start, chunk.start + count, device=dev)
+            tokens.append(chunk.tokens)
+            positions.append(pos)
+            slot_blocks.append(chunk.blocks[pos // bs])
+            span = chunk.start + count
+            table = chunk.blocks[: -(-span // bs)]
+            mask = (
+                torch.arange(span, device=dev)[None, :] <= pos[:, None] if chunk.start else None
+            )  # [T, span]
+            parts.append(("chunk", count, (chunk.start, span, table, mask)))
+        token_ids, position_ids, slot_block = (_joined(t) for t in (tokens, positions, slot_blocks))
+        slot_offset = position_ids % bs
+        x = self.embed[token_ids]  # [N, H]
         for n, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)  # q [B, nh, hd]
+            q, k, v = self._qkv(layer, x, position_ids)
             cache[slot_block, n, 0, slot_offset] = k
             cache[slot_block, n, 1, slot_offset] = v
-            if len(groups) == 1:
-                attn = self._attend(q, cache, n, *groups[0][1:])
-            else:
-                attn = torch.empty_like(q)
-                for rows, *group in groups:
-                    attn[rows] = self._attend(q[rows], cache, n, *group)
-            x = self._finish_layer(layer, x, attn.reshape(-1, self.q_size))
-        return self._logits(x)
+            outs, row = [], 0
+            for kind, count, how in parts:
+                rows = slice(row, row + count)
+                if kind == "decode":
+                    outs.append(self._attend_batch(q[rows], cache, n, how))
+                else:
+                    outs.append(self._attend_chunk(q[rows], k[rows], v[rows], cache, n, *how))
+                row += count
+            x = self._finish_layer(layer, x, _joined(outs).reshape(-1, self.q_size))
+        decode_logits = None
+        row = 0
+        if decode is not None:
+            row = decode.tokens.shape[0]
+            decode_logits = self._logits(x[:row])
+        chunk_logits: list[torch.Tensor | None] = []
+        for chunk in chunks:
+            row += chunk.tokens.shape[0]
+            chunk_logits.append(self._logits(x[row - 1 : row])[0] if chunk.logits else None)
+        return decode_logits, chunk_logits
+
+    def _attend_batch(self, q: torch.Tensor, cache: torch.Tensor, layer: int, groups: list) -> torch.Tensor:
+        """Decode rows q [B, nh, hd] over their sequences' blocks, per length group."""
+        if len(groups) == 1:
+            return self._attend(q, cache, layer, *groups[0][1:])
+        attn = torch.empty_like(q)
+        for rows, *group in groups:
+            attn[rows] = self._attend(q[rows], cache, layer, *group)
+        return attn
+
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: torch.Tensor,
+        layer: int,
+        start: int,
+        span: int,
+        table: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A prompt chunk's rows q [T, nh, hd]: causal over itself, and over the positions already
+        cached when it is not the first chunk (its KV is in the cache by now) -> [T, nh, hd]."""
+        if start:  # the earlier chunks' KV comes from the cache: [span] positions of this sequence
+            k = cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:span]  # [span, nkv, hd]
+            v = cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:span]
+        # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=True,
+        )[0]  # [nh, T, hd]
+        return attn.transpose(0, 1)
 
     @staticmethod
     def _length_groups(

@@ -329,6 +329,14 @@ class TrtllmBackend:
             self.free(seq_id)
             raise
 
+    def step(
+        self, chunks: list[tuple[int, int]], *, decode: bool = True
+    ) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """The chunks' prompts, then a decode step (``limits.fused_steps`` is False: TensorRT-LLM batches
+        them on its own)."""
+        firsts = [self.prefill_chunk(seq_id, count) for seq_id, count in chunks]
+        return (self.decode_step() if decode else []), firsts
+
     def _context_done(self, seq: _Seq) -> StepOutput:
         try:
             result = seq.result.result(timeout=self.config.request_timeout_s)

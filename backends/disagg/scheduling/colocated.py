@@ -5,7 +5,9 @@ prompts already started, then waiting ones (FIFO, while batch slots and blocks a
 prompt emits its first token and joins the batch. Then one decode step runs over the whole batch.
 Without chunked prefill a step takes whole prompts (at least one, however long), so a long prompt
 stalls every running sequence for the length of its prefill: the interference disaggregation removes.
-With ``chunked_prefill`` a step runs at most the budget's worth of prompt, bounding that stall.
+With ``chunked_prefill`` a step runs at most the budget's worth of prompt, bounding that stall, and
+(on an engine with ``fused_steps``) the chunks ride in the decode step's forward pass, which reads
+the weights once for both.
 """
 
 from __future__ import annotations
@@ -22,4 +24,5 @@ class ColocatedScheduler(Scheduler[GenerateJob]):
 
     def schedule(self) -> Plan:
         chunks = self._prefill_chunks(slots=self._free_slots())
-        return Plan(prefill=tuple(chunks), decode=bool(chunks or self._running))
+        fused = self.config.chunked_prefill and self.limits.fused_steps
+        return Plan(prefill=tuple(chunks), decode=bool(chunks or self._running), fused=fused and bool(chunks))

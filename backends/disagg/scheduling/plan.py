@@ -30,6 +30,7 @@ class Plan:
     prefill: tuple[Chunk, ...] = ()
     imports: tuple[DecodeJob, ...] = ()  # pull each one's KV, join the decode batch
     decode: bool = False  # one decode step over the batch
+    fused: bool = False  # the prompt chunks and the decode step in one forward pass
 
     @property
     def empty(self) -> bool:

@@ -31,6 +31,10 @@ class Runner:
 
     def run(self, plan: Plan) -> list[Result]:
         results: list[Result] = [Refused(job, error) for job, error in plan.refused]
+        if plan.fused:
+            results.extend(self._import(job) for job in plan.imports)
+            results.extend(self._fused(plan))
+            return results
         results.extend(self._prefill(job) for job in plan.prefill)
         results.extend(self._import(job) for job in plan.imports)
         if plan.decode:
@@ -63,6 +67,35 @@ class Runner:
             self.backend.free(seq_id)
             return Refused(job, classify(exc))
         return Handed(job, seq_id, output, exported)
+
+    def _fused(self, plan: Plan) -> list[Result]:
+        """Start the new sequences, then run every chunk and the decode step as one engine call."""
+        results: list[Result] = []
+        chunks: list[tuple[Chunk, int]] = []
+        for chunk in plan.prefill:
+            try:
+                seq_id = (
+                    chunk.seq_id
+                    if chunk.seq_id is not None
+                    else self.backend.start(chunk.job.request, decode=True)
+                )
+            except Exception as exc:
+                results.append(Refused(chunk.job, classify(exc)))
+                continue
+            chunks.append((chunk, seq_id))
+        try:
+            outputs, firsts = self._timed(
+                self.backend.step, [(seq_id, c.tokens) for c, seq_id in chunks], decode=plan.decode
+            )
+        except SequenceFailed as failure:
+            return [*results, Stepped((), tuple(failure.seq_ids))]
+        for (chunk, seq_id), first in zip(chunks, firsts, strict=True):
+            if first is None:
+                results.append(Progressed(chunk.job, seq_id))
+            else:
+                results.append(Started(chunk.job, seq_id, first))  # type: ignore[arg-type]  # colocated
+        results.append(Stepped(tuple(outputs)))
+        return results
 
     def _import(self, job: DecodeJob) -> Result:
         try:

@@ -107,3 +107,51 @@ def test_chunk_misuse_is_refused(make_engine):
     assert engine.prefill_chunk(seq_id, 8) is not None
     with pytest.raises(InvalidRequest):
         engine.prefill_chunk(seq_id, 1)  # nothing left to prefill
+
+
+def test_a_fused_step_equals_chunks_then_decode(make_engine):
+    """Engine.step: prompt chunks riding in the decode step's forward pass give the tokens of the same
+    chunks and decode steps run one after the other (float32, up to the reference's first near tie)."""
+    decoding = [Request((1, 9, 10 + i), SamplingParams(max_tokens=12, min_length=12)) for i in range(3)]
+    prompt = Request(PROMPT, SamplingParams(max_tokens=4, min_length=4))
+
+    def run(fused: bool) -> dict[int, list[tuple[int, float]]]:
+        engine = make_engine()
+        streams: dict[int, list[tuple[int, float]]] = {}
+        sample = engine._append
+
+        def recording(seq, logits):
+            top = torch.topk(logits.float(), 2).values
+            out = sample(seq, logits)
+            streams.setdefault(seq.seq_id, []).append((out.token_id, float(top[0] - top[1])))
+            return out
+
+        engine._append = recording
+        engine.prefill(decoding)
+        seq_id = engine.start(prompt)
+        first = None
+        while first is None:
+            if fused:
+                _, (first,) = engine.step([(seq_id, 16)])
+            else:
+                first = engine.prefill_chunk(seq_id, 16)
+                engine.decode_step()
+        while engine.active_sequences():
+            engine.decode_step()
+        assert engine.kv.free_blocks == engine.kv.num_blocks
+        return streams
+
+    expected, got = run(fused=False), run(fused=True)
+    assert set(expected) == set(got) and len(expected) == 4
+    for seq_id, stream in expected.items():
+        _agree_until_tie([t for t, _ in stream], [t for t, _ in got[seq_id]], [m for _, m in stream])
+
+
+def test_a_fused_step_refuses_misuse(make_engine):
+    engine = make_engine()
+    seq_id = engine.start(Request((1, 2, 3), SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidRequest):
+        engine.step([(seq_id, 1), (seq_id, 1)])
+    with pytest.raises(InvalidRequest):
+        engine.step([(seq_id, 0)])
+    assert engine.step([], decode=True) == ([], [])

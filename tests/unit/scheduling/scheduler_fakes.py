@@ -24,8 +24,12 @@ class _Seq:
 
 
 class FakeBackend:
-    def __init__(self, num_blocks: int = 64, block_size: int = 4, max_batch_size: int = 8) -> None:
-        self._limits = EngineLimits(num_blocks, block_size, max_batch_size, max_context=4096, vocab_size=1000)
+    def __init__(
+        self, num_blocks: int = 64, block_size: int = 4, max_batch_size: int = 8, fused: bool = False
+    ) -> None:
+        self._limits = EngineLimits(
+            num_blocks, block_size, max_batch_size, max_context=4096, vocab_size=1000, fused_steps=fused
+        )
         self.seqs: dict[int, _Seq] = {}
         self.ids = itertools.count(1)
         self.calls: list[str] = []
@@ -93,6 +97,9 @@ class FakeBackend:
 
     def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
         self.calls.append(f"chunk {max_tokens}")
+        return self._chunk(seq_id, max_tokens)
+
+    def _chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
         seq = self.seqs[seq_id]
         self.done[seq_id] += max_tokens
         if self.done[seq_id] > len(seq.state.prompt_token_ids):
@@ -101,6 +108,12 @@ class FakeBackend:
             return None
         seq.decoding = self.joins.pop(seq_id)
         return self._first(seq_id)
+
+    def step(self, chunks, *, decode=True):
+        self.calls.append(f"step {[n for _, n in chunks]} decode={decode}")
+        batch = [i for i, s in self.seqs.items() if s.decoding] if decode else []
+        firsts = [self._chunk(seq_id, n) for seq_id, n in chunks]
+        return [self._append(i, self.seqs[i]) for i in batch], firsts
 
     def decode_step(self) -> list[StepOutput]:
         self.calls.append("decode")

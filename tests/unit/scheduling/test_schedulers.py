@@ -379,3 +379,21 @@ def test_random_chunked_workload_keeps_exact_accounting(role):
             if lease is not None:
                 backend.free(scheduler.lease_released(lease))
     assert len(finals) == submitted == 120 and backend.usage().used == 0 == scheduler.ledger.reserved
+
+
+def test_fused_steps_run_chunks_and_decode_in_one_call():
+    """On an engine with fused steps, a chunked colocated step is one engine call: the chunks, then the
+    decode rows of the sequences already decoding; a completed prompt decodes from the next step."""
+    backend = FakeBackend(num_blocks=256, fused=True)
+    config = SchedulerConfig(max_prefill_tokens=10, chunked_prefill=True)
+    scheduler = ColocatedScheduler(backend.limits, config)
+    scheduler.add(generate_job("short", prompt_len=2, max_tokens=6))
+    scheduler.add(generate_job("long", prompt_len=14, max_tokens=3))
+    first = _drive(scheduler, backend)
+    assert backend.calls == ["step [2, 8] decode=True"]
+    assert [(e.job.handle, e.final) for e in first] == [("short", False)], "short's first token only"
+    _drive(scheduler, backend)
+    assert backend.calls[-1] == "step [6] decode=True"
+    emissions = _drive(scheduler, backend, steps=4)
+    assert backend.calls[-1] == "decode" and sorted(_finals(emissions)) == ["long", "short"]
+    assert scheduler.idle and backend.usage().used == 0
