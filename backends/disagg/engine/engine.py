@@ -207,7 +207,7 @@ class Engine:
             seqs.append(self._add(request, blocks[:count], decode))
             blocks = blocks[count:]
         try:
-            outputs = [self._prefill_chunk(seq, len(seq.prompt)) for seq in seqs]
+            outputs = [self.prefill_chunk(seq.seq_id, len(seq.prompt)) for seq in seqs]
             return [out for out in outputs if out is not None]  # each chunk is a whole prompt: all there
         except BaseException:
             for seq in seqs:  # an engine fault: give everything of this call back
@@ -225,20 +225,10 @@ class Engine:
 
     def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
         """Prefill the next ``max_tokens`` (at most) prompt tokens of a started sequence, attending to
-        the chunks already cached; the first token's output once the prompt is complete, else None."""
-        seq = self._get(seq_id)
-        if seq.num_cached >= len(seq.prompt) or max_tokens < 1:
-            raise InvalidRequest("sequence has no prompt tokens left to prefill, or the chunk is empty")
-        try:
-            return self._prefill_chunk(seq, max_tokens)
-        except BaseException:
-            self.free(seq_id)  # an engine fault: the sequence cannot continue
-            raise
-
-    def prompt_left(self, seq_id: int) -> int:
-        """Prompt tokens of a started sequence not prefilled yet."""
-        seq = self._get(seq_id)
-        return len(seq.prompt) - seq.num_cached
+        the chunks already cached; the first token's output once the prompt is complete, else None.
+        On an engine fault the sequence is freed."""
+        _, (output,) = self.step([(seq_id, max_tokens)], decode=False)
+        return output
 
     def _add(self, request: Request, blocks: list[int], decode: bool) -> Sequence:
         seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks)
@@ -250,19 +240,6 @@ class Engine:
     def _batch_size(self) -> int:
         """Sequences in the decode batch or on their way into it."""
         return sum(1 for s in self._sequences.values() if s.decoding or s.joins_decode)
-
-    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> StepOutput | None:
-        start = seq.num_cached
-        end = min(len(seq.prompt), start + max_tokens)
-        tokens = torch.tensor(seq.prompt[start:end], dtype=torch.long, device=self.device)
-        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
-        last = end == len(seq.prompt)
-        logits = self.model.prefill(tokens, start, self.kv.cache, table, logits=last)
-        seq.num_cached = end
-        if not last:
-            return None
-        seq.decoding = seq.joins_decode
-        return self._append(seq, logits)
 
     def decode_step(self) -> list[StepOutput]:
         """Advance every active sequence by one token (one batched forward pass)."""
@@ -393,7 +370,7 @@ class Engine:
             raise InvalidRequest("KV token count does not match the sequence state")
         if not state.generated_token_ids or len(state.generated_token_ids) >= state.params.max_tokens:
             raise InvalidRequest("sequence state has no token to continue from, or is already complete")
-        if len(self.active_sequences()) >= self.config.max_batch_size:
+        if self._batch_size() >= self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
         blocks = self.kv.allocate(self.blocks_needed(request))
         try:

@@ -123,45 +123,14 @@ class Transformer:
         return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(
-        self,
-        tokens: torch.Tensor,
-        start: int,
-        cache: torch.Tensor,
-        blocks: torch.Tensor,
-        *,
-        logits: bool = True,
-    ) -> torch.Tensor | None:
-        """Prompt tokens [T] at positions start..start+T-1 of a sequence whose blocks are ``blocks``
-        [MB]: write their KV, attend causally to every position before (the chunks already cached)
-        and within; logits [V] of the last token (None with ``logits=False``)."""
-        _, (out,) = self.step(None, [PromptChunk(tokens, start, blocks, logits)], cache)
-        return out
-
-    @torch.inference_mode()
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        block_table: torch.Tensor,
-    ) -> torch.Tensor:
-        """One step for B sequences: tokens/positions [B], block_table [B, MB]; logits [B, V].
-
-        Each sequence's new KV goes to the slot of its position; it then attends to positions
-        0..position of its own blocks. Attention runs per group of sequences of similar length
-        (block counts within a factor of 4), so a short sequence never pays for the padding of the
-        longest one in the batch.
-        """
-        logits, _ = self.step(DecodeRows(tokens, positions, block_table), [], cache)
-        return logits  # type: ignore[return-value]
-
-    @torch.inference_mode()
     def step(
         self, decode: DecodeRows | None, chunks: list[PromptChunk], cache: torch.Tensor
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """One forward pass over a decode batch's rows and prompt chunks' rows together: every weight
-        is read once for all of them. Attention runs per part (the decode rows over their blocks, each
+        is read once for all of them. A decode row writes its new KV at the slot of its position and
+        attends to positions 0..position of its own blocks, per group of sequences of similar length
+        (block counts within a factor of 4), so a short sequence never pays for the padding of the
+        longest one in the batch. Attention runs per part (the decode rows over their blocks, each
         chunk over its sequence's cached positions and itself). Returns the decode rows' logits [B, V]
         (None without a batch) and, per chunk, its last token's logits [V] (None unless asked)."""
         bs = cache.shape[3]

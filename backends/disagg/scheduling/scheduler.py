@@ -81,7 +81,7 @@ class Scheduler(ABC, Generic[J]):
         self._waiting: deque[J] = deque()
         self._running: dict[int, Job] = {}  # seq id -> job, in the decode batch
         self._prefilling: dict[str, _Partial] = {}  # handle -> partial prefill, in admission order
-        self._seq_of: dict[str, int] = {}  # handle -> seq id, while prefilling or running
+        self._seq_of: dict[str, int] = {}  # handle -> seq id, while in the decode batch
         self._known: set[str] = set()  # handles of every job not yet ended
 
     # ------------------------------------------------------------- queries
@@ -199,7 +199,6 @@ class Scheduler(ABC, Generic[J]):
     def _prefilled(self, job: Job) -> None:
         """A job's prompt is complete: it is no longer prefilling (its blocks stay reserved)."""
         self._prefilling.pop(job.handle, None)
-        self._seq_of.pop(job.handle, None)
 
     # ------------------------------------------------------------- results
 
@@ -211,7 +210,6 @@ class Scheduler(ABC, Generic[J]):
                 out.append(Emission(result.job, Failed(result.error), True))
             elif isinstance(result, Progressed):
                 self._prefilling[result.job.handle].seq_id = result.seq_id
-                self._seq_of[result.job.handle] = result.seq_id
             elif isinstance(result, Started):
                 self._prefilled(result.job)
                 out.append(self._token(result.job, result.seq_id, result.output, joining=True))

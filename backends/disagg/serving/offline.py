@@ -87,7 +87,12 @@ class OfflineRun:
         events: list[TokenEvent] = []
         while not self.idle:
             stepped = self.step()
-            if not stepped and self.scheduler.num_waiting and not self.scheduler.num_running:
+            scheduler = self.scheduler
+            if (
+                not stepped
+                and scheduler.num_waiting
+                and not (scheduler.num_running or scheduler.num_prefilling)
+            ):
                 raise OutOfBlocks(0, self.engine.usage().free)  # nothing runs, nothing can start
             events.extend(stepped)
         return events

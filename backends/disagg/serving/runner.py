@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import SequenceFailed
+from disagg.engine.sequence import StepOutput
 from disagg.scheduling.plan import Chunk, Handed, Joined, Plan, Progressed, Refused, Result, Started, Stepped
-from disagg.serving.errors import classify
+from disagg.serving.errors import INTERNAL, ServingError, classify
 from disagg.serving.messages import DecodeJob, PrefillJob
 
 T = TypeVar("T")
@@ -31,12 +32,11 @@ class Runner:
 
     def run(self, plan: Plan) -> list[Result]:
         results: list[Result] = [Refused(job, error) for job, error in plan.refused]
+        results.extend(self._import(job) for job in plan.imports)
         if plan.fused:
-            results.extend(self._import(job) for job in plan.imports)
             results.extend(self._fused(plan))
             return results
-        results.extend(self._prefill(job) for job in plan.prefill)
-        results.extend(self._import(job) for job in plan.imports)
+        results.extend(self._prefill(chunk) for chunk in plan.prefill)
         if plan.decode:
             try:
                 results.append(Stepped(tuple(self._timed(self.backend.decode_step))))
@@ -44,17 +44,27 @@ class Runner:
                 results.append(Stepped((), tuple(failure.seq_ids)))
         return results
 
+    def _sequence(self, chunk: Chunk) -> int:
+        """The chunk's sequence, started with its first chunk."""
+        if chunk.seq_id is not None:
+            return chunk.seq_id
+        return self.backend.start(chunk.job.request, decode=not isinstance(chunk.job, PrefillJob))
+
     def _prefill(self, chunk: Chunk) -> Result:
-        job, seq_id = chunk.job, chunk.seq_id
-        export = isinstance(job, PrefillJob)
+        seq_id = None
         try:
-            if seq_id is None:
-                seq_id = self.backend.start(job.request, decode=not export)
+            seq_id = self._sequence(chunk)
             output = self._timed(self.backend.prefill_chunk, seq_id, chunk.tokens)
         except Exception as exc:
             if seq_id is not None:
                 self.backend.free(seq_id)
-            return Refused(job, classify(exc))
+            return Refused(chunk.job, classify(exc))
+        return self._prefilled(chunk, seq_id, output)
+
+    def _prefilled(self, chunk: Chunk, seq_id: int, output: StepOutput | None) -> Result:
+        """What a chunk's prefill means: more to come, a generate job started, or a prefill job's KV
+        exported (unless its first token already ended it)."""
+        job = chunk.job
         if output is None:
             return Progressed(job, seq_id)
         if not isinstance(job, PrefillJob):
@@ -74,26 +84,21 @@ class Runner:
         chunks: list[tuple[Chunk, int]] = []
         for chunk in plan.prefill:
             try:
-                seq_id = (
-                    chunk.seq_id
-                    if chunk.seq_id is not None
-                    else self.backend.start(chunk.job.request, decode=True)
-                )
+                chunks.append((chunk, self._sequence(chunk)))
             except Exception as exc:
                 results.append(Refused(chunk.job, classify(exc)))
-                continue
-            chunks.append((chunk, seq_id))
         try:
             outputs, firsts = self._timed(
                 self.backend.step, [(seq_id, c.tokens) for c, seq_id in chunks], decode=plan.decode
             )
-        except SequenceFailed as failure:
+        except SequenceFailed as failure:  # the chunks' outcome is unknown: they end with the lost ones
+            for chunk, seq_id in chunks:
+                self.backend.free(seq_id)
+                results.append(Refused(chunk.job, ServingError(INTERNAL, "the engine failed this request")))
             return [*results, Stepped((), tuple(failure.seq_ids))]
-        for (chunk, seq_id), first in zip(chunks, firsts, strict=True):
-            if first is None:
-                results.append(Progressed(chunk.job, seq_id))
-            else:
-                results.append(Started(chunk.job, seq_id, first))  # type: ignore[arg-type]  # colocated
+        results.extend(
+            self._prefilled(c, seq_id, first) for (c, seq_id), first in zip(chunks, firsts, strict=True)
+        )
         results.append(Stepped(tuple(outputs)))
         return results
 

@@ -52,15 +52,14 @@ def test_chunked_logits_equal_whole_prompt(make_engine, kind, size):
     engine = make_engine(kind)
     seen: list[torch.Tensor] = []
     model = engine.model
-    whole_prefill = model.prefill
+    forward = model.step
 
     def recording(*args, **kwargs):
-        out = whole_prefill(*args, **kwargs)
-        if out is not None:
-            seen.append(out.clone())
-        return out
+        decoded, chunks = forward(*args, **kwargs)
+        seen.extend(out.clone() for out in chunks if out is not None)
+        return decoded, chunks
 
-    model.prefill = recording
+    model.step = recording
     request = Request(PROMPT, SamplingParams(max_tokens=1))
     engine.prefill([request])
     _chunked(engine, request, size)
