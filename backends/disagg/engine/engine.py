@@ -169,22 +169,10 @@ class Engine:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest naming the first problem; nothing is allocated."""
-        prompt = request.prompt_token_ids
-        if len(prompt) == 0:
-            raise InvalidRequest("prompt is empty (0 tokens)")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        request.params.validate(self.vocab_size, self.max_tokens_cap)
-        total = len(prompt) + request.params.max_tokens
-        if total > self.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds the "
-                f"model's context of {self.max_context} tokens"
-            )
+        request.validate(self.vocab_size, self.max_tokens_cap, self.max_context)
 
     def blocks_needed(self, request: Request, *, decode: bool = True) -> int:
-        tokens = len(request.prompt_token_ids) + (request.params.max_tokens if decode else 0)
-        return self.kv.blocks_for(tokens)
+        return self._limits.blocks_needed(request, decode=decode)
 
     # ----------------------------------------------------------------- phases
 

@@ -19,6 +19,20 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
 
+    def validate(self, vocab_size: int, max_tokens_cap: int, max_context: int) -> None:
+        """Raise InvalidRequest naming the first problem, for a model with these limits."""
+        prompt = self.prompt_token_ids
+        if len(prompt) == 0:
+            raise InvalidRequest("prompt is empty (0 tokens)")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size})")
+        self.params.validate(vocab_size, max_tokens_cap)
+        if len(prompt) + self.params.max_tokens > max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({self.params.max_tokens}) exceeds the "
+                f"model's context of {max_context} tokens"
+            )
+
 
 @dataclass(frozen=True)
 class StepOutput:

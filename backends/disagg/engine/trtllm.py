@@ -250,17 +250,7 @@ class TrtllmBackend:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest naming the first problem; nothing is allocated."""
-        prompt, vocab = request.prompt_token_ids, self._limits.vocab_size
-        if len(prompt) == 0:
-            raise InvalidRequest("prompt is empty (0 tokens)")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        request.params.validate(vocab, self._max_tokens_cap)
-        if len(prompt) + request.params.max_tokens > self._limits.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.params.max_tokens}) exceeds the "
-                f"model's context of {self._limits.max_context} tokens"
-            )
+        request.validate(self._limits.vocab_size, self._max_tokens_cap, self._limits.max_context)
 
     # ----------------------------------------------------------------- phases
 
@@ -270,7 +260,7 @@ class TrtllmBackend:
         requests = list(requests)
         for request in requests:
             self.validate(request)
-        if decode and len(self.active_sequences()) + len(requests) > self._limits.max_batch_size:
+        if decode and self._batch_size() + len(requests) > self._limits.max_batch_size:
             raise BatchFull(self._limits.max_batch_size)
         needed = [self._limits.blocks_needed(r, decode=decode) for r in requests]
         self._reserve(sum(needed))
@@ -279,14 +269,7 @@ class TrtllmBackend:
         ]
         try:
             for seq in seqs:
-                sampling = trtllm_sampling(seq.params, self._api)
-                if decode:
-                    self._stream(seq, sampling, None)
-                else:
-                    ctx = self._api.DisaggregatedParams(request_type="context_only")
-                    seq.result = self._llm.generate_async(
-                        list(seq.prompt), sampling_params=sampling, streaming=False, disaggregated_params=ctx
-                    )
+                self._submit(seq, decode)
             return [self._first(seq) if decode else self._context_done(seq) for seq in seqs]
         except BaseException:
             for seq in seqs:
@@ -296,10 +279,7 @@ class TrtllmBackend:
     def start(self, request: Request, *, decode: bool) -> int:
         """Take a request's blocks (and batch slot) for ``prefill_chunk``; nothing is submitted yet."""
         self.validate(request)
-        if (
-            decode
-            and len(self.active_sequences()) + sum(self._starting.values()) >= self._limits.max_batch_size
-        ):
+        if decode and self._batch_size() >= self._limits.max_batch_size:
             raise BatchFull(self._limits.max_batch_size)
         needed = self._limits.blocks_needed(request, decode=decode)
         self._reserve(needed)
@@ -316,15 +296,8 @@ class TrtllmBackend:
         seq = self._get(seq_id)
         seq.decoding = decode
         try:
-            sampling = trtllm_sampling(seq.params, self._api)
-            if decode:
-                self._stream(seq, sampling, None)
-                return self._first(seq)
-            ctx = self._api.DisaggregatedParams(request_type="context_only")
-            seq.result = self._llm.generate_async(
-                list(seq.prompt), sampling_params=sampling, streaming=False, disaggregated_params=ctx
-            )
-            return self._context_done(seq)
+            self._submit(seq, decode)
+            return self._first(seq) if decode else self._context_done(seq)
         except BaseException:
             self.free(seq_id)
             raise
@@ -336,6 +309,22 @@ class TrtllmBackend:
         them on its own)."""
         firsts = [self.prefill_chunk(seq_id, count) for seq_id, count in chunks]
         return (self.decode_step() if decode else []), firsts
+
+    def _batch_size(self) -> int:
+        """Sequences decoding, and started ones that will join the batch."""
+        return len(self.active_sequences()) + sum(self._starting.values())
+
+    def _submit(self, seq: _Seq, decode: bool) -> None:
+        """Hand a sequence's prompt to TensorRT-LLM: a streaming request (``decode``), else a
+        context-only one whose KV its cache transceiver keeps for the hand-off."""
+        sampling = trtllm_sampling(seq.params, self._api)
+        if decode:
+            self._stream(seq, sampling, None)
+            return
+        ctx = self._api.DisaggregatedParams(request_type="context_only")
+        seq.result = self._llm.generate_async(
+            list(seq.prompt), sampling_params=sampling, streaming=False, disaggregated_params=ctx
+        )
 
     def _context_done(self, seq: _Seq) -> StepOutput:
         try:
