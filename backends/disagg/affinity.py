@@ -1,5 +1,5 @@
-"""CPU affinity of a whole process, without torch: the orchestrator's stub pins itself with it
-(a text-path process never loads torch), and the engine's pinning builds on it."""
+"""CPU affinity of a whole process, without torch: the orchestrator's and pools' stubs pin all their
+threads with it (a text-path process never loads torch)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ import os
 
 import torch
 
-from disagg.affinity import pin_process as pin_process  # re-exported: the pool stub pins with it
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

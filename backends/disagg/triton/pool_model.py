@@ -6,7 +6,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.engine.device import pin_process
+from disagg.affinity import pin_process
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance

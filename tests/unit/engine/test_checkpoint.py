@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
+from disagg.affinity import pin_process
 from disagg.engine.checkpoint import load_config, parse_config, parse_rope
-from disagg.engine.device import pin_cpu, pin_process
+from disagg.engine.device import pin_cpu
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import CheckpointError
 from disagg.engine.rope import inverse_frequencies
