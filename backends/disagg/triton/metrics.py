@@ -78,14 +78,43 @@ class Families:
             )
         return self._families[name]
 
-    def histogram(self, name: str, labels: dict[str, str], buckets: tuple[float, ...]) -> Any:
-        return self[name].Metric(labels=labels, buckets=list(buckets))
+    def histogram(self, name: str, labels: dict[str, str], buckets: tuple[float, ...]) -> SerialMetric:
+        return SerialMetric(self[name].Metric(labels=labels, buckets=list(buckets)))
 
-    def metric(self, name: str, labels: dict[str, str]) -> Any:
-        return self[name].Metric(labels=labels)
+    def metric(self, name: str, labels: dict[str, str]) -> SerialMetric:
+        return SerialMetric(self[name].Metric(labels=labels))
 
     def gauge(self, name: str, labels: dict[str, str]) -> Gauge:
         return Gauge(self.metric(name, labels))
+
+
+class SerialMetric:
+    """A ``pb_utils.Metric`` whose operations run one at a time.
+
+    On Triton 2.51 each operation of a stub-side ``Metric`` (``increment``, ``set``, ``observe``,
+    ``value``) rewrites the metric's shared-memory record and releases the GIL while the server reads
+    it. Two threads operating on one metric at once (the orchestrator's event loop ending a request and
+    the SLO refresher, say) free the record the server is still reading, and the server process dies
+    with SIGSEGV in ``libtriton_python.so`` (``ModelInstanceState::ProcessMetricRequest`` ->
+    ``Metric::~Metric`` -> ``rbtree_best_fit::priv_deallocate``). ``perf/metric_race.py`` reproduces
+    it. Every metric this package creates goes through this lock.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._lock = threading.Lock()
+
+    def increment(self, value: float) -> None:
+        with self._lock:
+            self._metric.increment(value)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._metric.observe(value)
+
+    def value(self) -> float:
+        with self._lock:
+            return float(self._metric.value())
 
 
 class Gauge:
@@ -97,12 +126,14 @@ class Gauge:
     blocks forever with the GIL held, so nothing else in the stub runs again (not even the watch that
     would end it, ``disagg.triton.watchdog``). This keeps the value it published and sends the
     difference, and nothing when unchanged. Several holders of one series (a reloaded instance and
-    the one it replaces) then add up: each zeroes its share when it retires.
+    the one it replaces) then add up: each zeroes its share when it retires. Setters on several
+    threads are serialised, so the differences always add up to the last value set.
     """
 
     def __init__(self, metric: Any) -> None:
         self._metric = metric
         self._value = 0.0  # a new Triton gauge starts at 0
+        self._lock = threading.Lock()
 
     @property
     def value(self) -> float:
@@ -111,10 +142,11 @@ class Gauge:
 
     def set(self, value: float) -> None:
         value = float(value)
-        delta = value - self._value
-        if delta:
-            self._metric.increment(delta)
-            self._value = value
+        with self._lock:
+            delta = value - self._value
+            if delta:
+                self._metric.increment(delta)
+                self._value = value
 
 
 def outcome_label(error: ServingError | None) -> str:
@@ -140,12 +172,12 @@ class OrchestratorMetrics:
         self.attainment = fam.gauge("disagg_slo_attainment_ratio", own)
         self.goodput = fam.gauge("disagg_goodput_requests_per_second", own)
         self.fallbacks = fam.metric("disagg_fallbacks_total", labels)
-        self._outcomes: dict[str, Any] = {}
+        self._outcomes: dict[str, SerialMetric] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
         self._refresher: threading.Thread | None = None
 
-    def _counter(self, outcome: str) -> Any:
+    def _counter(self, outcome: str) -> SerialMetric:
         with self._lock:
             if outcome not in self._outcomes:
                 labels = {**self._labels, "outcome": outcome}
@@ -287,7 +319,7 @@ class PoolReporter:
         while self._loop.transfer_times:
             self.transfer.observe(self._loop.transfer_times.popleft())
 
-    def _add(self, counter: Any, key: str, total: float) -> None:
+    def _add(self, counter: SerialMetric, key: str, total: float) -> None:
         delta = total - self._seen[key]
         if delta > 0:
             counter.increment(delta)

@@ -1,10 +1,18 @@
-"""Gauge: a Triton gauge moved by increments only (Triton 2.51's set() holds the GIL over a round trip)."""
+"""Gauge and SerialMetric: Triton 2.51's set() holds the GIL over a round trip, and two threads on one
+metric crash the server, so gauges move by increments and every metric's operations run one at a time."""
 
 from __future__ import annotations
 
+import re
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from disagg.triton.metrics import Gauge
+from disagg.triton import metrics
+from disagg.triton.metrics import Gauge, SerialMetric
 
 
 class FakeMetric:
@@ -42,3 +50,96 @@ def test_two_holders_of_one_series_add_up_and_a_retiring_one_leaves_the_other() 
     assert series.total == 11
     old.set(0)  # the old instance retires
     assert series.total == 4
+
+
+class BlockingMetric:
+    """A metric whose first increment waits for `release`, as a stub's call waits on the server with
+    the GIL released; it records how many callers are inside at once."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.inside = 0
+        self.most_inside = 0
+        self.total = 0.0
+        self._count = threading.Lock()
+
+    def increment(self, value: float) -> None:
+        with self._count:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        first = not self.entered.is_set()
+        self.entered.set()
+        if first:
+            self.release.wait(timeout=10)
+        self.total += value
+        with self._count:
+            self.inside -= 1
+
+
+def test_a_serial_metric_never_lets_two_threads_into_one_metric() -> None:
+    raw = BlockingMetric()
+    metric = SerialMetric(raw)
+    first = threading.Thread(target=metric.increment, args=(1,))
+    first.start()
+    assert raw.entered.wait(timeout=10)
+    second = threading.Thread(target=metric.increment, args=(2,))
+    second.start()
+    second.join(timeout=0.2)  # bounded: with the lock, the second caller is still waiting
+    assert second.is_alive() and raw.inside == 1
+    raw.release.set()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert raw.most_inside == 1 and raw.total == 3
+
+
+def test_gauge_setters_on_several_threads_leave_the_last_value() -> None:
+    series = FakeMetric()
+    gauge = Gauge(SerialMetric(series))
+    barrier = threading.Barrier(4)
+
+    def setter(offset: int) -> None:
+        barrier.wait()
+        for value in range(offset, 4000, 4):
+            gauge.set(value)
+
+    workers = [threading.Thread(target=setter, args=(k,)) for k in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so an unguarded read-modify-write shows
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert series.total == pytest.approx(gauge.value)  # the increments add up to what was published
+
+
+def test_every_triton_metric_of_the_package_is_created_through_families() -> None:
+    """Only ``disagg.triton.metrics`` may call ``MetricFamily(...)`` or ``family.Metric(...)``: that is
+    where each metric is wrapped in a ``SerialMetric``."""
+    package = Path(metrics.__file__).resolve().parents[1]
+    creators = re.compile(r"\bMetricFamily\(|\.Metric\(")
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "metrics.py" and creators.search(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_families_wrap_each_metric_in_a_serial_metric() -> None:
+    class FakeFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def Metric(self, **_: object) -> FakeMetric:
+            return FakeMetric()
+
+    families = metrics.Families(SimpleNamespace(MetricFamily=FakeFamily))
+    assert isinstance(families.metric("disagg_requests_total", {}), SerialMetric)
+    assert isinstance(families.histogram("disagg_prompt_tokens", {}, (1.0,)), SerialMetric)
+    assert isinstance(families.gauge("disagg_kv_blocks_used", {})._metric, SerialMetric)
