@@ -1,17 +1,18 @@
-"""Engine speed on one CPU core: this engine vs eager transformers, side by side in one run.
+"""Engine speed on CPU cores: this engine vs eager transformers, side by side in one run.
 
 Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32, for
   - transformers (fp32, SDPA attention, eager): the baseline,
   - this engine in fp32 (the token-exact reference configuration),
-  - this engine in bf16 (the serving configuration).
+  - this engine in bf16 with plain weights (``pack_weights: false``),
+  - this engine in bf16 with weights prepacked for oneDNN (the serving configuration).
 Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
 median of each is reported, and ratios against the baseline from the same run.
 
-    python perf/engine_bench.py [--model DIR ...] [--core N] [--reps R]
+    python perf/engine_bench.py [--model DIR ...] [--cores 0[,1]] [--reps R]
 
 Each ``--model`` gets its own table (the tiny model and SmolLM2-135M-Instruct by ``make
-bench-engine``), followed by what bounds the bf16 decode step: the time to stream the weights once at
-this core's measured copy bandwidth, and the output head's share of the step.
+bench-engine``), followed by what bounds the bf16 decode step: the time to read the weights once at
+these cores' measured read-only bandwidth, and the output head's share of the step.
 
 Writes perf/results/engine_bench.json and perf/results/engine_bench.md.
 """
@@ -66,9 +67,10 @@ class HFRunner:
 
 
 class EngineRunner:
-    def __init__(self, model_dir: Path, dtype: str) -> None:
-        self.name = f"disagg engine {dtype}"
-        self.engine = Engine(EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=1024))
+    def __init__(self, model_dir: Path, dtype: str, pack: bool = True) -> None:
+        self.name = f"disagg engine {dtype}" + ("" if pack or dtype == "float32" else ", weights unpacked")
+        config = EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack)
+        self.engine = Engine(config)
 
     def prefill(self, prompt: list[int]) -> None:
         (out,) = self.engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=1))], decode=False)
@@ -97,15 +99,22 @@ def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run(model_dir: Path, core: int, reps: int, prompt_len: int, context: int, steps: int) -> dict:
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
+def run(
+    model_dir: Path, cores: tuple[int, ...], reps: int, prompt_len: int, context: int, steps: int
+) -> dict:
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
     gen = torch.Generator().manual_seed(0)
 
     def tokens(n: int) -> list[int]:
         return [1, *torch.randint(3, 1000, (n - 1,), generator=gen).tolist()]
 
-    runners = [HFRunner(model_dir), EngineRunner(model_dir, "float32"), EngineRunner(model_dir, "bfloat16")]
+    runners = [
+        HFRunner(model_dir),
+        EngineRunner(model_dir, "float32"),
+        EngineRunner(model_dir, "bfloat16", pack=False),
+        EngineRunner(model_dir, "bfloat16"),
+    ]
     baseline = runners[0].name
     prompt = tokens(prompt_len)
 
@@ -133,9 +142,9 @@ def run(model_dir: Path, core: int, reps: int, prompt_len: int, context: int, st
         row["vs_baseline"] = row["tokens_per_s"] / base["tokens_per_s"]
     return dict(
         model=str(model_dir),
-        limits=limits(runners[2].engine, reps),
-        core=core,
-        threads=1,
+        limits=limits(runners[-1].engine, reps),
+        cores=list(cores),
+        threads=len(cores),
         reps=reps,
         prompt_tokens=prompt_len,
         decode_context=context,
@@ -158,28 +167,39 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def limits(engine: Engine, reps: int) -> dict:
-    """What bounds one bf16 decode step at batch 1, measured on this core in this run.
+    """What bounds one bf16 decode step at batch 1, measured on these cores in this run.
 
-    - ``weight_bytes``: the engine's weights in its compute dtype (each read once per step);
-    - ``copy_gb_s``: a plain tensor copy of 256 MiB, the memory bandwidth one core reaches;
-    - ``floor_ms``: weight_bytes / copy bandwidth, the step time if only memory traffic counted;
+    - ``weight_bytes``: the weights a step reads whole, in the compute dtype: the layers, the final
+      norm and the output head (the embedding table is only looked up, one row per token);
+    - ``read_gb_s``: summing a 256 MiB float32 tensor, the read-only bandwidth these cores reach;
+    - ``copy_gb_s``: a plain 256 MiB copy (bytes copied per second), for reference;
+    - ``floor_ms``: weight_bytes / read bandwidth, the step time if only reading the weights counted;
     - ``head_ms``: the output head alone (final norm + [1, hidden] x [hidden, vocab] matmul).
     """
     model = engine.model
-    tensors = {id(t): t for t in vars(model).values() if isinstance(t, torch.Tensor)}
+    tensors = {id(model.norm): model.norm}
+    projections = [model.lm_head]
     for layer in model.layers:
-        tensors.update({id(t): t for t in vars(layer).values() if isinstance(t, torch.Tensor)})
+        tensors.update({id(t): t for t in (layer.ln_attn, layer.ln_mlp)})
+        projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    for projection in projections:
+        for t in (projection.weight, projection.bias):
+            if t is not None:
+                tensors[id(t)] = t
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    src = torch.empty(256 << 20, dtype=torch.uint8)
+    src = torch.ones(64 << 20, dtype=torch.float32)  # written: no shared zero pages
     dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
     copy_s = _median_time(lambda: dst.copy_(src), reps)
+    read_s = _median_time(lambda: src.sum(), reps)
     x = torch.randn(1, model.embed.shape[1], dtype=model.embed.dtype)
     with torch.inference_mode():
         head_s = _median_time(lambda: model._logits(x), reps * 4)
     return dict(
         weight_bytes=weight_bytes,
-        copy_gb_s=src.numel() / copy_s / 1e9,
-        floor_ms=weight_bytes / (src.numel() / copy_s) * 1e3,
+        read_gb_s=nbytes / read_s / 1e9,
+        copy_gb_s=nbytes / copy_s / 1e9,
+        floor_ms=weight_bytes / (nbytes / read_s) * 1e3,
         head_ms=head_s * 1e3,
     )
 
@@ -195,7 +215,8 @@ def section(result: dict) -> str:
     lines = [
         f"## `{Path(result['model']).name}`",
         "",
-        f"Core {result['core']}, 1 thread, torch {result['torch']}, CPU {result.get('cpu_flags', '?')}; "
+        f"Cores {result['cores']}, {result['threads']} thread(s), torch {result['torch']}, "
+        f"CPU {result.get('cpu_flags', '?')}; "
         f"prefill of one {result['prompt_tokens']}-token prompt; decode at a "
         f"{result['decode_context']}-token context, {result['decode_steps']} steps; "
         f"median of {result['reps']} interleaved repetitions. "
@@ -218,23 +239,23 @@ def section(result: dict) -> str:
     step = next(
         r
         for r in result["rows"]
-        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"].endswith("bfloat16")
+        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"] == "disagg engine bfloat16"
     )
     step_ms = _ms_per_call(step)
     lines += [
         "",
         f"What bounds the bf16 decode step at batch 1 ({step_ms:.1f} ms): its weights are "
-        f"{lim['weight_bytes'] / 1e6:.0f} MB, which stream in {lim['floor_ms']:.1f} ms at this core's "
-        f"copy bandwidth ({lim['copy_gb_s']:.1f} GB/s), so the step runs at "
-        f"{lim['floor_ms'] / step_ms:.0%} of the memory-bandwidth bound; the output head alone "
-        f"takes {lim['head_ms']:.1f} ms ({lim['head_ms'] / step_ms:.0%} of the step).",
+        f"{lim['weight_bytes'] / 1e6:.0f} MB, which stream in {lim['floor_ms']:.1f} ms at these cores' "
+        f"read-only bandwidth ({lim['read_gb_s']:.1f} GB/s; a copy moves {lim['copy_gb_s']:.1f} GB/s), "
+        f"so the step takes {step_ms / lim['floor_ms']:.2f}x the weight-streaming bound; "
+        f"the output head alone takes {lim['head_ms']:.1f} ms ({lim['head_ms'] / step_ms:.0%} of the step).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[dict]) -> str:
     head = [
-        "# Engine speed, one CPU core",
+        "# Engine speed on CPU cores",
         "",
         "Written by `perf/engine_bench.py` (`make bench-engine`).",
         "",
@@ -262,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="checkpoint folder, repeatable (default: $MODEL_DIR, else SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--core", type=int, default=min(os.sched_getaffinity(0)))
+    parser.add_argument(
+        "--cores",
+        default=str(min(os.sched_getaffinity(0))),
+        help="comma-separated cores to compute on, one thread each (default: the first one available)",
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--context", type=int, default=128)
@@ -273,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model in args.model or [None]:
         model_dir = ensure_model(resolve_model_dir(model))
-        result = run(model_dir, args.core, args.reps, args.prompt_tokens, args.context, args.steps)
+        cores = tuple(int(c) for c in args.cores.split(","))
+        result = run(model_dir, cores, args.reps, args.prompt_tokens, args.context, args.steps)
         results.append({**result, "cpu_flags": flags})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")

@@ -58,6 +58,7 @@ class EngineConfig:
     max_tokens_cap: int | None = None  # default: the model's context length
     cores: tuple[int, ...] | None = None
     num_threads: int | None = None
+    pack_weights: bool = True  # prepack bf16 projections for oneDNN on CPU (same bits, faster)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -105,7 +106,7 @@ class Engine:
         self.model_config: ModelConfig = load_config(config.model_dir)
         dtype = DTYPES[config.dtype]
         weights = load_weights(config.model_dir, self.model_config, dtype)
-        self.model = Transformer(self.model_config, weights, dtype, self.device)
+        self.model = Transformer(self.model_config, weights, dtype, self.device, config.pack_weights)
         del weights
         mc = self.model_config
         self.kv_layout, num_blocks = plan_kv(config, mc)

@@ -13,21 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine.checkpoint import ModelConfig
+from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
 
 
 @dataclass
 class LayerWeights:
     ln_attn: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(nh + 2 nkv) hd, H]: q, k, v projections stacked, one matmul
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, nh hd]
-    o_bias: torch.Tensor | None
+    qkv: Projection  # H -> (nh + 2 nkv) hd: q, k, v projections stacked, one matmul
+    o: Projection  # nh hd -> H
     ln_mlp: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]: gate and up projections stacked
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
-    down_bias: torch.Tensor | None
+    gate_up: Projection  # H -> 2 I: gate and up projections stacked
+    down: Projection  # I -> H
 
 
 @dataclass(frozen=True)
@@ -59,10 +56,18 @@ def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class Transformer:
-    """Weights plus the two forward passes the engine needs: prompt and batched decode step."""
+    """Weights plus the forward pass the engine needs: prompt chunks and a decode batch in one step.
+
+    ``pack``: prepack the projections' weights for oneDNN where that runs here (bf16 on CPU; see
+    ``disagg.engine.projection``): the same bits, faster."""
 
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        pack: bool = True,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -73,24 +78,26 @@ class Transformer:
         def b(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
+        def proj(names: list[str]) -> Projection:
+            weight = torch.cat([w(name + ".weight") for name in names])
+            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack)
+
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        # a tied head packs a copy of the embedding table (the lookup needs the plain one)
+        head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Projection(head, None, pack)
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
             self.layers.append(
                 LayerWeights(
                     ln_attn=w(f"model.layers.{n}.input_layernorm.weight"),
-                    qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                    qkv_bias=_cat([b(a + "q_proj.bias"), b(a + "k_proj.bias"), b(a + "v_proj.bias")]),
-                    o=w(a + "o_proj.weight"),
-                    o_bias=b(a + "o_proj.bias"),
+                    qkv=proj([a + "q_proj", a + "k_proj", a + "v_proj"]),
+                    o=proj([a + "o_proj"]),
                     ln_mlp=w(f"model.layers.{n}.post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
-                    gate_up_bias=_cat([b(m + "gate_proj.bias"), b(m + "up_proj.bias")]),
-                    down=w(m + "down_proj.weight"),
-                    down_bias=b(m + "down_proj.bias"),
+                    gate_up=proj([m + "gate_proj", m + "up_proj"]),
+                    down=proj([m + "down_proj"]),
                 )
             )
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_context, dtype)
@@ -108,19 +115,19 @@ class Transformer:
         self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        qkv = F.linear(self._rms_norm(x, layer.ln_attn), layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(self._rms_norm(x, layer.ln_attn))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)  # [T, nh, hd]
         k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)  # [T, nkv, hd]
         return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + F.linear(attn, layer.o, layer.o_bias)
-        gate, up = F.linear(self._rms_norm(x, layer.ln_mlp), layer.gate_up, layer.gate_up_bias).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        x = x + layer.o(attn)
+        gate, up = layer.gate_up(self._rms_norm(x, layer.ln_mlp)).chunk(2, -1)
+        return x + layer.down(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+        return self.lm_head(self._rms_norm(x, self.norm)).float()
 
     @torch.inference_mode()
     def step(
@@ -227,7 +234,8 @@ class Transformer:
     def _length_groups(
         positions: torch.Tensor, block_table: torch.Tensor, bs: int
     ) -> list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]:
-        """(rows, flat block ids [b * width], span, mask [b, 1, 1, span]) per group of sequences."""
+        """(rows, flat block ids [b * width], span, bias [b, 1, 1, span]) per group of sequences: the
+        bias is 0 where a row attends and -inf past its position, in float32."""
         max_blocks = block_table.shape[1]
         by_width: dict[int, list[int]] = {}
         for row, position in enumerate(positions.tolist()):
@@ -239,9 +247,10 @@ class Transformer:
         for width, rows in by_width.items():
             index = torch.tensor(rows, device=positions.device)
             span = width * bs
-            mask = torch.arange(span, device=positions.device)[None, :] <= positions[index][:, None]
+            past = torch.arange(span, device=positions.device)[None, :] > positions[index][:, None]
+            bias = torch.zeros(past.shape, device=positions.device).masked_fill_(past, float("-inf"))
             table = block_table[index, :width].reshape(-1)
-            groups.append((index, table, span, mask[:, None, None, :]))  # mask [b, 1, 1, span]
+            groups.append((index, table, span, bias[:, None, None, :]))
         return groups
 
     def _attend(
@@ -251,12 +260,26 @@ class Transformer:
         layer: int,
         table: torch.Tensor,
         span: int,
-        mask: torch.Tensor,
+        bias: torch.Tensor,
     ) -> torch.Tensor:
-        """q [b, nh, hd] over the cached KV of its sequences' blocks -> [b, nh, hd]."""
-        batch, kv_heads = q.shape[0], self.cfg.num_kv_heads
+        """q [b, nh, hd] over the cached KV of its sequences' blocks -> [b, nh, hd].
+
+        In bf16 / fp16: two batched matmuls, each kv head's query group as a [g, hd] matrix, with the
+        scores and softmax in float32 (bf16 scores lost 10x the accuracy of the fused kernel on
+        peaked attention). For one query row the CPU's fused SDPA kernel was 2x (batch 1, 112
+        positions) to 8x (batch 32, 256 positions) slower than this in bf16 on this machine class.
+        In fp32 the fused kernel is as fast (and twice as fast at batch 32 over these strided
+        views), and fp32 is the reference: it keeps SDPA."""
+        batch, kv_heads, head_dim = q.shape[0], self.cfg.num_kv_heads, self.cfg.head_dim
         # [b * width, bs, nkv, hd] -> [b, nkv, span, hd]
         keys = cache[:, layer, 0].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
         values = cache[:, layer, 1].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-        return out[:, :, 0]  # [b, nh, hd]
+        if q.dtype == torch.float32:
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=bias, enable_gqa=True
+            )
+            return out[:, :, 0]
+        grouped = q.view(batch, kv_heads, -1, head_dim).float()  # [b, nkv, g, hd]
+        scores = torch.matmul(grouped, keys.float().transpose(-1, -2)) * head_dim**-0.5 + bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [b, nkv, g, span]
+        return torch.matmul(probs, values).view(batch, -1, head_dim)
