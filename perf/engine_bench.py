@@ -20,10 +20,12 @@ Writes perf/results/engine_bench.json and perf/results/engine_bench.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,12 +39,15 @@ from disagg.engine.sequence import Request
 from disagg.paths import ensure_model, resolve_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VLLM_SCRIPT = Path(__file__).resolve().parent / "benchlib" / "vllm_engine.py"
 
 
 class HFRunner:
     """Eager transformers, greedy, with its own KV cache: how a plain PyTorch user would run."""
 
     name = "transformers fp32 (sdpa)"
+    dtype = "float32"
 
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
@@ -68,6 +73,7 @@ class HFRunner:
 
 class EngineRunner:
     def __init__(self, model_dir: Path, dtype: str, pack: bool = True) -> None:
+        self.dtype = dtype
         self.name = f"disagg engine {dtype}" + ("" if pack or dtype == "float32" else ", weights unpacked")
         config = EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack)
         self.engine = Engine(config)
@@ -88,6 +94,56 @@ class EngineRunner:
         return elapsed
 
 
+def _bind(cores: tuple[int, ...]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``cores``: a range when they are contiguous."""
+    ordered = sorted(cores)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
+    return ",".join(str(c) for c in ordered)
+
+
+def vllm_rows(
+    model_dir: Path, dtype: str, cores: tuple[int, ...], reps: int, prompt_len: int, context: int, steps: int
+) -> list[dict]:
+    """vLLM's offline engine on the same cores, dtype and model (``benchlib/vllm_engine.py``), its KV
+    space the same 1 GiB as ours. Not interleaved with ours: it runs in its own process after them."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": _bind(cores),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    command = [str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model", str(model_dir), "--dtype", dtype]
+    command += ["--prompt-tokens", str(prompt_len), "--context", str(context), "--steps", str(steps)]
+    command += ["--reps", str(reps)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    name = f"vLLM CPU {dtype}"
+    rows = [
+        dict(
+            phase="prefill",
+            runner=name,
+            batch=1,
+            tokens=prompt_len,
+            seconds=measured["prefill_s"],
+            dtype=dtype,
+        )
+    ]
+    for batch, m in measured["decode"].items():
+        rows.append(
+            dict(
+                phase="decode",
+                runner=name,
+                batch=int(batch),
+                tokens=int(batch) * steps,
+                seconds=m["decode_s"],
+            )
+        )
+    return rows
+
+
 def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {r.name: [] for r in runners}
     measure(runners[0])  # warm-up of allocator and kernels, once per runner below
@@ -100,7 +156,13 @@ def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -
 
 
 def run(
-    model_dir: Path, cores: tuple[int, ...], reps: int, prompt_len: int, context: int, steps: int
+    model_dir: Path,
+    cores: tuple[int, ...],
+    reps: int,
+    prompt_len: int,
+    context: int,
+    steps: int,
+    vllm_dtypes: tuple[str, ...] = (),
 ) -> dict:
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
@@ -116,6 +178,7 @@ def run(
         EngineRunner(model_dir, "bfloat16"),
     ]
     baseline = runners[0].name
+    dtypes = {r.name: r.dtype for r in runners}
     prompt = tokens(prompt_len)
 
     def time_prefill(runner) -> float:
@@ -126,12 +189,28 @@ def run(
     rows = []
     seconds = _interleaved(runners, time_prefill, reps)
     for name, sec in seconds.items():
-        rows.append(dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec))
+        rows.append(
+            dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec, dtype=dtypes[name])
+        )
     for batch in (1, 8, 32):
         prompts = [tokens(context) for _ in range(batch)]
         seconds = _interleaved(runners, lambda r, p=prompts: r.decode(p, steps), reps)
         for name, sec in seconds.items():
-            rows.append(dict(phase="decode", runner=name, batch=batch, tokens=batch * steps, seconds=sec))
+            rows.append(
+                dict(
+                    phase="decode",
+                    runner=name,
+                    batch=batch,
+                    tokens=batch * steps,
+                    seconds=sec,
+                    dtype=dtypes[name],
+                )
+            )
+    limit = limits(runners[-1].engine, reps)
+    runners.clear()  # free their memory before vLLM loads
+    gc.collect()
+    for dtype in vllm_dtypes:
+        rows += vllm_rows(model_dir, dtype, cores, reps, prompt_len, context, steps)
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         base = next(
@@ -140,9 +219,17 @@ def run(
             if r["runner"] == baseline and r["phase"] == row["phase"] and r["batch"] == row["batch"]
         )
         row["vs_baseline"] = row["tokens_per_s"] / base["tokens_per_s"]
+        peer = [
+            r
+            for r in rows
+            if r["runner"] == f"vLLM CPU {row['dtype']}"
+            and r["phase"] == row["phase"]
+            and r["batch"] == row["batch"]
+        ]
+        row["vs_vllm"] = row["tokens_per_s"] / peer[0]["tokens_per_s"] if peer else None
     return dict(
         model=str(model_dir),
-        limits=limits(runners[-1].engine, reps),
+        limits=limit,
         cores=list(cores),
         threads=len(cores),
         reps=reps,
@@ -222,8 +309,8 @@ def section(result: dict) -> str:
         f"median of {result['reps']} interleaved repetitions. "
         f"Ratios are against `{result['baseline']}` in the same run.",
         "",
-        "| phase | batch | runner | tokens/s | ms per call | × baseline |",
-        "|---|---:|---|---:|---:|---:|",
+        "| phase | batch | runner | tokens/s | ms per call | × baseline | × vLLM, same dtype |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         cells = [
@@ -233,6 +320,7 @@ def section(result: dict) -> str:
             f"{r['tokens_per_s']:.0f}",
             f"{_ms_per_call(r):.1f}",
             f"{r['vs_baseline']:.2f}",
+            "–" if r.get("vs_vllm") is None else f"{r['vs_vllm']:.2f}",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lim = result["limits"]
@@ -292,14 +380,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--vllm-dtype",
+        action="append",
+        choices=["bfloat16", "float32"],
+        help="run vLLM CPU's offline engine (.venv-vllm, `make .venv-vllm`) in this dtype, repeatable "
+        "(default: both when .venv-vllm is installed)",
+    )
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.no_vllm:
+        vllm_dtypes: tuple[str, ...] = ()
+    elif args.vllm_dtype:
+        vllm_dtypes = tuple(args.vllm_dtype)
+    else:
+        vllm_dtypes = ("bfloat16", "float32") if VLLM_PYTHON.exists() else ()
+    if vllm_dtypes and not VLLM_PYTHON.exists():
+        parser.error("vLLM is not installed: make .venv-vllm/.installed")
     flags = cpu_flags()
     results = []
     for model in args.model or [None]:
         model_dir = ensure_model(resolve_model_dir(model))
         cores = tuple(int(c) for c in args.cores.split(","))
-        result = run(model_dir, cores, args.reps, args.prompt_tokens, args.context, args.steps)
+        result = run(model_dir, cores, args.reps, args.prompt_tokens, args.context, args.steps, vllm_dtypes)
         results.append({**result, "cpu_flags": flags})
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "engine_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")

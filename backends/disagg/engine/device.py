@@ -7,6 +7,20 @@ import os
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO = "auto"
+
+
+def auto_dtype(device: str) -> str:
+    """The compute dtype ``auto`` stands for on ``device``, by a fixed rule (never by a timing, which
+    could flip between restarts): ``bfloat16`` on a CUDA device that supports it, and on a CPU whose
+    oneDNN has bf16 kernels (AVX-512-BF16 or AMX), where bf16 with prepacked weights measured faster
+    than fp32 in both prefill and decode (``perf/engine_bench.py``); otherwise ``float32``."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bfloat16"
+    return "float32"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -19,7 +19,7 @@ import torch
 from disagg.config import build
 from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
-from disagg.engine.device import DTYPES, pin_cpu, resolve_device
+from disagg.engine.device import AUTO, DTYPES, auto_dtype, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.kvcache import KVCache
 from disagg.engine.sampling import sample
@@ -50,7 +50,7 @@ class EngineConfig:
 
     model_dir: Path
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": resolved here, once, by ``disagg.engine.device.auto_dtype``
     block_size: int = 16
     num_blocks: int | None = None  # default: as many as kv_cache_mb holds
     kv_cache_mb: int = 256
@@ -62,8 +62,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.dtype == AUTO:
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO!r}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_mb", "max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -129,9 +131,10 @@ class Engine:
             fused_steps=True,
         )
         log.info(
-            "engine ready: %s %s on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s%s on %s, %d KV blocks of %d tokens",
             mc.model_type,
             config.dtype,
+            " (weights prepacked for oneDNN)" if self.model.lm_head.packed else "",
             self.device,
             num_blocks,
             config.block_size,

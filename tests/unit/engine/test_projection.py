@@ -1,4 +1,5 @@
-"""Projection: a prepacked bf16 weight gives F.linear's bits, and fp32 or unsupported CPUs fall back."""
+"""Projection: a prepacked bf16 weight gives F.linear's bits, fp32 or unsupported CPUs fall back; and the
+``auto`` dtype rule that follows from it."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def test_packing_off_keeps_the_plain_weight() -> None:
     weight = torch.randn(8, 4).bfloat16()
     projection = Projection(weight, None, pack=False)
     assert not projection.packed and projection.weight is weight
+
+
+def test_auto_dtype_follows_the_cpu_rule_and_is_resolved_in_the_config(tmp_path) -> None:
+    from disagg.engine.device import auto_dtype
+    from disagg.engine.engine import EngineConfig
+
+    expected = "bfloat16" if packing_available(torch.bfloat16, CPU) else "float32"
+    assert auto_dtype("cpu") == expected
+    config = EngineConfig(model_dir=tmp_path, dtype="auto")
+    assert config.dtype == expected  # resolved once, at construction: every later reader sees it
+    assert EngineConfig.from_dict({"model_dir": str(tmp_path), "dtype": "auto"}).dtype == expected
+    with pytest.raises(ValueError, match="auto"):
+        EngineConfig(model_dir=tmp_path, dtype="int8")
