@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps $$($(PY) -c 'import tomllib; \
 		print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["serve"])')
+	$(PY) -m disagg.engine.kernel
 	touch $@
 
 install: $(STAMP)

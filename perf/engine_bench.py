@@ -4,7 +4,10 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
   - transformers (fp32, SDPA attention, eager): the baseline,
   - this engine in fp32 (the token-exact reference configuration),
   - this engine in bf16 with plain weights (``pack_weights: false``),
-  - this engine in bf16 with weights prepacked for oneDNN (the serving configuration).
+  - this engine in bf16 with weights prepacked for oneDNN only (``native_kernels: false``),
+  - this engine in bf16 as the pools run it: prepacked, and its own kernels (decode attention, and
+    projections of 1-2 rows),
+  - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed.
 Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
 median of each is reported, and ratios against the baseline from the same run.
 
@@ -27,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,10 +76,18 @@ class HFRunner:
 
 
 class EngineRunner:
-    def __init__(self, model_dir: Path, dtype: str, pack: bool = True) -> None:
+    """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``."""
+
+    def __init__(self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True) -> None:
         self.dtype = dtype
-        self.name = f"disagg engine {dtype}" + ("" if pack or dtype == "float32" else ", weights unpacked")
-        config = EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack)
+        self.name = f"disagg engine {dtype}"
+        if dtype != "float32" and not pack:
+            self.name += ", plain weights"
+        elif dtype != "float32" and not kernel:
+            self.name += ", oneDNN-packed only"
+        config = EngineConfig(
+            model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack, native_kernels=kernel
+        )
         self.engine = Engine(config)
 
     def prefill(self, prompt: list[int]) -> None:
@@ -115,11 +127,13 @@ def vllm_rows(
     }
     command = [str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model", str(model_dir), "--dtype", dtype]
     command += ["--prompt-tokens", str(prompt_len), "--context", str(context), "--steps", str(steps)]
-    command += ["--reps", str(reps)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "vllm.json"
+        command += ["--reps", str(reps), "--out", str(out)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
+        measured = json.loads(out.read_text())
     name = f"vLLM CPU {dtype}"
     rows = [
         dict(
@@ -174,7 +188,8 @@ def run(
     runners = [
         HFRunner(model_dir),
         EngineRunner(model_dir, "float32"),
-        EngineRunner(model_dir, "bfloat16", pack=False),
+        EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
+        EngineRunner(model_dir, "bfloat16", kernel=False),
         EngineRunner(model_dir, "bfloat16"),
     ]
     baseline = runners[0].name

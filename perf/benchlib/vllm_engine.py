@@ -11,7 +11,8 @@ at its default), generation is greedy with ``ignore_eos``:
     time is the total minus the time of B other prompts of the same length with ``max_tokens=1``
     (their prefill, measured alone), and the rate is B x steps / that time.
 
-Prints one JSON object: the median seconds of each measurement over ``--reps``.
+Writes one JSON object to ``--out``: the median seconds of each measurement over ``--reps`` (vLLM
+logs to stdout, also after the run, so the figures go to a file of their own).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn from 3..vocab")
+    parser.add_argument("--out", required=True, help="where the JSON result goes")
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             prefills.append(timed([prompt(args.context) for _ in range(batch)], 1))
         total, prefill = statistics.median(totals), statistics.median(prefills)
         result["decode"][str(batch)] = {"total_s": total, "prefill_s": prefill, "decode_s": total - prefill}
-    print(json.dumps(result))
+    with open(args.out, "w") as handle:
+        json.dump(result, handle)
     return 0
 
 

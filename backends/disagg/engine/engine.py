@@ -59,6 +59,9 @@ class EngineConfig:
     cores: tuple[int, ...] | None = None
     num_threads: int | None = None
     pack_weights: bool = True  # prepack bf16 projections for oneDNN on CPU (same bits, faster)
+    # bf16 on CPU: the engine's own kernels (disagg.engine.kernel): paged decode attention, and with
+    # pack_weights and one compute thread projections of 1-2 rows (2x weight memory)
+    native_kernels: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -108,7 +111,9 @@ class Engine:
         self.model_config: ModelConfig = load_config(config.model_dir)
         dtype = DTYPES[config.dtype]
         weights = load_weights(config.model_dir, self.model_config, dtype)
-        self.model = Transformer(self.model_config, weights, dtype, self.device, config.pack_weights)
+        self.model = Transformer(
+            self.model_config, weights, dtype, self.device, config.pack_weights, config.native_kernels
+        )
         del weights
         mc = self.model_config
         self.kv_layout, num_blocks = plan_kv(config, mc)
@@ -130,11 +135,21 @@ class Engine:
             mc.vocab_size,
             fused_steps=True,
         )
+        head = self.model.lm_head
+        paths = [
+            name
+            for name, on in (
+                ("oneDNN-packed", head.packed),
+                ("small-batch kernel", head.small_batch),
+                ("paged-attention kernel", self.model.paged_attention),
+            )
+            if on
+        ]
         log.info(
-            "engine ready: %s %s%s on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s (projections: %s) on %s, %d KV blocks of %d tokens",
             mc.model_type,
             config.dtype,
-            " (weights prepacked for oneDNN)" if self.model.lm_head.packed else "",
+            ", ".join(paths) or "F.linear",
             self.device,
             num_blocks,
             config.block_size,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.engine import kernel
 from disagg.engine.checkpoint import ModelConfig
 from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
@@ -59,7 +60,8 @@ class Transformer:
     """Weights plus the forward pass the engine needs: prompt chunks and a decode batch in one step.
 
     ``pack``: prepack the projections' weights for oneDNN where that runs here (bf16 on CPU; see
-    ``disagg.engine.projection``): the same bits, faster."""
+    ``disagg.engine.projection``): the same bits, faster. ``native``: in bf16 on CPU, the engine's own
+    kernels (``disagg.engine.kernel``) for decode attention and for projections of one or two rows."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class Transformer:
         dtype: torch.dtype,
         device: torch.device,
         pack: bool = True,
+        native: bool = True,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -80,13 +83,13 @@ class Transformer:
 
         def proj(names: list[str]) -> Projection:
             weight = torch.cat([w(name + ".weight") for name in names])
-            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack)
+            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, native)
 
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         # a tied head packs a copy of the embedding table (the lookup needs the plain one)
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Projection(head, None, pack)
+        self.lm_head = Projection(head, None, pack, native)
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
@@ -104,6 +107,14 @@ class Transformer:
         self.rotary.cos, self.rotary.sin = self.rotary.cos.to(device), self.rotary.sin.to(device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        fits = cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and cfg.num_heads // cfg.num_kv_heads <= 8
+        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        # the decode rows' attention in one call over the paged cache, or None (grouped PyTorch path)
+        self.paged = kernel.decode_attention() if native and on_cpu_bf16 and fits else None
+
+    @property
+    def paged_attention(self) -> bool:
+        return self.paged is not None
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Statistics in float32 whatever the compute dtype, as the reference implementation does.
@@ -135,11 +146,13 @@ class Transformer:
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """One forward pass over a decode batch's rows and prompt chunks' rows together: every weight
         is read once for all of them. A decode row writes its new KV at the slot of its position and
-        attends to positions 0..position of its own blocks, per group of sequences of similar length
-        (block counts within a factor of 4), so a short sequence never pays for the padding of the
-        longest one in the batch. Attention runs per part (the decode rows over their blocks, each
-        chunk over its sequence's cached positions and itself). Returns the decode rows' logits [B, V]
-        (None without a batch) and, per chunk, its last token's logits [V] (None unless asked)."""
+        attends to positions 0..position of its own blocks: in bf16 on CPU through the paged-attention
+        kernel, every row in one call reading only its own blocks; otherwise per group of sequences
+        of similar length (block counts within a factor of 4), so a short sequence never pays for the
+        padding of the longest one in the batch. Attention runs per part (the decode rows over their
+        blocks, each chunk over its sequence's cached positions and itself). Returns the decode rows'
+        logits [B, V] (None without a batch) and, per chunk, its last token's logits [V] (None unless
+        asked)."""
         bs = cache.shape[3]
         dev = cache.device
         tokens, positions, slot_blocks, parts = [], [], [], []
@@ -147,13 +160,11 @@ class Transformer:
             tokens.append(decode.tokens)
             positions.append(decode.positions)
             slot_blocks.append(decode.block_table.gather(1, (decode.positions // bs)[:, None])[:, 0])
-            parts.append(
-                (
-                    "decode",
-                    decode.tokens.shape[0],
-                    self._length_groups(decode.positions, decode.block_table, bs),
-                )
-            )
+            if self.paged is not None:
+                how: object = (decode.block_table, decode.positions)
+            else:
+                how = self._length_groups(decode.positions, decode.block_table, bs)
+            parts.append(("decode", decode.tokens.shape[0], how))
         for chunk in chunks:
             count = chunk.tokens.shape[0]
             pos = torch.arange(chunk.start, chunk.start + count, device=dev)
@@ -176,7 +187,9 @@ class Transformer:
             outs, row = [], 0
             for kind, count, how in parts:
                 rows = slice(row, row + count)
-                if kind == "decode":
+                if kind == "decode" and self.paged is not None:
+                    outs.append(self.paged(q[rows], cache, n, *how))
+                elif kind == "decode":
                     outs.append(self._attend_batch(q[rows], cache, n, how))
                 else:
                     outs.append(self._attend_chunk(q[rows], k[rows], v[rows], cache, n, *how))
