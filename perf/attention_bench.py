@@ -1,10 +1,12 @@
-"""Decode attention over the paged KV cache: the engine's grouped path against three alternatives.
+"""Decode attention over the paged KV cache: the engine's kernel against the PyTorch alternatives.
 
 For one decode step's attention in one layer (one query row per sequence), on one core, at uniform
 and mixed context lengths (one 1,000-token sequence among short ones):
-  - ``engine``: the engine's own path (``Transformer._attend_batch``): sequences grouped by block
-    count (widths a power of 4 apart), per group a gather, then batched matmuls with a float32
-    softmax in bf16 (SDPA in fp32);
+  - ``kernel, one call``: the engine's bf16 path (``disagg.engine.kernel.decode_attention``): every
+    row in one call, reading only its own blocks from the cache, fp32 scores and softmax;
+  - ``grouped matmul``: the engine's PyTorch path without its kernels (``Transformer._attend_batch``):
+    sequences grouped by block count (widths a power of 4 apart), per group a gather, then batched
+    matmuls with a float32 softmax in bf16 (SDPA in fp32);
   - ``grouped SDPA``: the same groups through PyTorch's fused CPU SDPA kernel (the earlier path);
   - ``padded, one call``: every sequence padded to the longest, one gather and one SDPA call;
   - ``flat, one call``: no per-group loop and no padding: the used blocks of all sequences gathered
@@ -22,15 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchlib.timing import median_time
 
+from disagg.engine import kernel
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.paths import ensure_model, resolve_model_dir
 
@@ -42,17 +43,6 @@ SCENARIOS = {
     "32 x 200": [200] * 32,
     "1 x 1000 + 31 x 60": [1000] + [60] * 31,
 }
-
-
-def _time(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def grouped_sdpa(
@@ -122,8 +112,12 @@ def scenario(engine: Engine, lengths: list[int], reps: int) -> dict:
     offsets = torch.cat([torch.arange(len(t) * bs) for t in tables])
     flat_past = offsets > positions[seq]
     kvh = cfg.num_kv_heads
-    runs = {
-        "engine": lambda: model._attend_batch(q, cache, 0, groups),
+    runs = {}
+    attend = kernel.decode_attention() if model.dtype == torch.bfloat16 else None
+    if attend is not None:
+        runs["kernel, one call"] = lambda: attend(q, cache, 0, block_table, positions)
+    runs |= {
+        "grouped matmul": lambda: model._attend_batch(q, cache, 0, groups),
         "grouped SDPA": lambda: grouped_sdpa(q, cache, 0, groups, kvh),
         "padded, one call": lambda: padded(q, cache, 0, block_table.reshape(-1), pad_bias, kvh),
         "flat, one call": lambda: flat(q, cache, 0, flat_blocks, seq, flat_past, kvh),
@@ -131,7 +125,7 @@ def scenario(engine: Engine, lengths: list[int], reps: int) -> dict:
     with torch.inference_mode():
         reference = runs["grouped SDPA"]().float()
         errors = {name: (run().float() - reference).abs().max().item() for name, run in runs.items()}
-        times = {name: _time(run, reps) * 1e6 for name, run in runs.items()}
+        times = {name: median_time(run, reps, warmup=3) * 1e6 for name, run in runs.items()}
     return dict(lengths=lengths, groups=len(groups), microseconds=times, max_abs_diff_vs_sdpa=errors)
 
 

@@ -17,7 +17,8 @@ Each ``--model`` gets its own table (the tiny model and SmolLM2-135M-Instruct by
 bench-engine``), followed by what bounds the bf16 decode step: the time to read the weights once at
 these cores' measured read-only bandwidth, and the output head's share of the step.
 
-Writes perf/results/engine_bench.json and perf/results/engine_bench.md.
+Writes engine_bench.json and engine_bench.md into --out-dir (default perf/results/; `make
+bench-engine` uses perf/results/engine_1core and perf/results/engine_2core).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib.timing import median_time
 
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
@@ -153,6 +155,7 @@ def vllm_rows(
                 batch=int(batch),
                 tokens=int(batch) * steps,
                 seconds=m["decode_s"],
+                dtype=dtype,
             )
         )
     return rows
@@ -228,6 +231,7 @@ def run(
         rows += vllm_rows(model_dir, dtype, cores, reps, prompt_len, context, steps)
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
+    for row in rows:
         base = next(
             r
             for r in rows
@@ -258,16 +262,6 @@ def run(
     )
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def limits(engine: Engine, reps: int) -> dict:
     """What bounds one bf16 decode step at batch 1, measured on these cores in this run.
 
@@ -292,11 +286,11 @@ def limits(engine: Engine, reps: int) -> dict:
     src = torch.ones(64 << 20, dtype=torch.float32)  # written: no shared zero pages
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
-    copy_s = _median_time(lambda: dst.copy_(src), reps)
-    read_s = _median_time(lambda: src.sum(), reps)
+    copy_s = median_time(lambda: dst.copy_(src), reps)
+    read_s = median_time(lambda: src.sum(), reps)
     x = torch.randn(1, model.embed.shape[1], dtype=model.embed.dtype)
     with torch.inference_mode():
-        head_s = _median_time(lambda: model._logits(x), reps * 4)
+        head_s = median_time(lambda: model._logits(x), reps * 4)
     return dict(
         weight_bytes=weight_bytes,
         read_gb_s=nbytes / read_s / 1e9,

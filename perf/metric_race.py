@@ -24,7 +24,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from benchlib.deploy import free_port  # noqa: E402
+from benchlib.deploy import start_triton  # noqa: E402
 
 CONFIG = """name: "metric_race"
 backend: "python"
@@ -90,22 +90,12 @@ def write_repository(root: Path, threads: int, count: int) -> Path:
 def trial(workdir: Path, serial: bool, threads: int, count: int) -> dict:
     import tritonclient.http as http
 
-    from disagg.server import TritonServer, server_config
-
     repository = write_repository(workdir, threads, count)
-    config = server_config(
-        repository.resolve(),
-        state_dir=workdir / ".triton",
-        address="127.0.0.1",
-        metrics_address="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-    )
-    server = TritonServer(config, workdir / "tritonserver.log").start()
+    # the model reads no checkpoint; the launcher wants a model folder to hand to its models
+    server = start_triton(repository, workdir, HERE.parent / ".models" / "tiny", ready_timeout_s=120)
+    config = server.config
     outcome = {"serial": serial, "threads": threads, "count": count}
     try:
-        server.wait_ready(120)
         client = http.InferenceServerClient(config.http_url, network_timeout=300)
         flag = http.InferInput("serial", [1], "BOOL")
         flag.set_data_from_numpy(np.asarray([serial]))
