@@ -5,8 +5,8 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
   - this engine in fp32 (the token-exact reference configuration),
   - this engine in bf16 with plain weights (``pack_weights: false``),
   - this engine in bf16 with weights prepacked for oneDNN only (``native_kernels: false``),
-  - this engine in bf16 as the pools run it: prepacked, and its own kernels (decode attention, and
-    projections of 1-2 rows),
+  - this engine in bf16 as the pools run it: prepacked, and its own paged decode attention kernel,
+  - the same with its small-batch projection kernel (``small_batch_kernel: true``, off by default),
   - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed.
 Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
 median of each is reported, and ratios against the baseline from the same run.
@@ -80,15 +80,24 @@ class HFRunner:
 class EngineRunner:
     """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``."""
 
-    def __init__(self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True, small: bool = False
+    ) -> None:
         self.dtype = dtype
         self.name = f"disagg engine {dtype}"
         if dtype != "float32" and not pack:
             self.name += ", plain weights"
         elif dtype != "float32" and not kernel:
             self.name += ", oneDNN-packed only"
+        elif small:
+            self.name += " + small-batch kernel"
         config = EngineConfig(
-            model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack, native_kernels=kernel
+            model_dir=model_dir,
+            dtype=dtype,
+            kv_cache_mb=1024,
+            pack_weights=pack,
+            native_kernels=kernel,
+            small_batch_kernel=small,
         )
         self.engine = Engine(config)
 
@@ -194,6 +203,7 @@ def run(
         EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
         EngineRunner(model_dir, "bfloat16", kernel=False),
         EngineRunner(model_dir, "bfloat16"),
+        EngineRunner(model_dir, "bfloat16", small=True),
     ]
     baseline = runners[0].name
     dtypes = {r.name: r.dtype for r in runners}
@@ -347,6 +357,17 @@ def section(result: dict) -> str:
         f"so the step takes {step_ms / lim['floor_ms']:.2f}x the weight-streaming bound; "
         f"the output head alone takes {lim['head_ms']:.1f} ms ({lim['head_ms'] / step_ms:.0%} of the step).",
     ]
+    small = [
+        r
+        for r in result["rows"]
+        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"].endswith("+ small-batch kernel")
+    ]
+    if small:
+        small_ms = _ms_per_call(small[0])
+        lines[-1] += (
+            f" With the small-batch kernel the step takes {small_ms:.1f} ms, "
+            f"{small_ms / lim['floor_ms']:.2f}x the bound."
+        )
     return "\n".join(lines) + "\n"
 
 

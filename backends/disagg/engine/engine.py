@@ -59,9 +59,13 @@ class EngineConfig:
     cores: tuple[int, ...] | None = None
     num_threads: int | None = None
     pack_weights: bool = True  # prepack bf16 projections for oneDNN on CPU (same bits, faster)
-    # bf16 on CPU: the engine's own kernels (disagg.engine.kernel): paged decode attention, and with
-    # pack_weights and one compute thread projections of 1-2 rows (2x weight memory)
+    # bf16 on CPU: the engine's own paged decode attention kernel (disagg.engine.kernel)
     native_kernels: bool = True
+    # bf16 on CPU, with pack_weights and one compute thread: projections of 1-2 rows through the
+    # engine's own kernel, 2x faster at batch 1 but 2x the weight memory, and its last bits differ
+    # from oneDNN's, so a sequence's text can depend on whether its decode step had 1-2 rows or more.
+    # Off: with oneDNN alone a sequence's bf16 output does not depend on what it is batched with.
+    small_batch_kernel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -112,7 +116,13 @@ class Engine:
         dtype = DTYPES[config.dtype]
         weights = load_weights(config.model_dir, self.model_config, dtype)
         self.model = Transformer(
-            self.model_config, weights, dtype, self.device, config.pack_weights, config.native_kernels
+            self.model_config,
+            weights,
+            dtype,
+            self.device,
+            config.pack_weights,
+            config.native_kernels,
+            config.small_batch_kernel,
         )
         del weights
         mc = self.model_config

@@ -9,12 +9,14 @@ packed fp32 GEMM was slower at batch 8 here, and fp32 is the token-exact referen
 replaces the plain one, except where the caller keeps the plain tensor itself (a tied output head
 shares its weight with the embedding table).
 
-With ``small_batch`` (and one compute thread), calls of up to ``disagg.engine.kernel.MAX_ROWS`` rows
-(a decode step at batch 1 or 2) go to the engine's own AVX-512-BF16 kernel instead, which reads the
-plain weight at close to the core's bandwidth: about 2x oneDNN there. That keeps the plain weight
-beside the packed one, so bf16 projection weights take twice their memory (SmolLM2: 270 MB more).
-Its sums run in another order than oneDNN's, so its bits differ from ``F.linear`` in the last place
-(bf16 rounding of the output); fp32 never uses it.
+With ``small_batch`` (and one compute thread; off by default, ``EngineConfig.small_batch_kernel``),
+calls of up to ``disagg.engine.kernel.MAX_ROWS`` rows (a decode step at batch 1 or 2) go to the
+engine's own AVX-512-BF16 kernel instead, which reads the plain weight at close to the core's
+bandwidth: about 2x oneDNN there. That keeps the plain weight beside the packed one, so bf16
+projection weights take twice their memory (SmolLM2: 270 MB more). Its sums run in another order
+than oneDNN's, so its bits differ from ``F.linear`` in the last place; oneDNN gives a row the same
+bits whatever the batch (checked at 1 and 8 rows), the kernel does not, so with it a sequence's
+greedy text can change with what it is batched with. fp32 never uses it.
 """
 
 from __future__ import annotations

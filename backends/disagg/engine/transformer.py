@@ -61,7 +61,8 @@ class Transformer:
 
     ``pack``: prepack the projections' weights for oneDNN where that runs here (bf16 on CPU; see
     ``disagg.engine.projection``): the same bits, faster. ``native``: in bf16 on CPU, the engine's own
-    kernels (``disagg.engine.kernel``) for decode attention and for projections of one or two rows."""
+    paged decode attention kernel (``disagg.engine.kernel``); ``small_batch``: its kernel for
+    projections of one or two rows (``EngineConfig.small_batch_kernel``)."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class Transformer:
         device: torch.device,
         pack: bool = True,
         native: bool = True,
+        small_batch: bool = False,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -83,13 +85,13 @@ class Transformer:
 
         def proj(names: list[str]) -> Projection:
             weight = torch.cat([w(name + ".weight") for name in names])
-            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, native)
+            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, small_batch)
 
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         # a tied head packs a copy of the embedding table (the lookup needs the plain one)
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Projection(head, None, pack, native)
+        self.lm_head = Projection(head, None, pack, small_batch)
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."

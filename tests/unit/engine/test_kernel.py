@@ -142,7 +142,11 @@ def test_an_engine_decodes_the_same_with_and_without_its_kernels(monkeypatch) ->
     logits = []
     for native in (True, False):
         config = EngineConfig(
-            model_dir=paths.tiny_model_dir(), dtype="bfloat16", num_blocks=64, native_kernels=native
+            model_dir=paths.tiny_model_dir(),
+            dtype="bfloat16",
+            num_blocks=64,
+            native_kernels=native,
+            small_batch_kernel=native,
         )
         engine = Engine(config)
         assert engine.model.paged_attention is native and engine.model.lm_head.small_batch is native
