@@ -10,6 +10,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 AUTO = "auto"
 
 
+def onednn_bf16() -> bool:
+    """Whether this CPU's oneDNN runs bf16 kernels (AVX-512-BF16 or AMX)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def auto_dtype(device: str) -> str:
     """The compute dtype ``auto`` stands for on ``device``, by a fixed rule (never by a timing, which
     could flip between restarts): ``bfloat16`` on a CUDA device that supports it, and on a CPU whose
@@ -18,9 +23,7 @@ def auto_dtype(device: str) -> str:
     kind = torch.device(device).type
     if kind == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "bfloat16"
-    return "float32"
+    return "bfloat16" if onednn_bf16() else "float32"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -156,10 +156,10 @@ class Engine:
             if on
         ]
         log.info(
-            "engine ready: %s %s (projections: %s) on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s (fast paths: %s) on %s, %d KV blocks of %d tokens",
             mc.model_type,
             config.dtype,
-            ", ".join(paths) or "F.linear",
+            ", ".join(paths) or "none",
             self.device,
             num_blocks,
             config.block_size,

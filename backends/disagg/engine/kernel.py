@@ -119,6 +119,12 @@ def gemv() -> Gemv | None:
     return call
 
 
+def attention_covers(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether ``decode_attention`` takes this head layout: head_dim a multiple of 32 up to 256, and
+    at most 8 query heads per kv head."""
+    return head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 8
+
+
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -140,10 +146,7 @@ def decode_attention() -> DecodeAttention | None:
             q.dtype != torch.bfloat16
             or cache.dtype != torch.bfloat16
             or not cache.is_contiguous()
-            or head_dim % 32
-            or head_dim > 256
-            or heads % kv_heads
-            or heads // kv_heads > 8
+            or not attention_covers(heads, kv_heads, head_dim)
         ):
             raise ValueError(
                 "decode_attention takes bf16, head_dim a multiple of 32 up to 256, groups up to 8"

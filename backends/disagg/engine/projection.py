@@ -25,14 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine import kernel
+from disagg.engine.device import onednn_bf16
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of ``dtype`` on ``device`` can be prepacked here (bf16 on a CPU whose oneDNN
     runs bf16: AVX-512-BF16 or AMX)."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16()
 
 
 class Projection:
@@ -45,7 +44,6 @@ class Projection:
         pack: bool = False,
         small_batch: bool = False,
     ) -> None:
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = pack and packing_available(weight.dtype, weight.device)
         use_kernel = small_batch and self.packed and torch.get_num_threads() == 1

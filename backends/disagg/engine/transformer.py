@@ -109,7 +109,7 @@ class Transformer:
         self.rotary.cos, self.rotary.sin = self.rotary.cos.to(device), self.rotary.sin.to(device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        fits = cfg.head_dim % 32 == 0 and cfg.head_dim <= 256 and cfg.num_heads // cfg.num_kv_heads <= 8
+        fits = kernel.attention_covers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         # the decode rows' attention in one call over the paged cache, or None (grouped PyTorch path)
         self.paged = kernel.decode_attention() if native and on_cpu_bf16 and fits else None
