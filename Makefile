@@ -44,7 +44,9 @@ test: test-models lint
 
 # Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
 bench-engine: test-models $(VLLM_VENV)/.installed
+	$(PY) perf/projection_bench.py --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
 	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
+	$(PY) perf/projection_bench.py --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
 	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra

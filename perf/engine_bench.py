@@ -3,10 +3,10 @@
 Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32, for
   - transformers (fp32, SDPA attention, eager): the baseline,
   - this engine in fp32 (the token-exact reference configuration),
-  - this engine in bf16 with plain weights (``pack_weights: false``),
-  - this engine in bf16 with weights prepacked for oneDNN only (``native_kernels: false``),
-  - this engine in bf16 as the pools run it: prepacked, and its own paged decode attention kernel,
-  - the same with its small-batch projection kernel (``small_batch_kernel: true``, off by default),
+  - this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
+    pack_weights: false``),
+  - this engine in bf16 with weights prepacked for oneDNN (``native_kernels: false``),
+  - this engine in bf16 as the pools run it: its own projection and paged decode attention kernels,
   - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed.
 Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
 median of each is reported, and ratios against the baseline from the same run.
@@ -80,24 +80,15 @@ class HFRunner:
 class EngineRunner:
     """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``."""
 
-    def __init__(
-        self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True, small: bool = False
-    ) -> None:
+    def __init__(self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True) -> None:
         self.dtype = dtype
         self.name = f"disagg engine {dtype}"
         if dtype != "float32" and not pack:
             self.name += ", plain weights"
         elif dtype != "float32" and not kernel:
-            self.name += ", oneDNN-packed only"
-        elif small:
-            self.name += " + small-batch kernel"
+            self.name += ", oneDNN-packed"
         config = EngineConfig(
-            model_dir=model_dir,
-            dtype=dtype,
-            kv_cache_mb=1024,
-            pack_weights=pack,
-            native_kernels=kernel,
-            small_batch_kernel=small,
+            model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack, native_kernels=kernel
         )
         self.engine = Engine(config)
 
@@ -203,7 +194,6 @@ def run(
         EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
         EngineRunner(model_dir, "bfloat16", kernel=False),
         EngineRunner(model_dir, "bfloat16"),
-        EngineRunner(model_dir, "bfloat16", small=True),
     ]
     baseline = runners[0].name
     dtypes = {r.name: r.dtype for r in runners}
@@ -288,8 +278,9 @@ def limits(engine: Engine, reps: int) -> dict:
     for layer in model.layers:
         tensors.update({id(t): t for t in (layer.ln_attn, layer.ln_mlp)})
         projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
-    for projection in projections:
-        for t in (projection.weight, projection.bias):
+    for projection in projections:  # the layout a decode step reads
+        read = projection.weight if projection.native is None else projection.native.tiles
+        for t in (read, projection.bias):
             if t is not None:
                 tensors[id(t)] = t
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -300,7 +291,7 @@ def limits(engine: Engine, reps: int) -> dict:
     read_s = median_time(lambda: src.sum(), reps)
     x = torch.randn(1, model.embed.shape[1], dtype=model.embed.dtype)
     with torch.inference_mode():
-        head_s = median_time(lambda: model._logits(x), reps * 4)
+        head_s = median_time(lambda: model._logits(x, None), reps * 4)
     return dict(
         weight_bytes=weight_bytes,
         read_gb_s=nbytes / read_s / 1e9,
@@ -357,17 +348,6 @@ def section(result: dict) -> str:
         f"so the step takes {step_ms / lim['floor_ms']:.2f}x the weight-streaming bound; "
         f"the output head alone takes {lim['head_ms']:.1f} ms ({lim['head_ms'] / step_ms:.0%} of the step).",
     ]
-    small = [
-        r
-        for r in result["rows"]
-        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"].endswith("+ small-batch kernel")
-    ]
-    if small:
-        small_ms = _ms_per_call(small[0])
-        lines[-1] += (
-            f" With the small-batch kernel the step takes {small_ms:.1f} ms, "
-            f"{small_ms / lim['floor_ms']:.2f}x the bound."
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -58,14 +58,10 @@ class EngineConfig:
     max_tokens_cap: int | None = None  # default: the model's context length
     cores: tuple[int, ...] | None = None
     num_threads: int | None = None
-    pack_weights: bool = True  # prepack bf16 projections for oneDNN on CPU (same bits, faster)
-    # bf16 on CPU: the engine's own paged decode attention kernel (disagg.engine.kernel)
+    # bf16 on a CPU with AVX-512-BF16: the engine's own kernels for the projections and the paged
+    # decode attention (disagg.engine.kernel); a sequence's output does not depend on its batch
     native_kernels: bool = True
-    # bf16 on CPU, with pack_weights and one compute thread: projections of 1-2 rows through the
-    # engine's own kernel, 2x faster at batch 1 but 2x the weight memory, and its last bits differ
-    # from oneDNN's, so a sequence's text can depend on whether its decode step had 1-2 rows or more.
-    # Off: with oneDNN alone a sequence's bf16 output does not depend on what it is batched with.
-    small_batch_kernel: bool = False
+    pack_weights: bool = True  # bf16 on CPU without the kernels: prepack for oneDNN (same bits, faster)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -122,7 +118,6 @@ class Engine:
             self.device,
             config.pack_weights,
             config.native_kernels,
-            config.small_batch_kernel,
         )
         del weights
         mc = self.model_config
@@ -149,8 +144,8 @@ class Engine:
         paths = [
             name
             for name, on in (
+                ("projection kernel", head.native is not None),
                 ("oneDNN-packed", head.packed),
-                ("small-batch kernel", head.small_batch),
                 ("paged-attention kernel", self.model.paged_attention),
             )
             if on

@@ -1,18 +1,21 @@
-"""The engine's native bf16 CPU kernels (``kernels/bf16.c``): small-batch projections and paged
-decode attention.
+"""The engine's native bf16 CPU kernels (``kernels/bf16.c``): projections and paged decode attention.
 
 Built with the system C compiler into a cache folder this project owns (``$DISAGG_KERNEL_DIR``, else
 ``~/.cache/triton-disagg/kernels``), named by the source's hash, at ``make`` (``python -m
 disagg.engine.kernel``) or on first use; loaded with ctypes. No torch headers, no build step at
-install: the file compiles in about a second. ``gemv()`` and ``decode_attention()`` are None, and
+install: the file compiles in about a second. ``gemm()`` and ``decode_attention()`` are None, and
 callers use oneDNN / PyTorch, when the CPU has no AVX-512-BF16, no compiler is found, or the build
-fails; the reason is logged once. Both are single-threaded: the engine uses them on one compute
-thread only.
+fails; the reason is logged once.
 
-``gemv``, measured on SmolLM2's 121 decode-step projections (one core, AVX-512-BF16 without AMX):
-batch 1 in 12.9 ms against oneDNN's prepacked 27.4 ms, batch 2 in 13.6 against 26.8; at batch 4
-they are even and at 8 oneDNN is faster, so the engine uses it up to ``MAX_ROWS``.
-``decode_attention``: ``perf/attention_bench.py``.
+- ``gemm``: every bf16 projection, on a weight laid out for it (``pack``); against oneDNN's prepacked
+  kernel: ``perf/projection_bench.py``.
+- ``decode_attention`` / ``prompt_attention``: a decode batch's rows, and a prompt chunk's, over the
+  paged cache (``perf/attention_bench.py`` for decode; prefill through ``perf/engine_bench.py``).
+- ``rms_norm`` / ``silu_mul``: the pointwise work between projections, one pass each.
+
+All of them run on as many threads as torch's intra-op pool has: they are built with OpenMP and bind
+to the libgomp torch already loaded (torch ships ``libgomp.so.1``), so there is one thread pool, not
+two contending for a pool's cores. Their results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -27,17 +30,19 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16.c"
-MAX_ROWS = 2  # input rows up to which the kernel beats oneDNN (see above); the C code takes 1..8
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
+TILE = 64  # outputs per tile of the gemm layout; kernels/bf16.c's COLS
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 
-Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Gemm = Callable[..., torch.Tensor]
 
 
 def cache_dir() -> Path:
@@ -45,13 +50,23 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "triton-disagg" / "kernels"
 
 
-def cpu_supports() -> bool:
-    """AVX-512-BF16 (and BW, for masked 16-bit loads) in /proc/cpuinfo."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where it cannot be read."""
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512_bf16"} <= flags
+        return frozenset()
+
+
+def cpu_supports() -> bool:
+    """AVX-512-BF16 (and BW and VL, for masked 16-bit loads and stores): what the kernels need."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX with bf16 tiles, where oneDNN's prompt (compute-bound) projections outrun ``gemm``."""
+    return "amx_bf16" in cpu_flags()
 
 
 def build(directory: Path | None = None) -> Path:
@@ -92,28 +107,88 @@ def library() -> ctypes.CDLL | None:
         log.warning("bf16 CPU kernels off: %s", exc)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    loaded.gemv_bf16.argtypes = [pointer, pointer, pointer, pointer, size, size, size]
-    loaded.gemv_bf16.restype = None
-    loaded.decode_attention_bf16.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float]
+    loaded.gemm_bf16.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size]
+    loaded.gemm_bf16.restype = None
+    loaded.prompt_attention_bf16.argtypes = [pointer] * 5 + [size] * 8 + [ctypes.c_float, size]
+    loaded.prompt_attention_bf16.restype = None
+    loaded.prompt_scratch_floats.argtypes = [size, size]
+    loaded.prompt_scratch_floats.restype = size
+    loaded.rms_norm_bf16.argtypes = [pointer] * 3 + [size, size, ctypes.c_float, size]
+    loaded.rms_norm_bf16.restype = None
+    loaded.silu_mul_bf16.argtypes = [pointer] * 2 + [size, size, size]
+    loaded.silu_mul_bf16.restype = None
+    loaded.gemm_tile_cols.restype = size
+    if loaded.gemm_tile_cols() != TILE:
+        log.warning(
+            "bf16 CPU kernels off: %s tiles %d rows, this module %d",
+            SOURCE.name,
+            loaded.gemm_tile_cols(),
+            TILE,
+        )
+        return None
+    loaded.decode_attention_bf16.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float, size, size]
     loaded.decode_attention_bf16.restype = None
     return loaded
 
 
-def gemv() -> Gemv | None:
-    """``gemv(x [M, K] bf16, w [N, K] bf16 contiguous, bias [N] | None) -> y [M, N]``, or None."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A projection weight [N, K] in the layout ``gemm`` reads: [ceil(N / TILE), ceil(K / 32),
+    TILE, 32], zero-padded (``kernels/bf16.c``)."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() * self.tiles.element_size()
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` [N, K] bf16 laid out for ``gemm``."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError("pack takes a 2-D bf16 weight")
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError("pack takes an even number of inputs (the layout holds pairs)")
+    padded = F.pad(weight, (0, 0, 0, -n % TILE))
+    tiles = padded.view(padded.shape[0] // TILE, TILE, k // 2, 2).transpose(1, 2)
+    return PackedWeight(tiles.contiguous(), n, k)
+
+
+def gemm() -> Gemm | None:
+    """``gemm(x [M, K] bf16, weight: PackedWeight, bias [N] | None, wide=False) -> y [M, N]``, bf16, or
+    fp32 with ``wide`` (the sums unrounded: an output head's logits), any M: a row's bits do not
+    depend on M or on the other rows. None where the kernels are off."""
     loaded = library()
     if loaded is None:
         return None
-    function = loaded.gemv_bf16
+    function = loaded.gemm_bf16
 
-    def call(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def call(
+        x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, wide: bool = False
+    ) -> torch.Tensor:
         rows, width = x.shape
-        if not 1 <= rows <= 8 or w.shape[1] != width or x.dtype != torch.bfloat16:
-            raise ValueError("gemv takes 1 to 8 bf16 rows of the weight's input width")
+        if x.dtype != torch.bfloat16 or width != weight.in_features:
+            raise ValueError(f"gemm takes bf16 rows of width {weight.in_features}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (weight.out_features,)):
+            raise ValueError(f"gemm takes a bf16 bias of {weight.out_features}")
         x = x.contiguous()
-        out = torch.empty(rows, w.shape[0], dtype=torch.bfloat16)
-        bias_at = None if bias is None else bias.data_ptr()
-        function(x.data_ptr(), w.data_ptr(), bias_at, out.data_ptr(), rows, w.shape[0], width)
+        out = torch.empty(rows, weight.out_features, dtype=torch.float32 if wide else torch.bfloat16)
+        if rows:
+            bias_at = None if bias is None else bias.contiguous().data_ptr()
+            function(
+                x.data_ptr(),
+                weight.tiles.data_ptr(),
+                bias_at,
+                out.data_ptr(),
+                rows,
+                weight.out_features,
+                width,
+                torch.get_num_threads(),
+                int(wide),
+            )
         return out
 
     return call
@@ -142,20 +217,14 @@ def decode_attention() -> DecodeAttention | None:
     ) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         _, layers, _, block_size, kv_heads, _ = cache.shape
-        if (
-            q.dtype != torch.bfloat16
-            or cache.dtype != torch.bfloat16
-            or not cache.is_contiguous()
-            or not attention_covers(heads, kv_heads, head_dim)
-        ):
-            raise ValueError(
-                "decode_attention takes bf16, head_dim a multiple of 32 up to 256, groups up to 8"
-            )
+        _check_attention(q, cache, heads, kv_heads, head_dim)
         q = q.contiguous()
         table = block_table.to(torch.int64).contiguous()
         where = positions.to(torch.int64).contiguous()
         out = torch.empty_like(q)
-        scratch = torch.empty((heads // kv_heads) * (int(where.max()) + 1), dtype=torch.float32)
+        threads = min(torch.get_num_threads(), batch)
+        per_thread = (heads // kv_heads) * (int(where.max()) + 1)
+        scratch = torch.empty(threads * per_thread, dtype=torch.float32)
         function(
             q.data_ptr(),
             cache.data_ptr(),
@@ -172,10 +241,122 @@ def decode_attention() -> DecodeAttention | None:
             heads // kv_heads,
             head_dim,
             head_dim**-0.5,
+            threads,
+            per_thread,
         )
         return out
 
     return call
+
+
+PromptAttention = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int], torch.Tensor]
+
+
+def prompt_attention() -> PromptAttention | None:
+    """``attend(q [T, heads, hd] bf16, cache [NB, layers, 2, bs, kv_heads, hd] bf16, layer, blocks [MB]
+    int64, start) -> [T, heads, hd]``: a prompt chunk's rows, at positions start .. start + T - 1,
+    each over positions 0 .. its own of its sequence's blocks (causal), the chunk's KV already in the
+    cache. None where the kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.prompt_attention_bf16
+
+    def call(
+        q: torch.Tensor, cache: torch.Tensor, layer: int, blocks: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        rows, heads, head_dim = q.shape
+        _, layers, _, block_size, kv_heads, _ = cache.shape
+        _check_attention(q, cache, heads, kv_heads, head_dim)
+        if -(-(start + rows) // block_size) > blocks.shape[0]:
+            raise ValueError("the chunk reaches past its sequence's blocks")
+        q = q.contiguous()
+        table = blocks.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        group = heads // kv_heads
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * loaded.prompt_scratch_floats(head_dim, group), dtype=torch.float32)
+        function(
+            q.data_ptr(),
+            cache.data_ptr(),
+            table.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            rows,
+            start,
+            layer,
+            layers,
+            block_size,
+            kv_heads,
+            group,
+            head_dim,
+            head_dim**-0.5,
+            threads,
+        )
+        return out
+
+    return call
+
+
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def rms_norm() -> RmsNorm | None:
+    """``norm(x [T, H] bf16, weight [H] bf16, eps) -> weight * bf16(x * rsqrt(mean(x^2) + eps))``, the
+    statistics in fp32, H a multiple of 16. None where the kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.rms_norm_bf16
+
+    def call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows, width = x.shape
+        if (
+            x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or weight.shape != (width,)
+            or width % 16
+        ):
+            raise ValueError("rms_norm takes bf16 rows of a width that is a multiple of 16, and its weight")
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty_like(x)
+        function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps, torch.get_num_threads())
+        return out
+
+    return call
+
+
+SiluMul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def silu_mul() -> SiluMul | None:
+    """``act(gate_up [T, 2 I] bf16) -> silu(gate) * up`` [T, I] in fp32, rounded once; I a multiple of
+    16. None where the kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.silu_mul_bf16
+
+    def call(gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape
+        if gate_up.dtype != torch.bfloat16 or width % 32:
+            raise ValueError("silu_mul takes bf16 rows of gate and up halves, each a multiple of 16 wide")
+        gate_up = gate_up.contiguous()
+        out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+        function(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    return call
+
+
+def _check_attention(q: torch.Tensor, cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> None:
+    if (
+        q.dtype != torch.bfloat16
+        or cache.dtype != torch.bfloat16
+        or not cache.is_contiguous()
+        or not attention_covers(heads, kv_heads, head_dim)
+    ):
+        raise ValueError("attention kernels take bf16, head_dim a multiple of 32 up to 256, groups up to 8")
 
 
 if __name__ == "__main__":  # `make`: build now rather than at the first engine start

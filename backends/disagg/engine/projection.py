@@ -1,22 +1,18 @@
-"""A linear projection whose weight may be prepacked for oneDNN.
+"""A linear projection, ``y = x W^T + b``, through the fastest path this CPU and dtype have.
 
-``F.linear`` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked layout on every call.
-Reordering once, at load, and calling oneDNN's packed kernel (``torch.ops.mkldnn._linear_pointwise``,
-the op inductor emits for frozen bf16 linears) gives the same bits, measured by
-``perf/engine_bench.py`` and held by ``tests/unit/engine/test_projection.py``, and is faster: 1.9x
-on SmolLM2's decode-step linears at batch 1 on one AVX-512-BF16 core. fp32 keeps ``F.linear``: MKL's
-packed fp32 GEMM was slower at batch 8 here, and fp32 is the token-exact reference. A packed weight
-replaces the plain one, except where the caller keeps the plain tensor itself (a tied output head
-shares its weight with the embedding table).
-
-With ``small_batch`` (and one compute thread; off by default, ``EngineConfig.small_batch_kernel``),
-calls of up to ``disagg.engine.kernel.MAX_ROWS`` rows (a decode step at batch 1 or 2) go to the
-engine's own AVX-512-BF16 kernel instead, which reads the plain weight at close to the core's
-bandwidth: about 2x oneDNN there. That keeps the plain weight beside the packed one, so bf16
-projection weights take twice their memory (SmolLM2: 270 MB more). Its sums run in another order
-than oneDNN's, so its bits differ from ``F.linear`` in the last place; oneDNN gives a row the same
-bits whatever the batch (checked at 1 and 8 rows), the kernel does not, so with it a sequence's
-greedy text can change with what it is batched with. fp32 never uses it.
+- **bf16 on a CPU with AVX-512-BF16** (``native``, ``EngineConfig.native_kernels``): the engine's own
+  kernel (``disagg.engine.kernel.gemm``) on a weight laid out for it at load. It reads the weight
+  once per call at any number of rows and beat oneDNN's prepacked kernel at every batch measured
+  (``perf/engine_bench.py``; 1.9x at batch 1, 1.3x at 32, even in prefill). Its sums run in an order
+  fixed by the input index alone, so a row gets the same bits whatever it is batched with. On a CPU
+  with AMX, oneDNN's AMX kernels are far faster for prompt rows, which are compute-bound: there the
+  projection keeps oneDNN's packed weight as well (twice the weight memory) and sends the rows the
+  caller marks as prompt rows to it; decode rows, bound by the weight's reading, stay on the kernel.
+- **bf16 elsewhere** (``pack``): the weight reordered once, at load, into oneDNN's blocked layout and
+  called through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for frozen bf16
+  linears): the same bits as ``F.linear``, which reorders on every call, and faster.
+- **fp32 and the rest**: ``F.linear``. fp32 is the token-exact reference; MKL's packed fp32 GEMM was
+  slower at batch 8 here.
 """
 
 from __future__ import annotations
@@ -42,30 +38,45 @@ class Projection:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         pack: bool = False,
-        small_batch: bool = False,
+        native: bool = False,
+        wide: bool = False,
     ) -> None:
         self.bias = bias
-        self.packed = pack and packing_available(weight.dtype, weight.device)
-        use_kernel = small_batch and self.packed and torch.get_num_threads() == 1
-        self._small = kernel.gemv() if use_kernel else None
-        self.plain = weight.contiguous() if self._small is not None else None
-        # batch-size hint 1: decode shapes; measured as fast as other hints at batch 8 to 300
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
+        self.wide = wide  # the kernel's outputs in fp32, unrounded (an output head's logits)
+        on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        gemm = kernel.gemm() if native and on_cpu_bf16 and weight.shape[1] % 2 == 0 else None
+        self._gemm = gemm
+        self.native = kernel.pack(weight) if gemm is not None else None
+        # oneDNN's weight: the only path without the kernel; beside it for prompt rows on AMX
+        onednn = gemm is None or kernel.cpu_has_amx()
+        self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
+        if not onednn:
+            self.weight = None
+        elif self.packed:  # batch-size hint 1: measured as fast as other hints at batch 8 to 300
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        else:
+            self.weight = weight
 
-    @property
-    def small_batch(self) -> bool:
-        """Whether calls of few rows go to the engine's own kernel."""
-        return self._small is not None
+    def __call__(self, x: torch.Tensor, native_rows: int | None = None) -> torch.Tensor:
+        """``native_rows``: how many leading rows are decode rows, the rest being prompt rows
+        (None: all decode rows). Only a projection holding both paths (AMX) tells them apart."""
+        if self.native is None:
+            return self._onednn(x)
+        if self.weight is None or native_rows is None or native_rows >= x.shape[0]:
+            return self._gemm(x, self.native, self.bias, self.wide)
+        if native_rows == 0:
+            return self._onednn(x)
+        decode = self._gemm(x[:native_rows], self.native, self.bias, self.wide)
+        return torch.cat([decode, self._onednn(x[native_rows:]).to(decode.dtype)])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small is not None and x.shape[0] <= kernel.MAX_ROWS:
-            return self._small(x, self.plain, self.bias)
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """In the weight's dtype: oneDNN rounds its outputs whatever ``wide`` says."""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weight held (both layouts when the small-batch kernel keeps the plain one)."""
-        held = [self.weight] if self.plain is None else [self.weight, self.plain]
+        """Bytes of weight held (both layouts where prompt rows go to oneDNN)."""
+        held = [t for t in (self.weight, None if self.native is None else self.native.tiles) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)

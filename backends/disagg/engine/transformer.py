@@ -59,10 +59,9 @@ def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
 class Transformer:
     """Weights plus the forward pass the engine needs: prompt chunks and a decode batch in one step.
 
-    ``pack``: prepack the projections' weights for oneDNN where that runs here (bf16 on CPU; see
-    ``disagg.engine.projection``): the same bits, faster. ``native``: in bf16 on CPU, the engine's own
-    paged decode attention kernel (``disagg.engine.kernel``); ``small_batch``: its kernel for
-    projections of one or two rows (``EngineConfig.small_batch_kernel``)."""
+    ``native``: in bf16 on a CPU with AVX-512-BF16, the engine's own kernels (``disagg.engine.kernel``)
+    for the projections and the paged decode attention. ``pack``: elsewhere in bf16 on CPU, prepack
+    the projections' weights for oneDNN (see ``disagg.engine.projection``): the same bits, faster."""
 
     def __init__(
         self,
@@ -72,7 +71,6 @@ class Transformer:
         device: torch.device,
         pack: bool = True,
         native: bool = True,
-        small_batch: bool = False,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -85,13 +83,13 @@ class Transformer:
 
         def proj(names: list[str]) -> Projection:
             weight = torch.cat([w(name + ".weight") for name in names])
-            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, small_batch)
+            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, native)
 
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
-        # a tied head packs a copy of the embedding table (the lookup needs the plain one)
+        # a tied head lays out a copy of the embedding table (the lookup needs the plain one)
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Projection(head, None, pack, small_batch)
+        self.lm_head = Projection(head, None, pack, native, wide=True)  # logits unrounded: no false ties
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
@@ -113,34 +111,47 @@ class Transformer:
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         # the decode rows' attention in one call over the paged cache, or None (grouped PyTorch path)
         self.paged = kernel.decode_attention() if native and on_cpu_bf16 and fits else None
+        # a prompt chunk's attention over the paged cache, or None (PyTorch's SDPA)
+        self.prompt = kernel.prompt_attention() if self.paged is not None else None
+        # the pointwise work between projections in one pass each, or None (PyTorch operations)
+        kernels = native and on_cpu_bf16
+        self.norm_kernel = kernel.rms_norm() if kernels and cfg.hidden_size % 16 == 0 else None
+        self.act_kernel = kernel.silu_mul() if kernels and cfg.intermediate_size % 16 == 0 else None
 
     @property
     def paged_attention(self) -> bool:
         return self.paged is not None
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.norm_kernel is not None:
+            return self.norm_kernel(x, weight, self.cfg.rms_norm_eps)
         # Statistics in float32 whatever the compute dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
     def _qkv(
-        self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor
+        self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, decode_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        qkv = layer.qkv(self._rms_norm(x, layer.ln_attn))
+        qkv = layer.qkv(self._rms_norm(x, layer.ln_attn), decode_rows)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)  # [T, nh, hd]
         k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)  # [T, nkv, hd]
         return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
-    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + layer.o(attn)
-        gate, up = layer.gate_up(self._rms_norm(x, layer.ln_mlp)).chunk(2, -1)
-        return x + layer.down(F.silu(gate) * up)
+    def _finish_layer(
+        self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, decode_rows: int
+    ) -> torch.Tensor:
+        x = x + layer.o(attn, decode_rows)
+        gate_up = layer.gate_up(self._rms_norm(x, layer.ln_mlp), decode_rows)
+        if self.act_kernel is not None:
+            return x + layer.down(self.act_kernel(gate_up), decode_rows)
+        gate, up = gate_up.chunk(2, -1)
+        return x + layer.down(F.silu(gate) * up, decode_rows)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._rms_norm(x, self.norm)).float()
+    def _logits(self, x: torch.Tensor, decode_rows: int | None) -> torch.Tensor:
+        return self.lm_head(self._rms_norm(x, self.norm), decode_rows).float()
 
     @torch.inference_mode()
     def step(
@@ -152,7 +163,8 @@ class Transformer:
         kernel, every row in one call reading only its own blocks; otherwise per group of sequences
         of similar length (block counts within a factor of 4), so a short sequence never pays for the
         padding of the longest one in the batch. Attention runs per part (the decode rows over their
-        blocks, each chunk over its sequence's cached positions and itself). Returns the decode rows'
+        blocks, each chunk over its sequence's cached positions and itself: in bf16 on CPU through the
+        prompt-attention kernel, reading the cache, else SDPA). Returns the decode rows'
         logits [B, V] (None without a batch) and, per chunk, its last token's logits [V] (None unless
         asked)."""
         bs = cache.shape[3]
@@ -173,6 +185,9 @@ class Transformer:
             tokens.append(chunk.tokens)
             positions.append(pos)
             slot_blocks.append(chunk.blocks[pos // bs])
+            if self.prompt is not None:
+                parts.append(("prompt", count, (chunk.blocks, chunk.start)))
+                continue
             span = chunk.start + count
             table = chunk.blocks[: -(-span // bs)]
             mask = (
@@ -182,8 +197,10 @@ class Transformer:
         token_ids, position_ids, slot_block = (_joined(t) for t in (tokens, positions, slot_blocks))
         slot_offset = position_ids % bs
         x = self.embed[token_ids]  # [N, H]
+        # the leading rows are the decode batch's: a projection may send prompt rows elsewhere
+        decode_rows = 0 if decode is None else decode.tokens.shape[0]
         for n, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, position_ids)
+            q, k, v = self._qkv(layer, x, position_ids, decode_rows)
             cache[slot_block, n, 0, slot_offset] = k
             cache[slot_block, n, 1, slot_offset] = v
             outs, row = [], 0
@@ -193,19 +210,21 @@ class Transformer:
                     outs.append(self.paged(q[rows], cache, n, *how))
                 elif kind == "decode":
                     outs.append(self._attend_batch(q[rows], cache, n, how))
+                elif kind == "prompt":
+                    outs.append(self.prompt(q[rows], cache, n, *how))
                 else:
                     outs.append(self._attend_chunk(q[rows], k[rows], v[rows], cache, n, *how))
                 row += count
-            x = self._finish_layer(layer, x, _joined(outs).reshape(-1, self.q_size))
+            x = self._finish_layer(layer, x, _joined(outs).reshape(-1, self.q_size), decode_rows)
         decode_logits = None
         row = 0
         if decode is not None:
             row = decode.tokens.shape[0]
-            decode_logits = self._logits(x[:row])
+            decode_logits = self._logits(x[:row], None)
         chunk_logits: list[torch.Tensor | None] = []
         for chunk in chunks:
             row += chunk.tokens.shape[0]
-            chunk_logits.append(self._logits(x[row - 1 : row])[0] if chunk.logits else None)
+            chunk_logits.append(self._logits(x[row - 1 : row], 0)[0] if chunk.logits else None)
         return decode_logits, chunk_logits
 
     def _attend_batch(self, q: torch.Tensor, cache: torch.Tensor, layer: int, groups: list) -> torch.Tensor:

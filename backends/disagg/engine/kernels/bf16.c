@@ -4,9 +4,10 @@
    tensors' memory. One weight row at a time is read once and multiplied against every input row with
    AVX-512-BF16 dot products (vdpbf16ps, fp32 accumulation), so a decode step at batch 1 or 2 reads
    each weight once, at close to the core's read bandwidth. Single-threaded; the caller falls back
-   to oneDNN elsewhere. Outputs are rounded to bf16 to nearest even. M is 1..8. */
+   to oneDNN elsewhere. Outputs are rounded to bf16 to nearest even. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); bf16 in and out, fp32 accumulation. */
@@ -26,48 +27,113 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw")))
+#define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 
-/* One weight row at a time, streamed once, against every one of the M input rows (M fixed at
-   compile time, so the accumulators stay in registers). */
-TARGET static inline __attribute__((always_inline)) void rows(
-    const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, const int M, int64_t N,
-    int64_t K) {
-    const int64_t full = K / 32 * 32;
-    const __mmask32 tail = (__mmask32)((1ull << (K - full)) - 1);
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *row = w + n * K;
-        __m512 acc[8];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < full; k += 32) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(row + k));
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k)), wv);
+/* The projection y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for any number of rows M, on a weight
+   laid out for it (``pack`` in disagg.engine.kernel).
+
+   The layout: tiles of COLS = 64 outputs; within a tile, for each pair of inputs k = 2 p, 2 p + 1,
+   the tile's 64 outputs' two weights: [N / COLS][K / 2][COLS][2], zero-padded to whole tiles. Each
+   512-bit vector holds 16 outputs' pair, so vdpbf16ps against an input pair broadcast to every lane
+   adds both products to 16 outputs at once; a tile is four such vectors per pair, read front to
+   back in one stream. Up to MR input rows share each weight vector loaded: 4 * MR accumulators in
+   registers, enough independent sums to cover the dot product's latency, and no horizontal adds.
+   All the row groups take a tile while it is in L1, so a call reads the weight from memory once: a
+   decode step reads each weight once whatever its batch.
+
+   Every output is one fp32 sum over the pairs p = 0, 1, .. in order (each step adds the pair's two
+   products), plus the bias, rounded to bf16 to nearest even, or (`wide`: an output head's logits)
+   stored as fp32. That order depends on k alone, never
+   on M, on the row group or tile an output falls in, or on which thread computes it, so a row gets
+   the same bits at any batch size: a sequence's greedy text does not change with what it is
+   batched with. */
+#define COLS 64
+#ifndef MR
+#define MR 6
+#endif
+#define EACH(i, n) _Pragma("GCC unroll 8") for (int i = 0; i < (n); i++)
+
+/* 16 floats -> 16 bf16, to nearest even; NaN stays NaN (as to_bf16) */
+TARGET static inline __m256i round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+TARGET static inline __attribute__((always_inline)) void tile(const uint16_t *x, const uint16_t *packed,
+                                                              const uint16_t *bias, uint16_t *y, const int MT,
+                                                              int64_t r, int64_t m0, int64_t N, int64_t K,
+                                                              int wide) {
+    const int64_t pairs = K / 2;
+    const uint16_t *wt = packed + r * pairs * COLS * 2;
+    const uint32_t *in = (const uint32_t *)(x + m0 * K); /* one input pair per 32 bits */
+    __m512 acc[MR][4];
+    EACH(m, MT) EACH(c, 4) acc[m][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[4];
+        EACH(c, 4) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(wt + (p * COLS + c * 16) * 2));
+        EACH(m, MT) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)in[m * pairs + p]);
+            EACH(c, 4) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, wv[c]);
         }
-        if (tail) {
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + full), wv);
-        }
-        const float b = bias ? from_bf16(bias[n]) : 0.0f;
-        for (int m = 0; m < M; m++) y[m * N + n] = to_bf16(_mm512_reduce_add_ps(acc[m]) + b);
+    }
+    EACH(c, 4) {
+        const int64_t n = r * COLS + c * 16;
+        if (n >= N) break;
+        const __mmask16 lanes = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n)), 16));
+        if (wide)
+            EACH(m, MT) _mm512_mask_storeu_ps((float *)y + (m0 + m) * N + n, lanes, _mm512_add_ps(acc[m][c], b));
+        else
+            EACH(m, MT) _mm256_mask_storeu_epi16(y + (m0 + m) * N + n, lanes, round_bf16(_mm512_add_ps(acc[m][c], b)));
     }
 }
 
-TARGET void gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M,
-                      int64_t N, int64_t K) {
-    switch (M) {
-        case 1: rows(x, w, bias, y, 1, N, K); break;
-        case 2: rows(x, w, bias, y, 2, N, K); break;
-        case 3: rows(x, w, bias, y, 3, N, K); break;
-        case 4: rows(x, w, bias, y, 4, N, K); break;
-        case 5: rows(x, w, bias, y, 5, N, K); break;
-        case 6: rows(x, w, bias, y, 6, N, K); break;
-        case 7: rows(x, w, bias, y, 7, N, K); break;
-        case 8: rows(x, w, bias, y, 8, N, K); break;
-        default: break;
+/* Outputs of tiles r_begin .. r_end, every row. */
+TARGET static void tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                         int64_t M, int64_t N, int64_t K, int64_t r_begin, int64_t r_end, int wide) {
+    for (int64_t r = r_begin; r < r_end; r++) {
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) tile(x, packed, bias, y, MR, r, m, N, K, wide);
+        switch (M - m) { /* the last rows; MR - 1 at most */
+            case 7: tile(x, packed, bias, y, 7 % MR, r, m, N, K, wide); break;
+            case 6: tile(x, packed, bias, y, 6 % MR, r, m, N, K, wide); break;
+            case 5: tile(x, packed, bias, y, 5 % MR, r, m, N, K, wide); break;
+            case 4: tile(x, packed, bias, y, 4 % MR, r, m, N, K, wide); break;
+            case 3: tile(x, packed, bias, y, 3, r, m, N, K, wide); break;
+            case 2: tile(x, packed, bias, y, 2, r, m, N, K, wide); break;
+            case 1: tile(x, packed, bias, y, 1, r, m, N, K, wide); break;
+            default: break;
+        }
     }
 }
+
+/* y = x w^T (+ bias), bf16 or (`wide`) fp32, on up to `threads` threads of the process's OpenMP pool, the one torch's
+   intra-op work runs on (torch ships libgomp.so.1 and is loaded first, so this library binds to that
+   very runtime: one set of threads, no two pools contending for the cores). The tiles are split in
+   contiguous parts; which thread computes a tile changes no bits (see above). K even (the layout
+   holds pairs). */
+TARGET void gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int64_t threads, int64_t wide) {
+    const int64_t count = (N + COLS - 1) / COLS;
+    int64_t parts = threads;
+    if (parts > count / 2) parts = count / 2;      /* at least two tiles a part */
+    if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
+    if (parts <= 1) {
+        tiles(x, packed, bias, y, M, N, K, 0, count, (int)wide);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t part = 0; part < parts; part++)
+        tiles(x, packed, bias, y, M, N, K, count * part / parts, count * (part + 1) / parts, (int)wide);
+}
+
+int64_t gemm_tile_cols(void) { return COLS; }
 
 /* e^x for x <= 0 (softmax after subtracting the maximum): 2^(x log2 e) split into an integer
    power (scalef) and 2^f, f in [-0.5, 0.5], by its degree-6 Taylor polynomial (relative error
@@ -97,16 +163,25 @@ TARGET static inline __m512 widen(const uint16_t *p) {
    one call. The cache is [num_blocks, layers, 2, block_size, kv_heads, head_dim] bf16; sequence b
    attends to positions 0..positions[b] through its row of `tables` [B, table_width]. Each query head
    group (the `group` query heads of one kv head) reads each key and value row once. Scores and the
-   softmax are fp32 (scratch: group * (max position + 1) floats), the output [B, heads, head_dim]
-   bf16. head_dim must be a multiple of 32 and at most 256. */
+   softmax are fp32 (scratch: scratch_size = group * (max position + 1) floats per thread), the
+   output [B, heads, head_dim] bf16. head_dim must be a multiple of 32 and at most 256. Sequences are
+   spread over up to `threads` threads of the OpenMP pool (as gemm_bf16); a sequence's result does
+   not depend on which. */
+#ifndef AHEAD
+#define AHEAD 8 /* positions ahead the cache rows are prefetched: blocks lie anywhere in memory */
+#endif
 TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *tables,
-                                  const int64_t *positions, uint16_t *out, float *scratch, int64_t B,
+                                  const int64_t *positions, uint16_t *out, float *scratches, int64_t B,
                                   int64_t table_width, int64_t layer, int64_t layers, int64_t block_size,
-                                  int64_t kv_heads, int64_t group, int64_t head_dim, float scale) {
+                                  int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                                  int64_t threads, int64_t scratch_size) {
     const int64_t row = kv_heads * head_dim;           /* one position's keys (or values) */
     const int64_t block_stride = layers * 2 * block_size * row;
     const int64_t chunks = head_dim / 16;               /* 16 floats per vector */
+    /* sequences are independent: one at a time per thread, the longest spread by the dynamic order */
+#pragma omp parallel for num_threads(threads > B ? B : threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
     for (int64_t b = 0; b < B; b++) {
+        float *scratch = scratches + omp_get_thread_num() * scratch_size;
         const int64_t span = positions[b] + 1;
         const int64_t *table = tables + b * table_width;
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -115,6 +190,15 @@ TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
             for (int64_t p = 0; p < span; p++) {
                 const uint16_t *k = cache + table[p / block_size] * block_stride +
                                     (layer * 2 * block_size + p % block_size) * row + h * head_dim;
+                if (p + AHEAD < span) { /* a later position's key and value rows, from memory */
+                    const int64_t a = p + AHEAD;
+                    const uint16_t *later = cache + table[a / block_size] * block_stride +
+                                            (layer * 2 * block_size + a % block_size) * row + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d += 32) {
+                        _mm_prefetch((const char *)(later + d), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(later + block_size * row + d), _MM_HINT_T1);
+                    }
+                }
                 for (int64_t j = 0; j < group; j++) {
                     __m512 acc = _mm512_setzero_ps();
                     for (int64_t d = 0; d < head_dim; d += 32)
@@ -167,6 +251,166 @@ TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
                     for (int i = 0; i < 16; i++) o[c * 16 + i] = to_bf16(values[i]);
                 }
             }
+        }
+    }
+}
+
+/* Prompt attention over the paged KV cache: the T rows of one sequence's prompt chunk, at positions
+   start .. start + T - 1, each over positions 0 .. its own (causal), the chunk's keys and values
+   already written to the cache. q and out are [T, kv_heads * group, head_dim] bf16; `table` is the
+   sequence's blocks. Flash-style: keys are taken 16 positions at a time, laid out once per work item
+   as dot-product pairs (16 keys' pair of dimensions per vector), so vdpbf16ps scores 16 keys per
+   instruction, and values likewise (16 dimensions of two keys per vector); the softmax runs online
+   in fp32 (running maximum and sum), its weights are rounded to bf16 for the values' sum, which
+   accumulates in fp32. A work item is one kv head and up to ROWS query rows (all `group` query heads), spread
+   over up to `threads` threads of the OpenMP pool. head_dim a multiple of 32, at most 256;
+   scratch: `threads` * prompt_scratch_floats(head_dim, group) floats. */
+#define ROWS 16
+#define KEYS 16
+
+int64_t prompt_scratch_floats(int64_t head_dim, int64_t group) {
+    /* keys and values as pairs (2 * head_dim / 2 * KEYS uint32), and per query vector its scores
+       (KEYS), output (head_dim), maximum and sum */
+    return head_dim * KEYS + ROWS * group * (KEYS + head_dim + 2);
+}
+
+TARGET void prompt_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *table, uint16_t *out,
+                                  float *scratches, int64_t T, int64_t start, int64_t layer, int64_t layers,
+                                  int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim,
+                                  float scale, int64_t threads) {
+    const int64_t row = kv_heads * head_dim;
+    const int64_t block_stride = layers * 2 * block_size * row;
+    const int64_t heads = kv_heads * group, pairs = head_dim / 2, chunks = head_dim / 16;
+    const int64_t row_blocks = (T + ROWS - 1) / ROWS, items = kv_heads * row_blocks;
+    const int64_t per_thread = prompt_scratch_floats(head_dim, group);
+#pragma omp parallel for num_threads(threads > items ? items : threads) schedule(dynamic, 1) if (threads > 1 && items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t h = item % kv_heads, r0 = item / kv_heads * ROWS;
+        const int64_t r1 = r0 + ROWS < T ? r0 + ROWS : T, vectors = (r1 - r0) * group;
+        float *base = scratches + omp_get_thread_num() * per_thread;
+        uint32_t *keys = (uint32_t *)base;               /* [pairs][KEYS]: two dimensions of a key */
+        uint16_t *values = (uint16_t *)(keys + pairs * KEYS); /* [KEYS / 2][head_dim][2]: two keys' */
+        float *scores = base + head_dim * KEYS;           /* [vectors][KEYS] */
+        float *acc = scores + ROWS * group * KEYS;   /* [vectors][head_dim] */
+        float *most = acc + ROWS * group * head_dim; /* [vectors] */
+        float *sum = most + ROWS * group;            /* [vectors] */
+        for (int64_t v = 0; v < vectors; v++) {
+            most[v] = -INFINITY;
+            sum[v] = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) acc[v * head_dim + d] = 0.0f;
+        }
+        const int64_t last = start + r1 - 1; /* the furthest position any of these rows sees */
+        for (int64_t c0 = 0; c0 <= last; c0 += KEYS) {
+            const int64_t n = last + 1 - c0 < KEYS ? last + 1 - c0 : KEYS;
+            for (int64_t t = 0; t < KEYS; t++) {
+                uint16_t *vpair = values + (t / 2) * head_dim * 2 + t % 2;
+                if (t >= n) { /* past the last key: zero, and masked below */
+                    for (int64_t d = 0; d < pairs; d++) keys[d * KEYS + t] = 0;
+                    for (int64_t d = 0; d < head_dim; d++) vpair[d * 2] = 0;
+                    continue;
+                }
+                const int64_t p = c0 + t;
+                const uint16_t *k = cache + table[p / block_size] * block_stride +
+                                    (layer * 2 * block_size + p % block_size) * row + h * head_dim;
+                const uint32_t *kp = (const uint32_t *)k;
+                for (int64_t d = 0; d < pairs; d++) keys[d * KEYS + t] = kp[d];
+                const uint16_t *vrow = k + block_size * row;
+                for (int64_t d = 0; d < head_dim; d++) vpair[d * 2] = vrow[d];
+            }
+            /* scores of every query vector against these keys, four vectors at a time */
+            for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
+                const int64_t vn = vectors - v0 < 4 ? vectors - v0 : 4;
+                __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                const uint32_t *qv[4];
+                for (int64_t u = 0; u < 4; u++) {
+                    const int64_t v = v0 + (u < vn ? u : 0), i = r0 + v / group, j = v % group;
+                    qv[u] = (const uint32_t *)(q + (i * heads + h * group + j) * head_dim);
+                }
+                for (int64_t d = 0; d < pairs; d++) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(keys + d * KEYS));
+                    for (int u = 0; u < 4; u++) s[u] = _mm512_dpbf16_ps(s[u], (__m512bh)_mm512_set1_epi32((int)qv[u][d]), kv);
+                }
+                for (int64_t u = 0; u < vn; u++) _mm512_storeu_ps(scores + (v0 + u) * KEYS, s[u]);
+            }
+            /* online softmax and the values' weighted sum, per query vector */
+            for (int64_t v = 0; v < vectors; v++) {
+                const int64_t position = start + r0 + v / group;
+                if (c0 > position) continue; /* every key here is after this row */
+                const int64_t seen = position - c0 + 1 < n ? position - c0 + 1 : n;
+                const __mmask16 lanes = (__mmask16)((1u << seen) - 1);
+                const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(scores + v * KEYS), _mm512_set1_ps(scale));
+                const float top = _mm512_mask_reduce_max_ps(lanes, sv);
+                const float updated = top > most[v] ? top : most[v];
+                const float correction = most[v] == -INFINITY ? 0.0f : expf(most[v] - updated);
+                const __m512 e = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(updated))));
+                uint32_t weights[KEYS / 2]; /* the weights in bf16, two keys' per 32 bits */
+                _mm256_storeu_si256((__m256i *)weights, round_bf16(e));
+                sum[v] = sum[v] * correction + _mm512_reduce_add_ps(e);
+                most[v] = updated;
+                float *o = acc + v * head_dim;
+                const int64_t used = (seen + 1) / 2;
+                for (int64_t c = 0; c < chunks; c++) {
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(o + c * 16), _mm512_set1_ps(correction));
+                    for (int64_t tp = 0; tp < used; tp++)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)weights[tp]),
+                                             (__m512bh)_mm512_loadu_si512((const void *)(values + (tp * head_dim + c * 16) * 2)));
+                    _mm512_storeu_ps(o + c * 16, a);
+                }
+            }
+        }
+        for (int64_t v = 0; v < vectors; v++) {
+            const int64_t i = r0 + v / group, j = v % group;
+            uint16_t *o = out + (i * heads + h * group + j) * head_dim;
+            const __m512 inverse = _mm512_set1_ps(1.0f / sum[v]);
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_si256((__m256i *)(o + c * 16), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + v * head_dim + c * 16), inverse)));
+        }
+    }
+}
+
+/* Pointwise work between the projections, one pass each instead of several PyTorch operations; per
+   row, so a row's result does not depend on the others. Rows are spread over up to `threads`
+   threads when there are enough of them. Widths must be multiples of 16. */
+#define POINTWISE_THREADS(threads, elements) \
+    num_threads(threads) if ((threads) > 1 && (elements) >= ((int64_t)1 << 16))
+
+TARGET static inline __m512 round_trip(__m512 v) { /* v rounded to bf16, back as floats */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(v)), 16));
+}
+
+/* y = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row of H, x and weight bf16, statistics in fp32:
+   what the reference RMSNorm computes. */
+TARGET void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t T, int64_t H, float eps,
+                          int64_t threads) {
+#pragma omp parallel for POINTWISE_THREADS(threads, T * H)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *in = x + t * H;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t c = 0; c < H; c += 16) {
+            const __m512 v = widen(in + c);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)H + eps));
+        for (int64_t c = 0; c < H; c += 16) {
+            const __m512 normed = round_trip(_mm512_mul_ps(widen(in + c), scale));
+            _mm256_storeu_si256((__m256i *)(y + t * H + c), round_bf16(_mm512_mul_ps(normed, widen(weight + c))));
+        }
+    }
+}
+
+/* out = silu(gate) * up per row, gate_up [T, 2 I] (gate first), out [T, I], in fp32, rounded once. */
+TARGET void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t threads) {
+#pragma omp parallel for POINTWISE_THREADS(threads, T * I)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *gate = gate_up + t * 2 * I, *up = gate + I;
+        for (int64_t c = 0; c < I; c += 16) {
+            const __m512 g = widen(gate + c);
+            /* e = exp(-|g|) <= 1; silu(g) = g / (1 + e^-g) = g / (1 + e) for g >= 0, g e / (1 + e) else */
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 top = _mm512_mask_mul_ps(g, negative, g, e);
+            const __m512 silu = _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm256_storeu_si256((__m256i *)(out + t * I + c), round_bf16(_mm512_mul_ps(silu, widen(up + c))));
         }
     }
 }
