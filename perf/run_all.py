@@ -119,6 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-served-name", default="tiny")
     parser.add_argument("--vllm-cpus", default="0,1", help="taskset list for vLLM")
     parser.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
     parser.add_argument("--cores", type=int, default=2, help="cores each deployment occupies (per core)")
     parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
     parser.add_argument(
@@ -148,6 +149,7 @@ def vllm_running(
         model_dir=args.model_dir.resolve(),
         cpus=args.vllm_cpus,
         omp_bind=args.vllm_omp_bind,
+        dtype=args.vllm_dtype,
         log_path=workdir / "vllm.log",
         served_name=args.vllm_served_name,
     )
@@ -342,7 +344,10 @@ async def main_async(args: argparse.Namespace) -> int:
                 log(f"Triton did not start: {exc}")
         for name in names:
             if name == "vllm":
-                note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, OMP bind {args.vllm_omp_bind}"
+                note = (
+                    f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, OMP bind {args.vllm_omp_bind}, "
+                    f"--dtype {args.vllm_dtype}"
+                )
                 endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
             else:

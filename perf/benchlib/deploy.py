@@ -46,7 +46,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass(frozen=True)
 class VllmConfig:
     """How vLLM CPU is started. `omp_bind` is VLLM_CPU_OMP_THREADS_BIND: "auto" lets vLLM pick (on two
-    cores it computes on one and reserves the other for its front end), "0-1" computes on both."""
+    cores it computes on one and reserves the other for its front end), "0-1" computes on both.
+    `dtype`: its compute dtype (`--dtype`); bfloat16 is how its CPU users run it."""
 
     model_dir: Path
     cpus: str = "0,1"
@@ -54,6 +55,7 @@ class VllmConfig:
     kv_cache_gib: int = 2
     max_model_len: int = 2048
     omp_bind: str = "auto"
+    dtype: str = "bfloat16"
     venv: Path = VLLM_VENV
     log_path: Path = Path("/tmp/vllm-bench.log")
     served_name: str = "tiny"
@@ -67,6 +69,8 @@ class VllmConfig:
             raise ValueError("port must be in 1..65535")
         if not 1 <= self.kv_cache_gib <= 64:
             raise ValueError("kv_cache_gib must be in 1..64")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError("dtype must be bfloat16, float32 or float16")
 
     @property
     def url(self) -> str:
@@ -78,7 +82,7 @@ class VllmConfig:
             "taskset", "-c", self.cpus, str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len), "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:

@@ -113,6 +113,31 @@ def test_exports_every_contract_family(server: TritonServer) -> None:
         assert wanted in names, family
 
 
+def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServer) -> None:
+    """disagg_engine_info: one series set to 1 per pool instance, labelled with its configured dtype
+    (``auto`` resolved) and the projection and attention paths its engine chose on this CPU."""
+    from disagg.engine import kernel
+    from disagg.engine.device import onednn_bf16
+
+    samples = scrape_metrics(server.config.metrics_url)
+    infos = [
+        dict(labels)
+        for (name, labels), value in samples.items()
+        if name == "disagg_engine_info" and value == 1
+    ]
+    for pool in ("prefill", "decode", "colocated"):
+        params = {k: v["string_value"] for k, v in model_config(server, pool)["parameters"].items()}
+        mine = [info for info in infos if info["model"] == pool]
+        assert len(mine) == model_config(server, pool)["instance_group"][0].get("count", 1), mine
+        bf16 = params["dtype"] == "bfloat16"
+        kernels = bf16 and kernel.library() is not None
+        projections = "kernel" if kernels else "onednn-packed" if bf16 and onednn_bf16() else "torch"
+        for info in mine:
+            assert info["dtype"] == params["dtype"]
+            assert info["projections"] == projections
+            assert info["attention"] == ("kernel" if kernels else "torch")
+
+
 def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServer) -> None:
     url = server.config.metrics_url
     started = time.monotonic()

@@ -15,7 +15,7 @@ KV sizing is in blocks of ``block_size`` tokens: a sequence admitted for decodin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,6 +109,10 @@ class EngineBackend(Protocol):
 
     def free(self, seq_id: int) -> bool:
         """Drop a sequence and give back its KV; False when it was already gone (idempotent)."""
+
+    def describe(self) -> Mapping[str, str]:
+        """What the engine resolved to run with, for ``disagg_engine_info``'s labels: ``dtype``,
+        ``projections`` and ``attention`` (the paths they take)."""
 
     def usage(self) -> BlockUsage:
         """KV blocks in use and free, now."""

@@ -140,21 +140,13 @@ class Engine:
             mc.vocab_size,
             fused_steps=True,
         )
-        head = self.model.lm_head
-        paths = [
-            name
-            for name, on in (
-                ("projection kernel", head.native is not None),
-                ("oneDNN-packed", head.packed),
-                ("paged-attention kernel", self.model.paged_attention),
-            )
-            if on
-        ]
+        paths = self.describe()
         log.info(
-            "engine ready: %s %s (fast paths: %s) on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens",
             mc.model_type,
             config.dtype,
-            ", ".join(paths) or "none",
+            paths["projections"],
+            paths["attention"],
             self.device,
             num_blocks,
             config.block_size,
@@ -168,6 +160,12 @@ class Engine:
 
     def close(self) -> None:
         """Nothing to release: the model and the KV memory go with the object."""
+
+    def describe(self) -> dict[str, str]:
+        head = self.model.lm_head
+        projections = "kernel" if head.native is not None else "onednn-packed" if head.packed else "torch"
+        attention = "kernel" if self.model.paged_attention else "torch"
+        return {"dtype": self.config.dtype, "projections": projections, "attention": attention}
 
     def usage(self) -> BlockUsage:
         free = self.kv.free_blocks

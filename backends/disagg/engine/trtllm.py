@@ -238,6 +238,10 @@ class TrtllmBackend:
     def limits(self) -> EngineLimits:
         return self._limits
 
+    def describe(self) -> dict[str, str]:
+        """TensorRT-LLM picks its own dtype (from the checkpoint) and kernels."""
+        return {"dtype": "checkpoint", "projections": "tensorrt-llm", "attention": "tensorrt-llm"}
+
     def usage(self) -> BlockUsage:
         used = sum(s.blocks for s in self._seqs.values())
         return BlockUsage(used, self._limits.num_blocks - used)

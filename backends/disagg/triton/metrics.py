@@ -40,6 +40,10 @@ DESCRIPTIONS = {
         "Share of requests in the window meeting both TTFT and TPOT SLOs",
     ),
     "disagg_goodput_requests_per_second": ("GAUGE", "Requests per second meeting both SLOs, over the window"),
+    "disagg_engine_info": (
+        "GAUGE",
+        "1 per live pool instance; labels: the engine's resolved dtype, projection and attention paths",
+    ),
     "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
@@ -265,6 +269,8 @@ class PoolReporter:
         self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
         self.steps = fam.metric("disagg_engine_steps_total", labels)
         self.busy = fam.metric("disagg_engine_busy_seconds_total", labels)
+        self.info = fam.gauge("disagg_engine_info", {**labels, **loop.engine.describe()})
+        self.info.set(1)
         self._seen = {"bytes": 0.0, "failures": 0.0, "expired": 0.0, "steps": 0.0, "busy": 0.0}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
@@ -288,7 +294,7 @@ class PoolReporter:
             self.publish()  # the counters' last increments
         except Exception:
             log.warning("publishing pool metrics failed", exc_info=True)
-        for gauge in (self.used, self.free, self.queue, self.pending, self.active):
+        for gauge in (self.used, self.free, self.queue, self.pending, self.active, self.info):
             if gauge is not None:
                 gauge.set(0)
 

@@ -14,6 +14,9 @@ def test_command_pins_cores_and_serves_loopback(tiny_model_dir, tmp_path):
     assert argv[:3] == ["taskset", "-c", "0,1"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--max-model-len") + 1] == "2048"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"  # how vLLM CPU's users run it
+    fp32 = VllmConfig(model_dir=tiny_model_dir, dtype="float32", log_path=tmp_path / "v.log").command()
+    assert fp32[fp32.index("--dtype") + 1] == "float32"
     env = config.environment()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["HF_HUB_OFFLINE"] == "1"
     assert config.url == "http://127.0.0.1:8123"
@@ -33,6 +36,8 @@ def test_validation_and_missing_venv(tiny_model_dir, tmp_path):
         VllmConfig(model_dir=tmp_path)  # no tokenizer.json
     with pytest.raises(ValueError):
         VllmConfig(model_dir=tiny_model_dir, cpus="0;rm")
+    with pytest.raises(ValueError, match="dtype"):
+        VllmConfig(model_dir=tiny_model_dir, dtype="int8")
     server = VllmServer(VllmConfig(model_dir=tiny_model_dir, venv=Path(tmp_path / "none")))
     with pytest.raises(DeployError, match="install it with"):
         server.start()

@@ -41,6 +41,9 @@ class FakeBackend:
     def limits(self) -> EngineLimits:
         return self._limits
 
+    def describe(self) -> dict[str, str]:
+        return {"dtype": "float32", "projections": "fake", "attention": "fake"}
+
     def usage(self) -> BlockUsage:
         used = sum(s.blocks for s in self.seqs.values())
         return BlockUsage(used, self._limits.num_blocks - used)
