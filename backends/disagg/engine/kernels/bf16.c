@@ -1,10 +1,11 @@
-/* bf16 CPU kernels of the reference engine. gemv_bf16: small-batch projections, y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]).
+/* The engine's bf16 CPU kernels (AVX-512-BF16): gemm_bf16 (every projection, on its own weight
+   layout), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16
+   and silu_mul_bf16 (the pointwise work between projections).
 
-   Built by disagg.engine.kernel (gcc -O3, at `make` or first use) and called through ctypes on the
-   tensors' memory. One weight row at a time is read once and multiplied against every input row with
-   AVX-512-BF16 dot products (vdpbf16ps, fp32 accumulation), so a decode step at batch 1 or 2 reads
-   each weight once, at close to the core's read bandwidth. Single-threaded; the caller falls back
-   to oneDNN elsewhere. Outputs are rounded to bf16 to nearest even. */
+   Built by disagg.engine.kernel (gcc -O3 -fopenmp, at `make` or first use) and called through ctypes
+   on the tensors' memory. Dot products are vdpbf16ps (bf16 pairs, fp32 accumulation); bf16 outputs
+   are rounded to nearest even. Work is spread over the OpenMP pool torch already runs (see
+   gemm_bf16); no result depends on the thread count or on the other rows of a call. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
