@@ -291,7 +291,7 @@ def limits(engine: Engine, reps: int) -> dict:
     read_s = median_time(lambda: src.sum(), reps)
     x = torch.randn(1, model.embed.shape[1], dtype=model.embed.dtype)
     with torch.inference_mode():
-        head_s = median_time(lambda: model._logits(x, None), reps * 4)
+        head_s = median_time(lambda: model._logits(x), reps * 4)
     return dict(
         weight_bytes=weight_bytes,
         read_gb_s=nbytes / read_s / 1e9,

@@ -40,15 +40,19 @@ class Projection:
         pack: bool = False,
         native: bool = False,
         wide: bool = False,
+        split: bool = True,
     ) -> None:
+        """``wide``: the kernel's outputs in fp32, unrounded (an output head's logits). ``split``: on
+        AMX, keep oneDNN's layout for prompt rows (off for a projection that only ever sees a few
+        rows, such as the output head: one row per prompt)."""
         self.bias = bias
-        self.wide = wide  # the kernel's outputs in fp32, unrounded (an output head's logits)
+        self.wide = wide
         on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         gemm = kernel.gemm() if native and on_cpu_bf16 and weight.shape[1] % 2 == 0 else None
         self._gemm = gemm
         self.native = kernel.pack(weight) if gemm is not None else None
         # oneDNN's weight: the only path without the kernel; beside it for prompt rows on AMX
-        onednn = gemm is None or kernel.cpu_has_amx()
+        onednn = gemm is None or (split and kernel.cpu_has_amx())
         self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
         if not onednn:
             self.weight = None

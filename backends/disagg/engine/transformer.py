@@ -89,7 +89,9 @@ class Transformer:
         self.norm = w("model.norm.weight")
         # a tied head lays out a copy of the embedding table (the lookup needs the plain one)
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = Projection(head, None, pack, native, wide=True)  # logits unrounded: no false ties
+        # logits unrounded (no false ties), and through the kernel for every row, AMX or not: a prompt
+        # asks the head for its last row only
+        self.lm_head = Projection(head, None, pack, native, wide=True, split=False)
         self.layers: list[LayerWeights] = []
         for n in range(cfg.num_layers):
             a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
@@ -150,8 +152,8 @@ class Transformer:
         gate, up = gate_up.chunk(2, -1)
         return x + layer.down(F.silu(gate) * up, decode_rows)
 
-    def _logits(self, x: torch.Tensor, decode_rows: int | None) -> torch.Tensor:
-        return self.lm_head(self._rms_norm(x, self.norm), decode_rows).float()
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._rms_norm(x, self.norm)).float()
 
     @torch.inference_mode()
     def step(
@@ -220,11 +222,11 @@ class Transformer:
         row = 0
         if decode is not None:
             row = decode.tokens.shape[0]
-            decode_logits = self._logits(x[:row], None)
+            decode_logits = self._logits(x[:row])
         chunk_logits: list[torch.Tensor | None] = []
         for chunk in chunks:
             row += chunk.tokens.shape[0]
-            chunk_logits.append(self._logits(x[row - 1 : row], 0)[0] if chunk.logits else None)
+            chunk_logits.append(self._logits(x[row - 1 : row])[0] if chunk.logits else None)
         return decode_logits, chunk_logits
 
     def _attend_batch(self, q: torch.Tensor, cache: torch.Tensor, layer: int, groups: list) -> torch.Tensor:

@@ -57,6 +57,8 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(threads) -> 
     threads(2)
     for count in (1, 5, 40):
         assert torch.equal(gemm(x[:count], packed, bias), alone[:count])
+    wide = gemm(x, packed, bias, True)  # the same sums, unrounded
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), alone)
 
 
 @needs_kernel
@@ -101,6 +103,10 @@ def test_with_amx_prompt_rows_go_to_onednn_and_decode_rows_to_the_kernel(monkeyp
     assert torch.equal(split[3:], F.linear(x[3:], weight, bias))  # the packed weight: F.linear's bits
     assert torch.equal(projection(x, 0), F.linear(x, weight, bias))
     assert torch.equal(projection(x), kernel.gemm()(x, projection.native, bias))
+    head = Projection(weight, None, pack=True, native=True, wide=True, split=False)  # an output head
+    assert head.weight is None and head.nbytes == 128 * 64 * 2  # the kernel's layout only
+    logits = head(x, 0)  # every row through the kernel, in fp32
+    assert logits.dtype == torch.float32 and torch.equal(logits, kernel.gemm()(x, head.native, None, True))
 
 
 def test_without_the_kernel_projections_fall_back_to_onednn(monkeypatch) -> None:
