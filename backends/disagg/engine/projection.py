@@ -6,8 +6,9 @@
   (``perf/engine_bench.py``; 1.9x at batch 1, 1.3x at 32, even in prefill). Its sums run in an order
   fixed by the input index alone, so a row gets the same bits whatever it is batched with. On a CPU
   with AMX, oneDNN's AMX kernels are far faster for prompt rows, which are compute-bound: there the
-  projection keeps oneDNN's packed weight as well (twice the weight memory) and sends the rows the
-  caller marks as prompt rows to it; decode rows, bound by the weight's reading, stay on the kernel.
+  projection keeps oneDNN's packed weight as well (twice the weight memory; ``split``) and sends the
+  rows the caller marks as prompt rows to it; decode rows, bound by the weight's reading, stay on
+  the kernel.
 - **bf16 elsewhere** (``pack``): the weight reordered once, at load, into oneDNN's blocked layout and
   called through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for frozen bf16
   linears): the same bits as ``F.linear``, which reorders on every call, and faster.
