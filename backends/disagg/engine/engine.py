@@ -112,12 +112,7 @@ class Engine:
         dtype = DTYPES[config.dtype]
         weights = load_weights(config.model_dir, self.model_config, dtype)
         self.model = Transformer(
-            self.model_config,
-            weights,
-            dtype,
-            self.device,
-            config.pack_weights,
-            config.native_kernels,
+            self.model_config, weights, dtype, self.device, config.pack_weights, config.native_kernels
         )
         del weights
         mc = self.model_config

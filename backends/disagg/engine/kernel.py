@@ -120,7 +120,7 @@ def library() -> ctypes.CDLL | None:
     loaded.gemm_tile_cols.restype = size
     if loaded.gemm_tile_cols() != TILE:
         log.warning(
-            "bf16 CPU kernels off: %s tiles %d rows, this module %d",
+            "bf16 CPU kernels off: %s tiles %d outputs, this module %d",
             SOURCE.name,
             loaded.gemm_tile_cols(),
             TILE,
@@ -133,8 +133,9 @@ def library() -> ctypes.CDLL | None:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A projection weight [N, K] in the layout ``gemm`` reads: [ceil(N / TILE), ceil(K / 32),
-    TILE, 32], zero-padded (``kernels/bf16.c``)."""
+    """A projection weight [N, K] in the layout ``gemm`` reads: [ceil(N / TILE), K / 2, TILE, 2] (per
+    tile of TILE outputs, each input pair's TILE weight pairs), outputs zero-padded to whole tiles
+    (``kernels/bf16.c``)."""
 
     tiles: torch.Tensor
     out_features: int

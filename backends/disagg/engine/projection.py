@@ -3,7 +3,8 @@
 - **bf16 on a CPU with AVX-512-BF16** (``native``, ``EngineConfig.native_kernels``): the engine's own
   kernel (``disagg.engine.kernel.gemm``) on a weight laid out for it at load. It reads the weight
   once per call at any number of rows and beat oneDNN's prepacked kernel at every batch measured
-  (``perf/engine_bench.py``; 1.9x at batch 1, 1.3x at 32, even in prefill). Its sums run in an order
+  (``perf/projection_bench.py``, SmolLM2's projections on one core: 1.84x at 1 row, 1.15x at 32,
+  1.04x at 300). Its sums run in an order
   fixed by the input index alone, so a row gets the same bits whatever it is batched with. On a CPU
   with AMX, oneDNN's AMX kernels are far faster for prompt rows, which are compute-bound: there the
   projection keeps oneDNN's packed weight as well (twice the weight memory; ``split``) and sends the

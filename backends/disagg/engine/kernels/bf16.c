@@ -11,23 +11,6 @@
 #include <omp.h>
 #include <stdint.h>
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); bf16 in and out, fp32 accumulation. */
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
 #define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 
 /* The projection y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for any number of rows M, on a weight
@@ -54,7 +37,7 @@ static inline float from_bf16(uint16_t h) {
 #endif
 #define EACH(i, n) _Pragma("GCC unroll 8") for (int i = 0; i < (n); i++)
 
-/* 16 floats -> 16 bf16, to nearest even; NaN stays NaN (as to_bf16) */
+/* 16 floats -> 16 bf16, to nearest even; a NaN stays a (quiet) NaN */
 TARGET static inline __m256i round_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -246,11 +229,8 @@ TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
             }
             for (int64_t j = 0; j < group; j++) {
                 uint16_t *o = out + ((b * kv_heads + h) * group + j) * head_dim;
-                for (int64_t c = 0; c < chunks; c++) {
-                    float values[16];
-                    _mm512_storeu_ps(values, acc[j][c]);
-                    for (int i = 0; i < 16; i++) o[c * 16 + i] = to_bf16(values[i]);
-                }
+                for (int64_t c = 0; c < chunks; c++)
+                    _mm256_storeu_si256((__m256i *)(o + c * 16), round_bf16(acc[j][c]));
             }
         }
     }
