@@ -3,10 +3,10 @@
 Contract:
 
 - `TritonServer(config, log_path).start()` launches `tritonserver` in its own process group with the
-  command line and environment of `disagg.serverconfig`; `wait_ready` polls `/v2/health/ready` until a
-  deadline, failing fast with the log's error lines if the process exits; `stop` sends SIGTERM to the
-  group, waits for the exit timeout plus a grace period, then SIGKILLs the group and removes the Python
-  backend's shared memory left behind.
+  command line and environment of `disagg.serverconfig`; `wait_ready` polls `/v2/health/ready` and the
+  metrics endpoint until a deadline, failing fast with the log's error lines if the process exits; `stop`
+  sends SIGTERM to the group, waits for the exit timeout plus a grace period, then SIGKILLs the group and
+  removes the Python backend's shared memory left behind.
 
 The foreground launcher that supervises a server (`disagg serve`: signals, restarts) is in `disagg.cli`;
 this module is the library it and the tests use.
@@ -125,6 +125,14 @@ def _pinning(cpus: tuple[int, ...]) -> Callable[[], None] | None:
     return pin
 
 
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 class TritonServer:
     """A `tritonserver` process started from a `ServerConfig`, in its own process group."""
 
@@ -180,13 +188,15 @@ class TritonServer:
         return self
 
     def is_ready(self) -> bool:
-        """True when `/v2/health/ready` answers 200 (all models loaded, given strict readiness)."""
-        url = f"http://{self.config.http_url}/v2/health/ready"
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        """True when `/v2/health/ready` answers 200 (all models loaded, given strict readiness) and the
+        metrics endpoint answers too.
+
+        Triton opens its endpoints one after another once the models are loaded, the metrics service
+        last (tens of milliseconds after HTTP), so HTTP readiness alone does not mean a scrape works.
+        """
+        return _answers_200(f"http://{self.config.http_url}/v2/health/ready") and _answers_200(
+            self.config.metrics_url
+        )
 
     def log_tail(self, max_lines: int = 40) -> str:
         """The last lines of the server log (admin key redacted); empty when logging to the terminal."""

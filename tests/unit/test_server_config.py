@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
+import socket
 import stat
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -316,3 +321,45 @@ def test_server_refuses_cpus_it_cannot_have(tmp_path: Path, files: TritonFiles) 
     )
     with pytest.raises(ServerError, match="could not start tritonserver on cpus"):
         TritonServer(config).start(files)
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def answering_200() -> Iterator[int]:
+    """A loopback HTTP server answering 200 to every GET; yields its port."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def test_not_ready_until_the_metrics_endpoint_answers_too() -> None:
+    """Triton opens its metrics service after HTTP: health 200 with metrics not yet listening is not
+    ready (a first scrape right after wait_ready would be refused)."""
+    with contextlib.ExitStack() as stack:
+        health, metrics = (stack.enter_context(answering_200()) for _ in range(2))
+        # Bound, never listening: a connection to either is refused, and nothing else can take them.
+        grpc, quiet = (stack.enter_context(contextlib.closing(socket.socket())) for _ in range(2))
+        for sock in (grpc, quiet):
+            sock.bind(("127.0.0.1", 0))
+
+        def server(metrics_port: int) -> TritonServer:
+            ports = {"http_port": health, "grpc_port": grpc.getsockname()[1], "metrics_port": metrics_port}
+            return TritonServer(make_config(address="127.0.0.1", metrics_address="127.0.0.1", **ports))
+
+        assert not server(quiet.getsockname()[1]).is_ready()
+        assert server(metrics).is_ready()
