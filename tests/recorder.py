@@ -13,11 +13,16 @@ class Recorder:
 
     cancel_after: int | None = None
     pieces: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # per piece: tokens generated since the previous
+    finish_reason: str | None = None  # of the final piece
     finals: int = 0
     error: ServingError | None = None
 
-    def send(self, text: str, final: bool) -> None:
+    def send(self, text: str, final: bool, tokens: int = 0, finish_reason: str | None = None) -> None:
         self.pieces.append(text)
+        self.tokens.append(tokens)
+        if final:
+            self.finish_reason = finish_reason
         self.finals += final
 
     def fail(self, error: ServingError) -> None:

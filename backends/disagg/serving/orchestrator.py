@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from disagg.engine.sequence import Request, SequenceState
+from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify
 from disagg.serving.messages import Prefilled, Token
@@ -46,9 +46,15 @@ class PoolClient(Protocol):
 
 
 class Responder(Protocol):
-    """The client side of one request."""
+    """The client side of one request.
 
-    def send(self, text: str, final: bool) -> None: ...
+    ``send`` carries, beside the text, ``tokens``: how many tokens the engine generated since the
+    previous ``send`` of this request (their sum is every token generated, an end token included), and
+    on the final one ``finish_reason``: ``"stop"`` (an end token or a stop string) or ``"length"``
+    (``max_tokens`` reached).
+    """
+
+    def send(self, text: str, final: bool, tokens: int = 0, finish_reason: str | None = None) -> None: ...
 
     def fail(self, error: ServingError) -> None: ...
 
@@ -123,6 +129,7 @@ class Outcome:
     first_token_at: float | None = None
     last_token_at: float | None = None
     error: ServingError | None = None
+    finish_reason: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -197,6 +204,7 @@ class _Run:
         self.lease_id: str | None = None  # held by the prefill pool until decode imports
         self.running_on: str | None = None  # pool to send a stop to
         self.finished = False
+        self.sent_tokens = 0  # output tokens accounted for in responses already sent
 
     async def go(self) -> None:
         request = Request(tuple(self.prompt), self.text.params)
@@ -208,6 +216,7 @@ class _Run:
         first = await self.pools.prefill(self.handle, request)
         self.running_on = None
         self.lease_id = first.lease_id
+        self.outcome.finish_reason = first.finish_reason
         if self._token(first.token_id) or first.finished:
             await self._abort_lease()
             self._finish()
@@ -222,6 +231,7 @@ class _Run:
         try:
             async for token in tokens:
                 self.lease_id = None  # decode produced a token: it has imported the KV
+                self.outcome.finish_reason = token.finish_reason
                 stop = self._token(token.token_id)
                 if token.finished:
                     self.running_on = None
@@ -250,9 +260,23 @@ class _Run:
         if not piece:
             return
         if self.text.stream:
-            self.out.send(piece, final=False)
+            self.out.send(piece, final=False, tokens=self._unsent())
         else:
             self.pieces.append(piece)
+
+    def _unsent(self) -> int:
+        """Output tokens not yet reported in a response; from now on they count as reported."""
+        count = self.outcome.output_tokens - self.sent_tokens
+        self.sent_tokens = self.outcome.output_tokens
+        return count
+
+    def _finish_reason(self) -> str:
+        """Why the output ended: a stop string or what the engine said, else inferred from the count."""
+        if self.stops.stopped:
+            return FINISH_STOP
+        if self.outcome.finish_reason in (FINISH_STOP, FINISH_LENGTH):
+            return self.outcome.finish_reason
+        return FINISH_LENGTH if self.outcome.output_tokens >= self.text.params.max_tokens else FINISH_STOP
 
     def _check_cancelled(self) -> None:
         if self.out.is_cancelled():
@@ -281,15 +305,16 @@ class _Run:
             return
         self.finished = True
         tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        reason = self.outcome.finish_reason = self._finish_reason()
         if self.text.stream:
             if tail:
-                self.out.send(tail, final=False)
-            self.out.send("", final=True)
+                self.out.send(tail, final=False, tokens=self._unsent())
+            self.out.send("", final=True, tokens=self._unsent(), finish_reason=reason)
         else:
             body = "".join(self.pieces) + tail
             if not self.text.exclude_input_in_output:
                 body = self.text.prompt + body
-            self.out.send(body, final=True)
+            self.out.send(body, final=True, tokens=self._unsent(), finish_reason=reason)
 
     def fail(self, error: ServingError) -> None:
         if self.finished:

@@ -62,6 +62,24 @@ ALL_INPUTS = IMPLEMENTED + UNIMPLEMENTED
 INPUT_NAMES = frozenset(spec.name for spec in ALL_INPUTS)
 OUTPUT_NAME = "text_output"
 
+# Optional outputs of ``llm`` only (not of the ensembles), each sent when its request input is true.
+# Names and meaning follow the Triton vLLM backend's "additional outputs", which Triton's own OpenAI
+# front end reads: ``num_input_tokens`` the prompt's tokens (on every response), ``num_output_tokens``
+# the tokens generated since the previous response of the request (their sum is every token the engine
+# generated, end token included), ``finish_reason`` "stop" or "length" on the final response ("" before).
+# ``return_error_code`` is this server's own: an error's message then starts with its code and ": "
+# (gRPC streaming carries an error's text only, not its code).
+EXTRA_OUTPUTS = (
+    ("return_num_input_tokens", "num_input_tokens", "TYPE_UINT32"),
+    ("return_num_output_tokens", "num_output_tokens", "TYPE_UINT32"),
+    ("return_finish_reason", "finish_reason", "TYPE_STRING"),
+)
+ERROR_CODE_INPUT = "return_error_code"
+LLM_ONLY_INPUTS = tuple(
+    InputSpec(flag, "TYPE_BOOL") for flag in (*(flag for flag, _, _ in EXTRA_OUTPUTS), ERROR_CODE_INPUT)
+)
+LLM_INPUT_NAMES = INPUT_NAMES | {spec.name for spec in LLM_ONLY_INPUTS}
+
 NUMPY_KIND = {
     "TYPE_STRING": "O",
     "TYPE_INT32": "i",
@@ -86,6 +104,8 @@ class TextRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     stop_words: tuple[str, ...] = ()
+    extra_outputs: frozenset[str] = frozenset()
+    """Names of the ``EXTRA_OUTPUTS`` the client asked for (``llm`` only)."""
 
 
 def _scalar(name: str, value: np.ndarray) -> Any:
@@ -130,7 +150,7 @@ def parse_text_request(values: Mapping[str, np.ndarray | None], parameters: Mapp
     if unknown:
         raise invalid(f"unknown parameter(s) {unknown}: this model accepts the inputs {sorted(INPUT_NAMES)}")
     present = {k: v for k, v in values.items() if v is not None}
-    for spec in ALL_INPUTS:
+    for spec in ALL_INPUTS + LLM_ONLY_INPUTS:
         if spec.name in present:
             _check_kind(spec, present[spec.name])
         elif not spec.optional:
@@ -167,7 +187,16 @@ def parse_text_request(values: Mapping[str, np.ndarray | None], parameters: Mapp
         stream=bool(get("stream", False)),
         exclude_input_in_output=bool(get("exclude_input_in_output", False)),
         stop_words=_stop_words(present.get("stop_words")),
+        extra_outputs=frozenset(
+            output for flag, output, _ in EXTRA_OUTPUTS if flag in present and bool(get(flag, False))
+        ),
     )
+
+
+def wants_error_code(values: Mapping[str, np.ndarray | None]) -> bool:
+    """True when the request's ``return_error_code`` input is a single true value."""
+    value = values.get(ERROR_CODE_INPUT)
+    return value is not None and value.dtype.kind == "b" and value.size == 1 and bool(value.reshape(-1)[0])
 
 
 def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:

@@ -21,7 +21,13 @@ from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
-from disagg.serving.text_api import INPUT_NAMES, OUTPUT_NAME, parse_text_request
+from disagg.serving.text_api import (
+    ERROR_CODE_INPUT,
+    LLM_INPUT_NAMES,
+    OUTPUT_NAME,
+    parse_text_request,
+    wants_error_code,
+)
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.graveyard import Graveyard
@@ -35,17 +41,35 @@ class TritonResponder:
         self._pb = pb_utils
         self._sender = sender
         self._graveyard = graveyard
+        # set once the request is parsed: the optional outputs it asked for (text_api.EXTRA_OUTPUTS)
+        self.extra_outputs: frozenset[str] = frozenset()
+        self.prompt_tokens = 0
+        self.error_codes = False  # text_api.ERROR_CODE_INPUT: error messages start with their code
 
-    def send(self, text: str, final: bool) -> None:
+    def send(self, text: str, final: bool, tokens: int = 0, finish_reason: str | None = None) -> None:
         pb = self._pb
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if final and not text:
+        if final and not text and not self.extra_outputs:
             self._sender.send(flags=flags)
             return
-        tensor = glue.bytes_tensor(pb, OUTPUT_NAME, text.encode("utf-8"), shape=(1, 1))
-        self._sender.send(pb.InferenceResponse(output_tensors=[tensor]), flags=flags)
+        tensors = [glue.bytes_tensor(pb, OUTPUT_NAME, text.encode("utf-8"), shape=(1, 1))]
+        tensors += self._extras(tokens, finish_reason if final else None)
+        self._sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def _extras(self, tokens: int, finish_reason: str | None) -> list[Any]:
+        pb, wanted = self._pb, self.extra_outputs
+        out = []
+        if "num_input_tokens" in wanted:
+            out.append(pb.Tensor("num_input_tokens", np.array([[self.prompt_tokens]], dtype=np.uint32)))
+        if "num_output_tokens" in wanted:
+            out.append(pb.Tensor("num_output_tokens", np.array([[tokens]], dtype=np.uint32)))
+        if "finish_reason" in wanted:
+            out.append(glue.bytes_tensor(pb, "finish_reason", finish_reason or "", shape=(1, 1)))
+        return out
 
     def fail(self, error: ServingError) -> None:
+        if self.error_codes:
+            error = ServingError(error.code, f"{error.code}: {error.message}")
         glue.send_error(self._pb, self._sender, error)
 
     def is_cancelled(self) -> bool:
@@ -87,10 +111,13 @@ class OrchestratorModel:
         arrival = time.monotonic()
         sender = request.get_response_sender()
         responder = TritonResponder(self._pb, sender, self.pools.graveyard)
+        if self.direct:
+            flags = glue.input_arrays(self._pb, request, (ERROR_CODE_INPUT,))
+            responder.error_codes = wants_error_code(flags)
         try:
             if self._inflight >= self.max_inflight:
                 raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")
-            text, prompt_ids = self._parse(request)
+            text, prompt_ids = self._parse(request, responder)
         except Exception as exc:
             error = classify(exc)
             responder.fail(error)
@@ -106,12 +133,13 @@ class OrchestratorModel:
         except Exception:
             log.warning("recording request metrics failed", exc_info=True)
 
-    def _parse(self, request: Any) -> tuple[Any, list[int]]:
+    def _parse(self, request: Any, responder: TritonResponder) -> tuple[Any, list[int]]:
         pb = self._pb
         if self.direct:
-            values = glue.input_arrays(pb, request, INPUT_NAMES)
+            values = glue.input_arrays(pb, request, LLM_INPUT_NAMES)
             text = parse_text_request(values, glue.request_parameters(request))
             ids = self.tokenizer.encode(text.prompt)
+            responder.extra_outputs, responder.prompt_tokens = text.extra_outputs, len(ids)
         else:
             values = glue.input_arrays(pb, request, ("input_ids", "request"))
             raw = glue.first_bytes(values["request"])

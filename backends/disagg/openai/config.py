@@ -1,0 +1,54 @@
+"""The one validated configuration of an OpenAI front end (from ``disagg openai``'s command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 9000
+ENV_PORT = "OPENAI_PORT"
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """``triton_url``: Triton's gRPC ``host:port``; ``model_id``: the name clients send as ``model``
+    (the checkpoint folder's name); ``model_dir``: where the chat template is read; ``chat_template``:
+    a template file used instead of the model's own; ``default_max_tokens``: when a request names none;
+    ``drain_s``: on shutdown, how long requests in flight may go on before they are cancelled."""
+
+    triton_url: str
+    model_id: str
+    model_dir: Path
+    chat_template: Path | None = None
+    default_max_tokens: int = 256
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        host, _, port = self.triton_url.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"triton_url must be host:port, got {self.triton_url!r}")
+        if not self.model_id or "/" in self.model_id:
+            raise ValueError("model_id must be a non-empty name without '/'")
+        if not isinstance(self.model_dir, Path):
+            raise ValueError("model_dir must be a path")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError("chat_template must name an existing file")
+        tokens = self.default_max_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens < (1 << 31):
+            raise ValueError("default_max_tokens must be an integer >= 1")
+        if not 0 <= self.drain_s <= 3600:
+            raise ValueError("drain_s must be in [0, 3600]")
+
+
+def parse_port(text: str | None, default: int = DEFAULT_PORT) -> int:
+    """A port number from a flag or ``OPENAI_PORT`` (0: the front end is off); None or "" gives
+    ``default``. Raises ValueError naming the variable."""
+    if text is None or text == "":
+        return default
+    try:
+        port = int(text, 10)
+    except ValueError:
+        raise ValueError(f"{ENV_PORT} / --openai-port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{ENV_PORT} / --openai-port must be in 0..65535 (0: off), got {port}")
+    return port
