@@ -52,6 +52,7 @@ CASES = {
         "disagg.serving.orchestrator",
     ],
     "launcher": ["disagg.server", "disagg.cli"],
+    "openai front end": ["disagg.openai.server", "disagg.openai.app", "disagg.openai.launcher"],
     "kv package": ["disagg.kv", "disagg.kv.errors", "disagg.kv.stale"],
     "pool core": [
         "disagg.scheduling",

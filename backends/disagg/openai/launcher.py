@@ -22,19 +22,35 @@ from pathlib import Path
 KILL_GRACE_S = 5.0
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (an IPv4 or IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class FrontendError(RuntimeError):
     """The front end could not be started."""
 
 
 @dataclass(frozen=True)
 class FrontendLaunch:
-    """Where the front end listens and what it serves; ``port`` 0 means off."""
+    """Where the front end listens and what it serves (``chat_template``: a file used instead of the
+    model's own template)."""
 
     address: str
     port: int
     triton_url: str
     model_dir: Path
     drain_s: float = 5.0
+    chat_template: Path | None = None
 
 
 class FrontendProcess:
@@ -56,14 +72,9 @@ class FrontendProcess:
     def start(self) -> FrontendProcess:
         """Bind the port and start the child; raises FrontendError (port busy, start failed)."""
         launch = self.launch
-        family = socket.AF_INET6 if ":" in launch.address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((launch.address, launch.port))
-            sock.listen(512)
+            sock = listen(launch.address, launch.port)
         except OSError as exc:
-            sock.close()
             raise FrontendError(
                 f"OpenAI front end cannot listen on {launch.address}:{launch.port} ({exc.strerror}); "
                 "choose another port with --openai-port or OPENAI_PORT (0 turns it off)"
@@ -82,6 +93,8 @@ class FrontendProcess:
             "--drain-s",
             str(launch.drain_s),
         ]
+        if launch.chat_template is not None:
+            argv += ["--chat-template", str(launch.chat_template)]
         try:
             self._process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),), start_new_session=True

@@ -24,7 +24,9 @@ from pathlib import Path
 from aiohttp import web
 
 from disagg.openai.app import create_app
+from disagg.openai.chat import ChatTemplate
 from disagg.openai.config import ENV_PORT, FrontendConfig, parse_port
+from disagg.openai.launcher import listen
 from disagg.paths import resolve_model_dir
 from disagg.procfs import read_stat
 
@@ -66,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from(args)
         port = parse_port(args.port if args.port is not None else os.environ.get(ENV_PORT))
-        app = create_app(config)
+        ChatTemplate.find(config.model_dir, config.chat_template)  # a broken one fails here, at start
     except (ValueError, OSError) as exc:
         print(f"disagg openai: error: {exc}", file=sys.stderr)
         return 2
@@ -79,26 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"disagg openai: cannot listen on {args.host}:{port} ({exc.strerror})", file=sys.stderr)
             return 2
     parent = os.getppid() if args.watch_parent else None
-    return asyncio.run(_serve(app, sock, config, parent))
+    return asyncio.run(_serve(sock, config, parent))
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 literal, or a name)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-async def _serve(
-    app: web.Application, sock: socket.socket, config: FrontendConfig, parent: int | None
-) -> int:
+async def _serve(sock: socket.socket, config: FrontendConfig, parent: int | None) -> int:
+    app = create_app(config)  # on the running loop: its gRPC channel belongs to this loop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
