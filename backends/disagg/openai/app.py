@@ -143,8 +143,8 @@ async def _unary(reply: Reply, pieces: AsyncIterator[Piece]) -> web.Response:
         texts.append(piece.text)
         tokens += piece.tokens
         prompt_tokens = piece.prompt_tokens or prompt_tokens
-        reason = piece.finish_reason or reason
-    body = reply.unary("".join(texts), reason or "stop", Usage(prompt_tokens, tokens))
+        reason = piece.finish_reason  # set on the final piece (LlmClient.generate checks it)
+    body = reply.unary("".join(texts), str(reason), Usage(prompt_tokens, tokens))
     return web.json_response(body, dumps=_json)
 
 
@@ -160,7 +160,7 @@ async def _stream(request: web.Request, reply: Reply, pieces: AsyncIterator[Piec
             tokens += piece.tokens
             prompt_tokens = piece.prompt_tokens or prompt_tokens
             if piece.final:
-                await response.write(sse(reply.chunk(piece.text, piece.finish_reason or "stop")))
+                await response.write(sse(reply.chunk(piece.text, piece.finish_reason)))
                 break
             if piece.text:
                 await response.write(sse(reply.chunk(piece.text)))

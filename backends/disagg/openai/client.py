@@ -69,9 +69,11 @@ def llm_inputs(gen: Generation, prompt: str, seed: int) -> list[Any]:
 class LlmClient:
     """The front end's one gRPC channel to Triton."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, client: Any | None = None) -> None:
+        """``client``: the ``tritonclient.grpc.aio`` client to use (default: one on ``url``; tests
+        pass a stand-in)."""
         self.url = url
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = client if client is not None else grpcclient.InferenceServerClient(url)
 
     async def ready(self) -> bool:
         """True when Triton answers and ``llm`` is ready."""
@@ -104,6 +106,8 @@ class LlmClient:
                 if error is not None:
                     raise await self._api_error(str(error.message()))
                 piece = _piece(result)
+                if piece.final and piece.finish_reason is None:
+                    raise ApiError(500, "llm ended the request without a finish reason", "server_error")
                 yield piece
                 if piece.final:
                     return

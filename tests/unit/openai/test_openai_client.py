@@ -1,15 +1,21 @@
 """What the front end sends to ``llm`` and how it reads ``llm``'s responses and errors
-(disagg.openai.client, disagg.openai.errors), on protobuf messages built here."""
+(disagg.openai.client, disagg.openai.errors), on protobuf messages built here and a stand-in for the
+``tritonclient.grpc.aio`` client: the stream is cancelled on every way out of a generation."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import InferResult, service_pb2
-from tritonclient.utils import serialize_byte_tensor
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
-from disagg.openai.client import _piece, llm_inputs
-from disagg.openai.errors import from_llm
+from disagg.openai.client import LlmClient, Piece, _piece, llm_inputs
+from disagg.openai.errors import ApiError, from_llm
 from disagg.openai.protocol import Generation
 from disagg.serving.text_api import EXTRA_OUTPUTS, LLM_INPUT_NAMES
 
@@ -108,3 +114,97 @@ def test_coded_llm_errors_map_to_http_statuses(message: str, status: int, text: 
 def test_uncoded_errors_are_left_to_the_caller() -> None:
     assert from_llm("Request for unknown model: 'llm' is not found") is None
     assert from_llm("invalid_arg: lower case is not a code") is None
+
+
+class FakeStream:
+    """What `stream_infer` returns: (result, error) pairs, then the end; records a cancel."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    async def __anext__(self) -> Any:
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeTriton:
+    def __init__(self, items: list[Any], ready: bool = True) -> None:
+        self.stream = FakeStream(items)
+        self.ready = ready
+        self.requests: list[dict[str, Any]] = []
+
+    def stream_infer(self, requests: Any) -> FakeStream:
+        async def first() -> None:
+            self.requests.append(await anext(requests))
+
+        self._first = asyncio.ensure_future(first())
+        return self.stream
+
+    async def is_model_ready(self, name: str, client_timeout: float) -> bool:
+        return self.ready
+
+
+def pieces_of(triton: FakeTriton, stop_after: int | None = None) -> list[Piece]:
+    async def main() -> list[Piece]:
+        client = LlmClient("127.0.0.1:1", client=triton)
+        got: list[Piece] = []
+        async with contextlib.aclosing(client.generate(GEN, "prompt")) as pieces:
+            async for piece in pieces:
+                got.append(piece)
+                if stop_after is not None and len(got) == stop_after:
+                    break
+        await triton._first
+        return got
+
+    return asyncio.run(main())
+
+
+GEN = Generation(kind="completion", model="m", max_tokens=4)
+TEXT = {"text_output": np.array([[b"hi"]], dtype=np.object_)}
+COUNT = {"num_output_tokens": np.array([[2]], dtype=np.uint32)}
+
+
+def test_generate_reads_to_the_final_piece_and_asks_for_the_counts() -> None:
+    done = {**TEXT, **COUNT, "finish_reason": np.array([[b"stop"]], dtype=np.object_)}
+    triton = FakeTriton([(response(False, **TEXT, **COUNT), None), (response(True, **done), None)])
+    got = pieces_of(triton)
+    assert [(p.text, p.tokens, p.finish_reason, p.final) for p in got] == [
+        ("hi", 2, None, False),
+        ("hi", 2, "stop", True),
+    ]
+    request = triton.requests[0]
+    assert request["model_name"] == "llm"
+    assert request["parameters"] == {"triton_enable_empty_final_response": True}
+
+
+def test_leaving_early_cancels_the_stream() -> None:
+    triton = FakeTriton([(response(False, **TEXT, **COUNT), None)] * 3)
+    assert len(pieces_of(triton, stop_after=1)) == 1
+    assert triton.stream.cancelled
+
+
+@pytest.mark.parametrize(
+    ("item", "ready", "status"),
+    [
+        ((None, InferenceServerException("INVALID_ARG: too long")), True, 400),
+        ((None, InferenceServerException("Request for unknown model: 'llm'")), False, 503),
+        ((None, InferenceServerException("something Triton says")), True, 500),
+        (grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None), True, 503),
+        ((response(True, **TEXT, **COUNT), None), True, 500),  # a final piece without its reason
+    ],
+)
+def test_failures_become_api_errors_and_cancel_the_stream(item: Any, ready: bool, status: int) -> None:
+    triton = FakeTriton([item], ready=ready)
+    with pytest.raises(ApiError) as info:
+        pieces_of(triton)
+    assert info.value.status == status
+    assert triton.stream.cancelled, "the stream is cancelled on every way out"
