@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from oracle import stop_string
 from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
@@ -66,8 +67,7 @@ def test_a_stop_string_counts_the_tokens_up_to_it(deployment, oracle):
     params = SamplingParams(max_tokens=30, min_length=30)
     tokens, _ = oracle(deployment.tokenizer, PROMPT, params)
     full = deployment.tokenizer.decode(tokens)
-    stop = full[12:15]
-    needed = next(n for n in range(1, len(tokens) + 1) if stop in deployment.tokenizer.decode(tokens[:n]))
+    stop, needed = stop_string(deployment.tokenizer.decode, tokens)
     for stream in (True, False):
         text = TextRequest(PROMPT, params, stream=stream, exclude_input_in_output=True, stop_words=(stop,))
         rec, _ = serve(deployment, "disaggregated", text)
