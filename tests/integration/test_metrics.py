@@ -114,8 +114,9 @@ def test_exports_every_contract_family(server: TritonServer) -> None:
 
 
 def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServer) -> None:
-    """disagg_engine_info: one series set to 1 per pool instance, labelled with its configured dtype
-    (``auto`` resolved) and the projection and attention paths its engine chose on this CPU."""
+    """disagg_engine_info: one series set to 1 per pool instance, labelled with its configured compute
+    and KV dtypes (``auto`` resolved) and the projection and attention paths its engine chose on this
+    CPU."""
     from disagg.engine import kernel
     from disagg.engine.device import onednn_bf16
 
@@ -134,6 +135,7 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
         projections = "kernel" if kernels else "onednn-packed" if bf16 and onednn_bf16() else "torch"
         for info in mine:
             assert info["dtype"] == params["dtype"]
+            assert info["kv_dtype"] == params.get("kv_dtype", params["dtype"])
             assert info["projections"] == projections
             assert info["attention"] == ("kernel" if kernels else "torch")
 

@@ -2,6 +2,8 @@
 
 - SmolLM2-135M-Instruct on the project's repository answers the chat-templated "What is the capital of
   France?" with Paris through `ensemble` (HTTP), `llm` (gRPC streaming) and `ensemble_colocated`.
+- A repository whose prefill pool computes in fp32 and hands bf16 KV to a bf16 decode pool
+  (`--prefill-dtype float32 --decode-dtype bfloat16`) answers it too.
 - `MODEL_DIR=<a checkpoint of the user's> make serve` serves that checkpoint, leaves every byte of the
   folder as it was, and answers what `disagg generate --model <folder>` answers in the pools' dtype.
   A folder that is not a complete checkpoint is refused before anything starts.
@@ -25,11 +27,14 @@ from triton_support import (
     free_ports,
     http_json,
     live_children,
+    scrape_metrics,
     wait_until,
 )
 
 from disagg.server import TritonServer
 from disagg_tools import tiny_model
+from disagg_tools.repository import Layout
+from disagg_tools.repository import write as write_repository
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +71,22 @@ def test_llm_grpc_stream_names_paris(server: TritonServer) -> None:
     result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
     assert result.error is None and result.final, result
     assert len(result.pieces) > 3 and "Paris" in "".join(result.pieces), result.pieces
+
+
+def test_an_fp32_prefill_pool_hands_bf16_kv_to_a_bf16_decode_pool(
+    triton_factory: TritonFactory, smollm2_dir: Path, tmp_path: Path, leak_probe: LeakProbe
+) -> None:
+    repository = tmp_path / "repository"
+    write_repository(repository, Layout(prefill_dtype="float32", decode_dtype="bfloat16"))
+    server = triton_factory.start(repository, exit_timeout_s=10, ready_timeout_s=240, model_dir=smollm2_dir)
+    leak_probe.ignore_shm(server.config.shm_prefix)
+    samples = scrape_metrics(server.config.metrics_url)
+    infos = {dict(labels)["model"]: dict(labels) for name, labels in samples if name == "disagg_engine_info"}
+    assert (infos["prefill"]["dtype"], infos["prefill"]["kv_dtype"]) == ("float32", "bfloat16"), infos
+    assert (infos["decode"]["dtype"], infos["decode"]["kv_dtype"]) == ("bfloat16", "bfloat16"), infos
+    result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
+    assert result.error is None and result.final, result
+    assert "Paris" in "".join(result.pieces), result.pieces
 
 
 # ---- make serve on a user's checkpoint ----------------------------------------------------------------

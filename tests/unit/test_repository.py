@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from disagg.paths import REPO_ROOT
 from disagg.serving.text_api import ALL_INPUTS
 from disagg_tools.repository import Layout, main, render
@@ -113,3 +115,25 @@ def test_gpu_variant_refuses_shared_or_one_sided_gpus():
         Layout(prefill_gpus="0", decode_gpus="gpu1")
     with pytest.raises(SystemExit):
         main(["--prefill-gpus", "0", "--decode-gpus", "0"])
+
+
+def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path):
+    import re
+
+    def params(rendered: dict[str, str], pool: str) -> dict[str, str]:
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', rendered[pool]))
+
+    mixed = render(Layout(prefill_dtype="float32", decode_dtype="bfloat16"))
+    assert params(mixed, "prefill")["dtype"] == "float32" and params(mixed, "decode")["dtype"] == "bfloat16"
+    # unset: the decode pool's compute dtype, for both sides of the hand-off
+    assert params(mixed, "prefill")["kv_dtype"] == params(mixed, "decode")["kv_dtype"] == "bfloat16"
+    assert params(mixed, "colocated")["dtype"] == "bfloat16" and "kv_dtype" not in params(mixed, "colocated")
+    chosen = render(Layout(dtype="float32", kv_dtype="bfloat16"))
+    assert {params(chosen, p)["kv_dtype"] for p in ("prefill", "decode")} == {"bfloat16"}
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Layout(kv_dtype="int8")
+    assert main(["--out", str(tmp_path), "--prefill-dtype", "float32", "--kv-dtype", "float32"]) == 0
+    assert (
+        'key: "kv_dtype", value: { string_value: "float32" }'
+        in (tmp_path / "decode" / "config.pbtxt").read_text()
+    )

@@ -45,7 +45,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_kv_blocks_free": GAUGE,
         "disagg_slo_attainment_ratio": GAUGE,
         "disagg_goodput_requests_per_second": GAUGE,
-        "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtype and kernels
+        "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtypes and kernels
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,

@@ -111,8 +111,9 @@ class EngineBackend(Protocol):
         """Drop a sequence and give back its KV; False when it was already gone (idempotent)."""
 
     def describe(self) -> Mapping[str, str]:
-        """What the engine resolved to run with, for ``disagg_engine_info``'s labels: ``dtype``,
-        ``projections`` and ``attention`` (the paths they take)."""
+        """What the engine resolved to run with, for ``disagg_engine_info``'s labels: ``dtype`` (of
+        its compute), ``kv_dtype`` (of its KV cache), ``projections`` and ``attention`` (the paths
+        they take)."""
 
     def usage(self) -> BlockUsage:
         """KV blocks in use and free, now."""

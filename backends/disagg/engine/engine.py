@@ -51,6 +51,9 @@ class EngineConfig:
     model_dir: Path
     device: str = "cpu"
     dtype: str = "float32"  # or "auto": resolved here, once, by ``disagg.engine.device.auto_dtype``
+    # the KV cache's dtype, one per prefill/decode pair (a hand-off refuses any other): unset, the
+    # compute dtype; "auto", the same rule as ``dtype`` (so two "auto" pools on one machine agree)
+    kv_dtype: str | None = None
     block_size: int = 16
     num_blocks: int | None = None  # default: as many as kv_cache_mb holds
     kv_cache_mb: int = 256
@@ -69,6 +72,12 @@ class EngineConfig:
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or {AUTO!r}, got {self.dtype!r}")
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+        elif self.kv_dtype == AUTO:
+            object.__setattr__(self, "kv_dtype", auto_dtype(self.device))
+        if self.kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(DTYPES)} or {AUTO!r}, got {self.kv_dtype!r}")
         for name in ("block_size", "kv_cache_mb", "max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -95,7 +104,7 @@ def plan_kv(config: EngineConfig, model: ModelConfig | None = None) -> tuple[KVL
     Callers that supply the pool's memory (a transport) size it with this before building the engine.
     """
     mc = model or load_config(config.model_dir)
-    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype, config.block_size)
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.kv_dtype, config.block_size)
     num_blocks = config.num_blocks or max(1, config.kv_cache_mb * (1 << 20) // layout.block_bytes)
     return layout, num_blocks
 
@@ -112,7 +121,13 @@ class Engine:
         dtype = DTYPES[config.dtype]
         weights = load_weights(config.model_dir, self.model_config, dtype)
         self.model = Transformer(
-            self.model_config, weights, dtype, self.device, config.pack_weights, config.native_kernels
+            self.model_config,
+            weights,
+            dtype,
+            self.device,
+            config.pack_weights,
+            config.native_kernels,
+            kv_dtype=DTYPES[config.kv_dtype],
         )
         del weights
         mc = self.model_config
@@ -137,9 +152,10 @@ class Engine:
         )
         paths = self.describe()
         log.info(
-            "engine ready: %s %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s, KV %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens",
             mc.model_type,
             config.dtype,
+            config.kv_dtype,
             paths["projections"],
             paths["attention"],
             self.device,
@@ -160,7 +176,12 @@ class Engine:
         head = self.model.lm_head
         projections = "kernel" if head.native is not None else "onednn-packed" if head.packed else "torch"
         attention = "kernel" if self.model.paged_attention else "torch"
-        return {"dtype": self.config.dtype, "projections": projections, "attention": attention}
+        return {
+            "dtype": self.config.dtype,
+            "kv_dtype": self.config.kv_dtype,
+            "projections": projections,
+            "attention": attention,
+        }
 
     def usage(self) -> BlockUsage:
         free = self.kv.free_blocks

@@ -12,6 +12,7 @@ fails; the reason is logged once.
 - ``decode_attention`` / ``prompt_attention``: a decode batch's rows, and a prompt chunk's, over the
   paged cache (``perf/attention_bench.py`` for decode; prefill through ``perf/engine_bench.py``).
 - ``rms_norm`` / ``silu_mul``: the pointwise work between projections, one pass each.
+- ``rope_cache``: a layer's rotary embedding and its KV cache writes, in one pass.
 
 All of them run on as many threads as torch's intra-op pool has: they are built with OpenMP and bind
 to the libgomp torch already loaded (torch ships ``libgomp.so.1``), so there is one thread pool, not
@@ -117,6 +118,8 @@ def library() -> ctypes.CDLL | None:
     loaded.rms_norm_bf16.restype = None
     loaded.silu_mul_bf16.argtypes = [pointer] * 2 + [size, size, size]
     loaded.silu_mul_bf16.restype = None
+    loaded.rope_cache_bf16.argtypes = [pointer] * 8 + [size] * 8
+    loaded.rope_cache_bf16.restype = None
     loaded.gemm_tile_cols.restype = size
     if loaded.gemm_tile_cols() != TILE:
         log.warning(
@@ -346,6 +349,76 @@ def silu_mul() -> SiluMul | None:
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
         function(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+    return call
+
+
+RopeCache = Callable[..., torch.Tensor]
+
+
+def rope_cache() -> RopeCache | None:
+    """``rope(qkv [T, (heads + 2 kv_heads) * hd] bf16, cache, layer, positions, slot_block, slot_offset,
+    cos, sin, heads, kv_heads) -> q [T, heads, hd]``: a layer's queries rotated, and its keys (rotated)
+    and values written into the bf16 cache [blocks, layers, 2, bs, kv_heads, hd] at each row's slot
+    (block ``slot_block[t]``, offset ``slot_offset[t]``, int64). ``cos`` / ``sin``: bf16 [positions, hd],
+    indexed by ``positions`` (int64). The same bits as ``RotaryTable.apply`` and the cache writes it
+    replaces; hd a multiple of 32. None where the kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.rope_cache_bf16
+
+    def call(
+        qkv: torch.Tensor,
+        cache: torch.Tensor,
+        layer: int,
+        positions: torch.Tensor,
+        slot_block: torch.Tensor,
+        slot_offset: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> torch.Tensor:
+        rows, width = qkv.shape
+        layers, block_size, head_dim = cache.shape[1], cache.shape[3], cache.shape[5]
+        if (
+            qkv.dtype != torch.bfloat16
+            or cache.dtype != torch.bfloat16
+            or cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
+            or not cache.is_contiguous()
+            or head_dim % 32
+            or width != (heads + 2 * kv_heads) * head_dim
+            or cache.shape[4] != kv_heads
+            or cos.shape[1] != head_dim
+            or not 0 <= layer < layers
+        ):
+            raise ValueError("rope_cache takes bf16 qkv rows, cache and tables, head_dim a multiple of 32")
+        for index in (positions, slot_block, slot_offset):
+            if index.dtype != torch.int64 or index.shape != (rows,) or not index.is_contiguous():
+                raise ValueError("rope_cache takes contiguous int64 positions and slots, one per row")
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        q = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
+        function(
+            qkv.data_ptr(),
+            q.data_ptr(),
+            cache.data_ptr(),
+            positions.data_ptr(),
+            slot_block.data_ptr(),
+            slot_offset.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            rows,
+            heads,
+            kv_heads,
+            head_dim,
+            layers,
+            layer,
+            block_size,
+            torch.get_num_threads(),
+        )
+        return q
 
     return call
 

@@ -71,9 +71,11 @@ class Transformer:
         device: torch.device,
         pack: bool = True,
         native: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the cache's; keys and values are rounded to it when written
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -111,14 +113,19 @@ class Transformer:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         fits = kernel.attention_covers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        bf16_cache = self.kv_dtype == torch.bfloat16  # the attention kernels read a bf16 cache
         # the decode rows' attention in one call over the paged cache, or None (grouped PyTorch path)
-        self.paged = kernel.decode_attention() if native and on_cpu_bf16 and fits else None
+        self.paged = kernel.decode_attention() if native and on_cpu_bf16 and bf16_cache and fits else None
         # a prompt chunk's attention over the paged cache, or None (PyTorch's SDPA)
         self.prompt = kernel.prompt_attention() if self.paged is not None else None
         # the pointwise work between projections in one pass each, or None (PyTorch operations)
         kernels = native and on_cpu_bf16
         self.norm_kernel = kernel.rms_norm() if kernels and cfg.hidden_size % 16 == 0 else None
         self.act_kernel = kernel.silu_mul() if kernels and cfg.intermediate_size % 16 == 0 else None
+        # rotary embedding and the cache writes in one pass, or None (PyTorch operations); with the
+        # attention kernels only, which read the new keys and values from the cache
+        fused = self.prompt is not None and cfg.head_dim % 32 == 0
+        self.rope_kernel = kernel.rope_cache() if fused else None
 
     @property
     def paged_attention(self) -> bool:
@@ -201,10 +208,24 @@ class Transformer:
         x = self.embed[token_ids]  # [N, H]
         # the leading rows are the decode batch's: a projection may send prompt rows elsewhere
         decode_rows = 0 if decode is None else decode.tokens.shape[0]
+        if self.rope_kernel is not None:  # the kernel's indices, once per step
+            position_ids, slot_block, slot_offset = (
+                t.to(torch.int64).contiguous() for t in (position_ids, slot_block, slot_offset)
+            )
         for n, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, position_ids, decode_rows)
-            cache[slot_block, n, 0, slot_offset] = k
-            cache[slot_block, n, 1, slot_offset] = v
+            if self.rope_kernel is not None:  # k and v go straight into the cache, read from there
+                qkv = layer.qkv(self._rms_norm(x, layer.ln_attn), decode_rows)
+                rotary = (self.rotary.cos, self.rotary.sin, self.cfg.num_heads, self.cfg.num_kv_heads)
+                q = self.rope_kernel(qkv, cache, n, position_ids, slot_block, slot_offset, *rotary)
+                k = v = None
+            else:
+                q, k, v = self._qkv(layer, x, position_ids, decode_rows)
+                if self.kv_dtype != self.dtype:  # a prompt attends to the KV as cached, as decode will
+                    k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+                cache[slot_block, n, 0, slot_offset] = k
+                cache[slot_block, n, 1, slot_offset] = v
+                if self.kv_dtype != self.dtype:
+                    k, v = k.to(self.dtype), v.to(self.dtype)
             outs, row = [], 0
             for kind, count, how in parts:
                 rows = slice(row, row + count)
@@ -253,8 +274,8 @@ class Transformer:
         """A prompt chunk's rows q [T, nh, hd]: causal over itself, and over the positions already
         cached when it is not the first chunk (its KV is in the cache by now) -> [T, nh, hd]."""
         if start:  # the earlier chunks' KV comes from the cache: [span] positions of this sequence
-            k = cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:span]  # [span, nkv, hd]
-            v = cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:span]
+            k = cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:span].to(q.dtype)  # [span, nkv, hd]
+            v = cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:span].to(q.dtype)
         # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -310,6 +331,7 @@ class Transformer:
         # [b * width, bs, nkv, hd] -> [b, nkv, span, hd]
         keys = cache[:, layer, 0].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
         values = cache[:, layer, 1].index_select(0, table).view(batch, span, kv_heads, -1).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-ops unless kv_dtype differs
         if q.dtype == torch.float32:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys, values, attn_mask=bias, enable_gqa=True

@@ -240,7 +240,12 @@ class TrtllmBackend:
 
     def describe(self) -> dict[str, str]:
         """TensorRT-LLM picks its own dtype (from the checkpoint) and kernels."""
-        return {"dtype": "checkpoint", "projections": "tensorrt-llm", "attention": "tensorrt-llm"}
+        return {
+            "dtype": "checkpoint",
+            "kv_dtype": "checkpoint",
+            "projections": "tensorrt-llm",
+            "attention": "tensorrt-llm",
+        }
 
     def usage(self) -> BlockUsage:
         used = sum(s.blocks for s in self._seqs.values())

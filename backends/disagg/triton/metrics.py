@@ -42,7 +42,8 @@ DESCRIPTIONS = {
     "disagg_goodput_requests_per_second": ("GAUGE", "Requests per second meeting both SLOs, over the window"),
     "disagg_engine_info": (
         "GAUGE",
-        "1 per live pool instance; labels: the engine's resolved dtype, projection and attention paths",
+        "1 per live pool instance; labels: the engine's resolved compute and KV dtypes, projection and "
+        "attention paths",
     ),
     "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),

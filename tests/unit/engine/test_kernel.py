@@ -48,14 +48,14 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(threads) -> 
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(3000, 576, generator=generator).bfloat16()  # big enough to be split
     bias = torch.randn(3000, generator=generator).bfloat16()
-    x = torch.randn(40, 576, generator=generator).bfloat16()
-    gemm, packed = kernel.gemm(), kernel.pack(weight)
+    x = torch.randn(100, 576, generator=generator).bfloat16()
+    gemm, packed = kernel.gemm(), kernel.pack(weight)  # 47 tiles: an odd count
     threads(1)
-    alone = torch.cat([gemm(x[i : i + 1], packed, bias) for i in range(40)])
-    for count in (2, 3, 6, 7, 13, 40):
+    alone = torch.cat([gemm(x[i : i + 1], packed, bias) for i in range(100)])
+    for count in (2, 3, 6, 7, 13, 40, 100):
         assert torch.equal(gemm(x[:count], packed, bias), alone[:count])
-    threads(2)
-    for count in (1, 5, 40):
+    threads(2)  # from 48 rows on, the threads split rows as well as tiles
+    for count in (1, 5, 40, 48, 53, 100):
         assert torch.equal(gemm(x[:count], packed, bias), alone[:count])
     wide = gemm(x, packed, bias, True)  # the same sums, unrounded
     assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), alone)
@@ -315,3 +315,58 @@ def test_the_pointwise_kernels_match_pytorch(threads, rows: int) -> None:
         norm(torch.zeros(2, 20).bfloat16(), torch.zeros(20).bfloat16(), 1e-5)  # not a multiple of 16
     with pytest.raises(ValueError):
         act(torch.zeros(2, 48).bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_cache_gives_the_bits_of_the_rotary_table_and_the_cache_writes_it_replaces(
+    rows, threads
+) -> None:
+    """Queries rotated, keys rotated into the cache, values copied into it: bit for bit what
+    RotaryTable.apply and two indexed writes produce (each product and the sum rounded to bf16),
+    zeros' signs and a NaN included, on any thread count; no other slot of the cache changes."""
+    from disagg.engine.checkpoint import RopeConfig
+    from disagg.engine.rope import RotaryTable
+
+    heads, kv_heads, head_dim, layers, bs, blocks = 9, 3, 64, 3, 4, 100
+    generator = torch.Generator().manual_seed(rows)
+    table = RotaryTable(RopeConfig(theta=10000.0), head_dim, 512, torch.bfloat16)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    qkv[0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    positions = torch.randperm(512, generator=generator)[:rows].sort().values
+    slots = torch.randperm(blocks * bs, generator=generator)[:rows]  # distinct slots
+    slot_block, slot_offset = slots // bs, slots % bs
+    layer = 1
+    before = torch.randn(blocks, layers, 2, bs, kv_heads, head_dim, generator=generator).bfloat16()
+
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q_ref = table.apply(q_ref.reshape(rows, heads, head_dim), positions)
+    k_ref = table.apply(k_ref.reshape(rows, kv_heads, head_dim), positions)
+    expected = before.clone()
+    expected[slot_block, layer, 0, slot_offset] = k_ref
+    expected[slot_block, layer, 1, slot_offset] = v_ref.reshape(rows, kv_heads, head_dim)
+
+    rope = kernel.rope_cache()
+    for count in (1, 2):
+        threads(count)
+        cache = before.clone()
+        q = rope(qkv, cache, layer, positions, slot_block, slot_offset, table.cos, table.sin, heads, kv_heads)
+        assert torch.equal(q.view(torch.int16), q_ref.view(torch.int16))  # bits, NaN and -0 included
+        assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
+    with pytest.raises(ValueError):
+        rope(
+            qkv[:, :-64],
+            cache,
+            layer,
+            positions,
+            slot_block,
+            slot_offset,
+            table.cos,
+            table.sin,
+            heads,
+            kv_heads,
+        )
+    with pytest.raises(ValueError):
+        rope(
+            qkv, cache, layer, positions.int(), slot_block, slot_offset, table.cos, table.sin, heads, kv_heads
+        )

@@ -108,3 +108,19 @@ def test_answers_the_capital_of_france(smollm2_dir, dtype):
     token_ids, reason = generate(engine, Request(tuple(prompt), SamplingParams(max_tokens=24)))
     assert reason == "stop" and token_ids[-1] == EOS
     assert "Paris" in tokenizer.decode(token_ids)
+
+
+def test_an_fp32_prefill_with_bf16_kv_feeds_a_bf16_decode_that_still_answers(smollm2_dir):
+    """The pairing kv_dtype exists for: prefill computing in fp32, its KV rounded to bf16 and handed
+    to a bf16 decode engine (its kernels reading the cache): the answer survives the hand-off."""
+    tokenizer = Tokenizer(smollm2_dir)
+    src = Engine(EngineConfig(model_dir=smollm2_dir, dtype="float32", kv_dtype="bfloat16", kv_cache_mb=32))
+    dst = Engine(EngineConfig(model_dir=smollm2_dir, dtype="bfloat16", kv_cache_mb=32))
+    prompt = tokenizer.encode(chat("What is the capital of France?"))
+    (out,) = src.prefill([Request(tuple(prompt), SamplingParams(max_tokens=24))], decode=False)
+    state, layout, blocks = src.export_kv(out.seq_id)
+    seq_id = dst.import_kv(state, layout, src.kv.memory[torch.tensor(blocks)])
+    tokens = list(state.generated_token_ids)
+    while dst.active_sequences():
+        tokens += [o.token_id for o in dst.decode_step() if o.seq_id == seq_id]
+    assert tokens[-1] == EOS and "Paris" in tokenizer.decode(tokens)

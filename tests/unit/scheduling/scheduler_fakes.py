@@ -42,7 +42,7 @@ class FakeBackend:
         return self._limits
 
     def describe(self) -> dict[str, str]:
-        return {"dtype": "float32", "projections": "fake", "attention": "fake"}
+        return {"dtype": "float32", "kv_dtype": "float32", "projections": "fake", "attention": "fake"}
 
     def usage(self) -> BlockUsage:
         used = sum(s.blocks for s in self.seqs.values())

@@ -1,6 +1,7 @@
 /* The engine's bf16 CPU kernels (AVX-512-BF16): gemm_bf16 (every projection, on its own weight
-   layout), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16
-   and silu_mul_bf16 (the pointwise work between projections).
+   layout), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16,
+   silu_mul_bf16 and rope_cache_bf16 (the pointwise work between projections; the last one also
+   writes a layer's new keys and values into the cache).
 
    Built by disagg.engine.kernel (gcc -O3 -fopenmp, at `make` or first use) and called through ctypes
    on the tensors' memory. Dot products are vdpbf16ps (bf16 pairs, fp32 accumulation); bf16 outputs
@@ -78,43 +79,56 @@ TARGET static inline __attribute__((always_inline)) void tile(const uint16_t *x,
     }
 }
 
-/* Outputs of tiles r_begin .. r_end, every row. */
-TARGET static void tiles(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                         int64_t M, int64_t N, int64_t K, int64_t r_begin, int64_t r_end, int wide) {
-    for (int64_t r = r_begin; r < r_end; r++) {
-        int64_t m = 0;
-        for (; m + MR <= M; m += MR) tile(x, packed, bias, y, MR, r, m, N, K, wide);
-        switch (M - m) { /* the last rows; MR - 1 at most */
-            case 7: tile(x, packed, bias, y, 7 % MR, r, m, N, K, wide); break;
-            case 6: tile(x, packed, bias, y, 6 % MR, r, m, N, K, wide); break;
-            case 5: tile(x, packed, bias, y, 5 % MR, r, m, N, K, wide); break;
-            case 4: tile(x, packed, bias, y, 4 % MR, r, m, N, K, wide); break;
-            case 3: tile(x, packed, bias, y, 3, r, m, N, K, wide); break;
-            case 2: tile(x, packed, bias, y, 2, r, m, N, K, wide); break;
-            case 1: tile(x, packed, bias, y, 1, r, m, N, K, wide); break;
-            default: break;
-        }
+/* Outputs of tile r for rows m_begin .. m_end. */
+TARGET static void rows(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t N,
+                        int64_t K, int64_t r, int64_t m_begin, int64_t m_end, int wide) {
+    int64_t m = m_begin;
+    for (; m + MR <= m_end; m += MR) tile(x, packed, bias, y, MR, r, m, N, K, wide);
+    switch (m_end - m) { /* the last rows; MR - 1 at most */
+        case 7: tile(x, packed, bias, y, 7 % MR, r, m, N, K, wide); break;
+        case 6: tile(x, packed, bias, y, 6 % MR, r, m, N, K, wide); break;
+        case 5: tile(x, packed, bias, y, 5 % MR, r, m, N, K, wide); break;
+        case 4: tile(x, packed, bias, y, 4 % MR, r, m, N, K, wide); break;
+        case 3: tile(x, packed, bias, y, 3, r, m, N, K, wide); break;
+        case 2: tile(x, packed, bias, y, 2, r, m, N, K, wide); break;
+        case 1: tile(x, packed, bias, y, 1, r, m, N, K, wide); break;
+        default: break;
+    }
+}
+
+/* Work items first .. last of `chunks` row chunks per tile, tile-major (a tile's chunks in a row, so
+   its weights stay in cache from one chunk to the next). Chunk boundaries fall on multiples of MR. */
+TARGET static void items(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M,
+                         int64_t N, int64_t K, int64_t chunks, int64_t first, int64_t last, int wide) {
+    const int64_t groups = (M + MR - 1) / MR;
+    for (int64_t i = first; i < last; i++) {
+        const int64_t r = i / chunks, c = i % chunks;
+        const int64_t begin = groups * c / chunks * MR, end = groups * (c + 1) / chunks * MR;
+        rows(x, packed, bias, y, N, K, r, begin, end < M ? end : M, wide);
     }
 }
 
 /* y = x w^T (+ bias), bf16 or (`wide`) fp32, on up to `threads` threads of the process's OpenMP pool, the one torch's
    intra-op work runs on (torch ships libgomp.so.1 and is loaded first, so this library binds to that
-   very runtime: one set of threads, no two pools contending for the cores). The tiles are split in
-   contiguous parts; which thread computes a tile changes no bits (see above). K even (the layout
-   holds pairs). */
+   very runtime: one set of threads, no two pools contending for the cores). The work is tiles x row
+   chunks (one chunk per thread once there are enough rows: a prompt's outputs split evenly whatever
+   the tile count; a decode batch's by tiles only, each weight read once), split in contiguous parts;
+   which thread computes an output changes no bits (see above). K even (the layout holds pairs). */
 TARGET void gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M,
                       int64_t N, int64_t K, int64_t threads, int64_t wide) {
     const int64_t count = (N + COLS - 1) / COLS;
+    const int64_t chunks = threads > 1 && M >= 4 * MR * threads ? threads : 1;
+    const int64_t total = count * chunks;
     int64_t parts = threads;
-    if (parts > count / 2) parts = count / 2;      /* at least two tiles a part */
+    if (parts > total / 2) parts = total / 2;      /* at least two items a part */
     if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
     if (parts <= 1) {
-        tiles(x, packed, bias, y, M, N, K, 0, count, (int)wide);
+        items(x, packed, bias, y, M, N, K, 1, 0, count, (int)wide);
         return;
     }
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
     for (int64_t part = 0; part < parts; part++)
-        tiles(x, packed, bias, y, M, N, K, count * part / parts, count * (part + 1) / parts, (int)wide);
+        items(x, packed, bias, y, M, N, K, chunks, total * part / parts, total * (part + 1) / parts, (int)wide);
 }
 
 int64_t gemm_tile_cols(void) { return COLS; }
@@ -393,5 +407,48 @@ TARGET void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int
             const __m512 silu = _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             _mm256_storeu_si256((__m256i *)(out + t * I + c), round_bf16(_mm512_mul_ps(silu, widen(up + c))));
         }
+    }
+}
+
+TARGET static inline __m512 negated(__m512 v) { /* -v, the sign bit flipped (-0 for 0, as PyTorch) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* x * cos + rotate_half(x) * sin over one head of head_dim = 2 * half (half a multiple of 16), with
+   each product and the sum rounded to bf16, as RotaryTable.apply's PyTorch operations round them:
+   the same bits. */
+TARGET static inline void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *out,
+                                 int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 x1 = widen(x + i), x2 = widen(x + half + i);
+        const __m512 low = _mm512_add_ps(round_trip(_mm512_mul_ps(x1, widen(cos + i))),
+                                         round_trip(_mm512_mul_ps(negated(x2), widen(sin + i))));
+        const __m512 high = _mm512_add_ps(round_trip(_mm512_mul_ps(x2, widen(cos + half + i))),
+                                          round_trip(_mm512_mul_ps(x1, widen(sin + half + i))));
+        _mm256_storeu_si256((__m256i *)(out + i), round_bf16(low));
+        _mm256_storeu_si256((__m256i *)(out + half + i), round_bf16(high));
+    }
+}
+
+/* A layer's attention inputs from its qkv projection, in one pass instead of a dozen PyTorch
+   operations: rows qkv [T, (heads + 2 kv_heads) * head_dim] (q, k, v), at positions[t]. The queries,
+   rotated, go to q_out [T, heads, head_dim]; the keys, rotated, and the values go straight into the
+   KV cache [blocks, layers, 2, block_size, kv_heads, head_dim] of `layer`, at block slot_block[t],
+   offset slot_offset[t]. cos and sin: bf16 [positions, head_dim]. head_dim a multiple of 32. */
+TARGET void rope_cache_bf16(const uint16_t *qkv, uint16_t *q_out, uint16_t *cache, const int64_t *positions,
+                            const int64_t *slot_block, const int64_t *slot_offset, const uint16_t *cos,
+                            const uint16_t *sin, int64_t T, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t layers, int64_t layer, int64_t block_size, int64_t threads) {
+    const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, kv = kv_heads * head_dim;
+#pragma omp parallel for POINTWISE_THREADS(threads, T * width)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *row = qkv + t * width;
+        const uint16_t *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        uint16_t *keys = cache + (((slot_block[t] * layers + layer) * 2) * block_size + slot_offset[t]) * kv;
+        uint16_t *values = keys + block_size * kv; /* the same slot of the block's value half */
+        for (int64_t h = 0; h < heads; h++) rotate(row + h * head_dim, c, s, q_out + (t * heads + h) * head_dim, half);
+        for (int64_t h = 0; h < kv_heads; h++) rotate(row + (heads + h) * head_dim, c, s, keys + h * head_dim, half);
+        const uint16_t *v = row + (heads + kv_heads) * head_dim;
+        for (int64_t i = 0; i < kv; i += 32) _mm512_storeu_si512((void *)(values + i), _mm512_loadu_si512((const void *)(v + i)));
     }
 }
