@@ -204,40 +204,67 @@ def attention_covers(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 8
 
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeAttention = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode batch's block table and positions as the attention kernel reads them, and the scratch
+    it works in: made once per step (``decode_plan``) and used by every layer, rather than converted
+    and allocated again in each."""
+
+    table: torch.Tensor  # [B, MB] int64
+    where: torch.Tensor  # [B] int64
+    scratch: torch.Tensor  # threads * per_thread floats
+    threads: int
+    per_thread: int
+
+
+def decode_plan(block_table: torch.Tensor, positions: torch.Tensor, group: int) -> DecodePlan:
+    """The plan of a decode batch whose kv heads each serve ``group`` query heads."""
+    table = block_table.to(torch.int64).contiguous()
+    where = positions.to(torch.int64).contiguous()
+    threads = min(torch.get_num_threads(), table.shape[0])
+    per_thread = group * (int(where.max()) + 1)
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    return DecodePlan(table, where, scratch, threads, per_thread)
 
 
 def decode_attention() -> DecodeAttention | None:
     """``attend(q [B, heads, hd] bf16, cache [NB, layers, 2, bs, kv_heads, hd] bf16, layer,
-    block_table [B, MB] int64, positions [B] int64) -> [B, heads, hd]``: each sequence's query over
-    positions 0..position of its own blocks, in one call. None where the kernels are off."""
+    block_table [B, MB] int64, positions [B] int64, plan=None) -> [B, heads, hd]``: each sequence's
+    query over positions 0..position of its own blocks, in one call. ``plan``: the batch's
+    ``decode_plan``, made once for all the layers of a step. None where the kernels are off."""
     loaded = library()
     if loaded is None:
         return None
     function = loaded.decode_attention_bf16
 
     def call(
-        q: torch.Tensor, cache: torch.Tensor, layer: int, block_table: torch.Tensor, positions: torch.Tensor
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        layer: int,
+        block_table: torch.Tensor,
+        positions: torch.Tensor,
+        plan: DecodePlan | None = None,
     ) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         _, layers, _, block_size, kv_heads, _ = cache.shape
         _check_attention(q, cache, heads, kv_heads, head_dim)
+        plan = plan or decode_plan(block_table, positions, heads // kv_heads)
+        if plan.table.shape[0] != batch:  # a plan is made from the very tensors of its step
+            raise ValueError("the decode plan is not this batch's")
         q = q.contiguous()
-        table = block_table.to(torch.int64).contiguous()
-        where = positions.to(torch.int64).contiguous()
         out = torch.empty_like(q)
-        threads = min(torch.get_num_threads(), batch)
-        per_thread = (heads // kv_heads) * (int(where.max()) + 1)
-        scratch = torch.empty(threads * per_thread, dtype=torch.float32)
         function(
             q.data_ptr(),
             cache.data_ptr(),
-            table.data_ptr(),
-            where.data_ptr(),
+            plan.table.data_ptr(),
+            plan.where.data_ptr(),
             out.data_ptr(),
-            scratch.data_ptr(),
+            plan.scratch.data_ptr(),
             batch,
-            table.shape[1],
+            plan.table.shape[1],
             layer,
             layers,
             block_size,
@@ -245,8 +272,8 @@ def decode_attention() -> DecodeAttention | None:
             heads // kv_heads,
             head_dim,
             head_dim**-0.5,
-            threads,
-            per_thread,
+            plan.threads,
+            plan.per_thread,
         )
         return out
 

@@ -183,8 +183,10 @@ class Transformer:
             tokens.append(decode.tokens)
             positions.append(decode.positions)
             slot_blocks.append(decode.block_table.gather(1, (decode.positions // bs)[:, None])[:, 0])
-            if self.paged is not None:
-                how: object = (decode.block_table, decode.positions)
+            if self.paged is not None:  # the kernel's view of the batch, once for every layer
+                group = self.cfg.num_heads // self.cfg.num_kv_heads
+                plan = kernel.decode_plan(decode.block_table, decode.positions, group)
+                how: object = (decode.block_table, decode.positions, plan)
             else:
                 how = self._length_groups(decode.positions, decode.block_table, bs)
             parts.append(("decode", decode.tokens.shape[0], how))
