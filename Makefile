@@ -7,7 +7,7 @@ TINY := $(CURDIR)/.models/tiny
 SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 VLLM_VENV := $(CURDIR)/.venv-vllm
 
-.PHONY: install model test-models test lint format bench-engine bench bench-quick serve
+.PHONY: install model test-models test lint format bench-engine bench bench-quick bench-slos serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -68,3 +68,8 @@ bench-quick: test-models $(VLLM_VENV)/.installed
 
 bench: model $(VLLM_VENV)/.installed
 	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"
+
+# Derive the serving benchmarks' SLOs by the rule and freeze them in perf/slos.json (commit the file):
+# once per model, and again only as a deliberate, recorded step.
+bench-slos: model
+	$(PY) perf/run_all.py --full --derive-slos --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"

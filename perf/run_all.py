@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -39,7 +40,18 @@ from benchlib.cpuprobe import CpuProbe, group_members
 from benchlib.deploy import VllmConfig, VllmServer, start_triton
 from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
-from benchlib.slo import REFERENCE_DEPLOYMENT, TPOT_FACTOR, TTFT_FACTOR, Calibration, calibrate
+from benchlib.slo import (
+    REFERENCE_DEPLOYMENT,
+    SLO_FILE,
+    TPOT_FACTOR,
+    TTFT_FACTOR,
+    Calibration,
+    FrozenSlo,
+    calibrate,
+    freeze,
+    judged_by,
+    load_frozen,
+)
 from benchlib.workload import WORKLOADS, PromptFactory
 
 from disagg.serverconfig import parse_cpus
@@ -48,7 +60,9 @@ PERF = Path(__file__).resolve().parent
 SLO_RULE = (
     f"Per workload: TTFT SLO = {TTFT_FACTOR:g} × idle TTFT of `{REFERENCE_DEPLOYMENT}` at the workload's "
     f"median prompt length; TPOT SLO = {TPOT_FACTOR:g} × its idle single-stream TPOT. The same absolute "
-    "values judge every deployment, vLLM included."
+    "values judge every deployment, vLLM included. They are derived once per model and workload and "
+    "frozen in `perf/slos.json` (so a faster reference does not tighten them); the table shows today's "
+    "idle figures beside the frozen SLOs and when they were derived."
 )
 TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm": "llm"}
 NOTES = {
@@ -127,6 +141,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="with --start-triton: pin tritonserver's own threads, e.g. '0' (off the decode core)",
     )
+    parser.add_argument(
+        "--slo-file", type=Path, default=SLO_FILE, help="the frozen SLOs per model and workload"
+    )
+    parser.add_argument(
+        "--derive-slos",
+        action="store_true",
+        help="measure the SLOs by the rule on colocated, write them into --slo-file for this model, and "
+        "stop (an explicit, recorded step; a run without it judges by the frozen SLOs)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--note", action="append", default=[], help="a line for the report (e.g. what else ran meanwhile)"
@@ -181,9 +204,11 @@ async def measure(
     records: dict[str, Any],
     deadline: float,
     experiments: tuple[str, ...] = ("goodput", "interference"),
+    frozen: dict[str, FrozenSlo] | None = None,
 ) -> None:
     """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
-    interference pair; fills `results` and `records` in place."""
+    interference pair; fills `results` and `records` in place. With `frozen`, every workload is judged
+    by its frozen SLO (the calibration's idle figures are still measured and reported)."""
     if dep.config is None:
         raise ValueError(f"{dep.name} has no client configuration")
     client = make_client(dep.config)
@@ -198,11 +223,17 @@ async def measure(
                 cal = await calibrate(
                     client, WORKLOADS[name], factory, reference, reps=profile.calibration_reps
                 )
+                if frozen is not None:
+                    cal = judged_by(cal, frozen[name])
                 cals[name] = cal.to_dict()
+                if frozen is not None:
+                    cals[name]["frozen"] = dataclasses.asdict(frozen[name])
                 slo = cal.slo
+                source = f"frozen {frozen[name].derived}" if frozen is not None else "derived now"
                 log(
-                    f"SLO {name}: TTFT {slo.ttft_s * 1000:.0f} ms, TPOT {slo.tpot_s * 1000:.1f} ms (idle "
-                    f"{cal.idle_ttft_s * 1000:.0f} / {cal.idle_tpot_s * 1000:.1f} ms on {reference})"
+                    f"SLO {name} ({source}): TTFT {slo.ttft_s * 1000:.0f} ms, "
+                    f"TPOT {slo.tpot_s * 1000:.1f} ms (idle today {cal.idle_ttft_s * 1000:.0f} / "
+                    f"{cal.idle_tpot_s * 1000:.1f} ms on {reference})"
                 )
         for name in profile.workloads if "goodput" in experiments else ():
             if time.monotonic() > deadline:
@@ -318,6 +349,26 @@ async def main_async(args: argparse.Namespace) -> int:
     experiments = tuple(e.strip() for e in args.experiments.split(",") if e.strip())
     if not experiments or set(experiments) - {"goodput", "interference"}:
         raise SystemExit("--experiments takes goodput and/or interference")
+    model_key = args.model_dir.resolve().name
+    needed = (*profile.workloads, "decode")
+    frozen: dict[str, FrozenSlo] | None = None
+    derived = False
+    if args.derive_slos:
+        names_given = [n.strip() for n in args.deployments.split(",") if n.strip()]
+        if "colocated" not in names_given:
+            raise SystemExit(
+                "--derive-slos measures the rule's reference: include colocated in --deployments"
+            )
+        args.deployments = "colocated"
+    else:
+        frozen = load_frozen(args.slo_file, model_key)
+        missing = [w for w in needed if w not in frozen]
+        if missing:
+            raise SystemExit(
+                f"{args.slo_file} has no frozen SLOs for {model_key}: {', '.join(missing)}. Derive them "
+                f"once (a recorded step): perf/run_all.py --{profile.name} --derive-slos --start-triton "
+                f"--model-dir {args.model_dir}"
+            )
     pin_self(args.loadgen_cpus)
     started_wall, started = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
     deadline = started + profile.budget_s
@@ -409,15 +460,28 @@ async def main_async(args: argparse.Namespace) -> int:
                                 "Triton stayed up, idle, while vLLM was measured (and vLLM was not yet "
                                 "started while Triton deployments were)."
                             )
-                        await measure(dep, profile, factory, results, records, deadline, experiments)
+                        await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
+                elif args.derive_slos:
+                    await measure(dep, profile, factory, results, records, deadline, ())
+                    if dep.name != "colocated" or len(results["calibrations"]) != len(needed):
+                        raise RuntimeError("the SLOs could not be measured on colocated")
+                    cals = {n: _calibration(d) for n, d in results["calibrations"].items()}
+                    command = "python perf/run_all.py " + " ".join(sys.argv[1:])
+                    freeze(
+                        args.slo_file, model_key, cals, started_wall.isoformat(timespec="seconds"), command
+                    )
+                    log(f"froze the SLOs of {model_key} ({', '.join(cals)}) in {args.slo_file}")
+                    derived = True
                 else:
-                    await measure(dep, profile, factory, results, records, deadline, experiments)
+                    await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
             except Exception as exc:  # one broken deployment is reported, the others still run
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")
     finally:
         if triton_server is not None:
             triton_server.stop()
+    if args.derive_slos:  # a derivation writes the SLO file only, never a report
+        return 0 if derived else 1
 
     results["deployments"] = {
         n: {"endpoint": d.endpoint, "cores": d.cores, "note": d.note,

@@ -183,16 +183,22 @@ def render(
     out += _table(["deployment", "endpoint", "cores", "setup", "status"], rows)
     out.append("")
 
-    out += ["## SLOs (fixed by rule)", "", results["slo_rule"], ""]
+    out += ["## SLOs (fixed by rule, frozen)", "", results["slo_rule"], ""]
     rows = []
     for workload, cal in results["calibrations"].items():
+        frozen = cal.get("frozen")
+        source = "derived in this run"
+        if frozen:
+            idle = f"{_ms(frozen['idle_ttft_s'])} / {_ms(frozen['idle_tpot_s'])}"
+            source = f"frozen {frozen['derived'][:10]} (idle then {idle})"
         rows.append([
             workload, str(cal["prompt_tokens"]), cal["reference"], _ms(cal["idle_ttft_s"]),
             _ms(cal["idle_tpot_s"]), f"**{_ms(cal['slo']['ttft_s'])}**", f"**{_ms(cal['slo']['tpot_s'])}**",
+            source,
         ])  # fmt: skip
     out += _table(
-        ["workload", "median prompt (tokens)", "reference", "idle TTFT (ms)", "idle TPOT (ms)",
-         "TTFT SLO (ms)", "TPOT SLO (ms)"],
+        ["workload", "median prompt (tokens)", "reference", "idle TTFT today (ms)", "idle TPOT today (ms)",
+         "TTFT SLO (ms)", "TPOT SLO (ms)", "SLO from"],
         rows,
     )  # fmt: skip
     out.append("")

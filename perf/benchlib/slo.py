@@ -11,9 +11,11 @@ after `warmup` discarded ones.
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from benchlib.clients import StreamClient
@@ -93,3 +95,99 @@ async def calibrate(
             records.append(record)
     ttft, tpot = idle_figures(records)
     return Calibration(workload.name, reference, length, ttft, tpot, slo_from_idle(ttft, tpot), reps)
+
+
+# ---- frozen SLOs ----------------------------------------------------------------------------------
+#
+# The rule's SLOs scale with the reference deployment's own speed, so every speed-up would tighten them
+# and no two reports would compare. They are derived once by the rule, per model and workload, and
+# committed (perf/slos.json); benchmarks judge by the frozen values, and re-deriving is an explicit
+# step (`perf/run_all.py --derive-slos`) that records when and by which command.
+
+SLO_FILE = Path(__file__).resolve().parents[1] / "slos.json"
+_ENTRY_FIELDS = (
+    "ttft_s",
+    "tpot_s",
+    "idle_ttft_s",
+    "idle_tpot_s",
+    "prompt_tokens",
+    "reference",
+    "derived",
+    "command",
+)
+
+
+@dataclass(frozen=True)
+class FrozenSlo:
+    """One workload's SLO as derived by the rule, with where it came from."""
+
+    ttft_s: float
+    tpot_s: float
+    idle_ttft_s: float
+    idle_tpot_s: float
+    prompt_tokens: int
+    reference: str
+    derived: str  # ISO date and time of the derivation
+    command: str
+
+    @property
+    def slo(self) -> Slo:
+        return Slo(ttft_s=self.ttft_s, tpot_s=self.tpot_s)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> FrozenSlo:
+        if not isinstance(data, dict) or set(data) != set(_ENTRY_FIELDS):
+            raise ValueError(f"{where}: an entry needs exactly the fields {', '.join(_ENTRY_FIELDS)}")
+        for name in ("ttft_s", "tpot_s", "idle_ttft_s", "idle_tpot_s"):
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{where}.{name}: a positive number of seconds, got {value!r}")
+        if isinstance(data["prompt_tokens"], bool) or not isinstance(data["prompt_tokens"], int):
+            raise ValueError(f"{where}.prompt_tokens: an integer")
+        for name in ("reference", "derived", "command"):
+            if not isinstance(data[name], str) or not data[name]:
+                raise ValueError(f"{where}.{name}: a non-empty string")
+        return cls(**data)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text()) if path.exists() else {"rule": "", "models": {}}
+    if not isinstance(data, dict) or set(data) != {"rule", "models"} or not isinstance(data["models"], dict):
+        raise ValueError(f"{path}: expected an object with exactly 'rule' and 'models'")
+    return data
+
+
+def load_frozen(path: Path, model: str) -> dict[str, FrozenSlo]:
+    """The frozen SLOs of `model` (a checkpoint folder's name) by workload; empty when none. Malformed
+    entries are errors that name their place in the file."""
+    entries = _read(path)["models"].get(model, {})
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: models.{model} must be an object of workloads")
+    return {
+        name: FrozenSlo.from_dict(e, f"{path.name}: models.{model}.{name}") for name, e in entries.items()
+    }
+
+
+def freeze(path: Path, model: str, calibrations: dict[str, Calibration], derived: str, command: str) -> None:
+    """Record `calibrations` (measured now, by the rule) as `model`'s frozen SLOs, replacing the
+    workloads they cover and keeping the others."""
+    data = _read(path)
+    data["rule"] = (
+        f"TTFT SLO = {TTFT_FACTOR:g} x idle TTFT, TPOT SLO = {TPOT_FACTOR:g} x idle TPOT "
+        f"of {REFERENCE_DEPLOYMENT}"
+    )
+    entries = data["models"].setdefault(model, {})
+    for name, cal in calibrations.items():
+        entries[name] = asdict(
+            FrozenSlo(
+                cal.slo.ttft_s, cal.slo.tpot_s, cal.idle_ttft_s, cal.idle_tpot_s, cal.prompt_tokens,
+                cal.reference, derived, command,
+            )
+        )  # fmt: skip
+    data["models"] = {m: dict(sorted(e.items())) for m, e in sorted(data["models"].items())}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def judged_by(cal: Calibration, frozen: FrozenSlo) -> Calibration:
+    """Today's calibration (its idle figures still measured and reported) judged by the frozen SLO."""
+    return replace(cal, slo=frozen.slo)
