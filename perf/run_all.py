@@ -23,10 +23,11 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,10 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", ("codegen",), RunPlan(12, 12, 60, 30), 4, 0.15, 3, 40, 4.0, 540),
+    # budgets: the vLLM grid's tuning searches (four configurations by default) come first
+    "quick": Profile("quick", ("codegen",), RunPlan(12, 12, 60, 30), 4, 0.15, 3, 40, 4.0, 1500),
     "full": Profile(
-        "full", ("codegen", "chat", "summarize"), RunPlan(25, 16, 150, 60), 5, 0.1, 5, 100, 4.0, 2580
+        "full", ("codegen", "chat", "summarize"), RunPlan(25, 16, 150, 60), 5, 0.1, 5, 100, 4.0, 4800
     ),
 }
 
@@ -132,8 +134,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-url", default="", help="use a running vLLM (http://host:port) instead")
     parser.add_argument("--vllm-served-name", default="tiny")
     parser.add_argument("--vllm-cpus", default="0,1", help="taskset list for vLLM")
-    parser.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
-    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default bfloat16)")
+    parser.add_argument(
+        "--vllm-grid",
+        default="bfloat16:0-1,bfloat16:auto,float32:0-1,float32:auto",
+        help="vLLM configurations tried, dtype:VLLM_CPU_OMP_THREADS_BIND; each is tuned on the first "
+        "workload and the best is measured in full as 'vllm' (default: bf16 and fp32 crossed with both "
+        "cores and vLLM's own auto, which reserves one core for its front end)",
+    )
+    parser.add_argument("--vllm-omp-bind", default="", help="one configuration only: this bind")
+    parser.add_argument("--vllm-dtype", default="", help="one configuration only: this --dtype")
     parser.add_argument("--cores", type=int, default=2, help="cores each deployment occupies (per core)")
     parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
     parser.add_argument(
@@ -160,22 +169,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@contextlib.contextmanager
-def vllm_running(
-    args: argparse.Namespace, workdir: Path, notes: list[str]
-) -> Iterator[tuple[ClientConfig, int | None]]:
-    """The vLLM client config and, when started here, its process group id."""
-    if args.vllm_url:
-        yield ClientConfig("openai", args.vllm_url, args.vllm_served_name), None
-        return
-    config = VllmConfig(
+@dataclass(frozen=True)
+class VllmChoice:
+    """One configuration of the vLLM grid: its compute dtype and VLLM_CPU_OMP_THREADS_BIND."""
+
+    dtype: str
+    bind: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype}, bind {self.bind}"
+
+
+def vllm_grid(args: argparse.Namespace) -> list[VllmChoice]:
+    """`--vllm-grid` as choices; `--vllm-dtype` / `--vllm-omp-bind`, when given, make a grid of one."""
+    if args.vllm_dtype or args.vllm_omp_bind:
+        return [VllmChoice(args.vllm_dtype or "bfloat16", args.vllm_omp_bind or "auto")]
+    choices = []
+    for item in (part.strip() for part in args.vllm_grid.split(",") if part.strip()):
+        dtype, sep, bind = item.partition(":")
+        if not sep or dtype not in ("bfloat16", "float32", "float16") or not bind:
+            raise SystemExit(f"--vllm-grid: {item!r} is not dtype:bind (e.g. bfloat16:0-1, float32:auto)")
+        choices.append(VllmChoice(dtype, bind))
+    if not choices:
+        raise SystemExit("--vllm-grid is empty")
+    return choices
+
+
+def vllm_config(args: argparse.Namespace, workdir: Path, choice: VllmChoice) -> VllmConfig:
+    return VllmConfig(
         model_dir=args.model_dir.resolve(),
         cpus=args.vllm_cpus,
-        omp_bind=args.vllm_omp_bind,
-        dtype=args.vllm_dtype,
+        omp_bind=choice.bind,
+        dtype=choice.dtype,
         log_path=workdir / "vllm.log",
         served_name=args.vllm_served_name,
     )
+
+
+def vllm_command_line(config: VllmConfig) -> str:
+    """The exact command line the report prints: the environment that configures vLLM, then argv."""
+    env = config.environment()
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+    return " ".join([*(f"{k}={env[k]}" for k in keys), shlex.join(config.command())])
+
+
+@contextlib.contextmanager
+def vllm_running(
+    args: argparse.Namespace, workdir: Path, notes: list[str], choice: VllmChoice
+) -> Iterator[tuple[ClientConfig, int | None, str]]:
+    """The vLLM client config, its process group id when started here, and its command line."""
+    if args.vllm_url:
+        yield (
+            ClientConfig("openai", args.vllm_url, args.vllm_served_name),
+            None,
+            f"(running at {args.vllm_url})",
+        )
+        return
+    config = vllm_config(args, workdir, choice)
     log(f"starting vLLM CPU on cpus {config.cpus} (log {config.log_path}) ...")
     started = time.monotonic()
     with VllmServer(config).start() as server:
@@ -183,8 +234,53 @@ def vllm_running(
         log(f"vLLM healthy after {time.monotonic() - started:.0f} s")
         binding = server.binding()
         if binding:
-            notes.append(f"vLLM CPU thread binding (from its log): {binding}.")
-        yield ClientConfig("openai", config.url, config.served_name), server.pid
+            notes.append(f"vLLM CPU thread binding, {choice.label} (from its log): {binding}.")
+        yield ClientConfig("openai", config.url, config.served_name), server.pid, vllm_command_line(config)
+
+
+async def tune_vllm(
+    args: argparse.Namespace,
+    workdir: Path,
+    profile: Profile,
+    factory: PromptFactory,
+    results: dict[str, Any],
+    deadline: float,
+    frozen: dict[str, FrozenSlo] | None,
+    running: Callable[..., Any] | None = None,
+    search: Callable[..., Awaitable[None]] | None = None,
+) -> VllmChoice:
+    """The peer at its best: every configuration of the grid searched for goodput on the profile's first
+    workload with the quick plan, each recorded (with its exact command line) in results["vllm_grid"];
+    returns the best, which is then measured in full as "vllm". `running` / `search` stand in for
+    vllm_running / measure (tests)."""
+    running, search = running or vllm_running, search or measure
+    grid = vllm_grid(args)
+    workload = profile.workloads[0]
+    if len(grid) == 1 or args.vllm_url:
+        results["vllm_grid"] = {"workload": None, "tried": [], "best": grid[0].label}
+        return grid[0]
+    tuning = Profile(**{**PROFILES["quick"].__dict__, "workloads": (workload,)})
+    tried = []
+    for choice in grid:
+        entry: dict[str, Any] = {"config": choice.label, "command": "", "goodput_rps": None, "error": ""}
+        scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
+        try:
+            with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
+                entry["command"] = command
+                dep = Deployment(f"vllm ({choice.label})", config, args.cores, "", pgid=pgid, available=True)
+                records: dict[str, Any] = {"goodput": {}, "interference": {}}
+                await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
+            entry["goodput_rps"] = scratch["goodput"][workload][dep.name]["goodput_rps"]
+        except Exception as exc:  # a configuration that cannot run is reported, the others still are
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        log(f"vLLM grid, {choice.label}: {entry['goodput_rps'] or entry['error']}")
+        tried.append(entry)
+    measured = [e for e in tried if e["goodput_rps"] is not None]
+    if not measured:
+        raise RuntimeError("no configuration of the vLLM grid could be measured")
+    best = max(measured, key=lambda e: e["goodput_rps"])
+    results["vllm_grid"] = {"workload": workload, "plan": "quick", "tried": tried, "best": best["config"]}
+    return next(c for c in grid if c.label == best["config"])
 
 
 async def triton_ready(config: ClientConfig) -> bool:
@@ -395,10 +491,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 log(f"Triton did not start: {exc}")
         for name in names:
             if name == "vllm":
-                note = (
-                    f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, OMP bind {args.vllm_omp_bind}, "
-                    f"--dtype {args.vllm_dtype}"
-                )
+                note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, the best of its grid (below)"
                 endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
             else:
@@ -452,7 +545,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             try:
                 if name == "vllm":
-                    with vllm_running(args, workdir, results["meta"]["notes"]) as (config, pgid):
+                    choice = await tune_vllm(args, workdir, profile, factory, results, deadline, frozen)
+                    dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
+                    notes = results["meta"]["notes"]
+                    with vllm_running(args, workdir, notes, choice) as (config, pgid, command):
+                        results["vllm_grid"]["command"] = command
                         dep.config, dep.pgid = config, pgid
                         dep.endpoint = config.url if args.vllm_url else f"{config.url} (started here)"
                         if triton_server is not None:

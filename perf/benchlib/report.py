@@ -203,6 +203,24 @@ def render(
     )  # fmt: skip
     out.append("")
 
+    grid = results.get("vllm_grid")
+    if grid and grid.get("tried"):
+        out += [
+            "## vLLM at its best: the configurations tried",
+            "",
+            f"Each configuration's goodput on `{grid['workload']}` ({grid['plan']} plan, the same SLOs); the "
+            f"best, **{grid['best']}**, is the one measured in full as `vllm` below.",
+            "",
+        ]
+        rows = []
+        for e in grid["tried"]:
+            goodput = _rate(e["goodput_rps"]) if e["goodput_rps"] is not None else f"failed: {e['error']}"
+            rows.append([e["config"], goodput, f"`{e['command']}`"])
+        out += _table(["configuration", "goodput (req/s)", "command line"], rows)
+        out.append("")
+    if grid and grid.get("command"):
+        out += [f"vLLM as measured: `{grid['command']}`", ""]
+
     out += ["## Goodput", ""]
     for workload, per_dep in results.get("goodput", {}).items():
         out += [f"### {workload}", ""]

@@ -64,5 +64,5 @@ def test_a_run_without_frozen_slos_for_its_model_stops_before_starting_anything(
 
     model = tmp_path / "my-model"
     model.mkdir()
-    with pytest.raises(SystemExit, match="no frozen SLOs for my-model: codegen, decode.*--derive-slos"):
+    with pytest.raises(SystemExit, match=r"no frozen SLOs for my-model: codegen, decode.*--derive-slos"):
         run_all.main(["--quick", "--model-dir", str(model), "--slo-file", str(tmp_path / "none.json")])
