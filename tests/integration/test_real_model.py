@@ -73,20 +73,24 @@ def test_llm_grpc_stream_names_paris(server: TritonServer) -> None:
     assert len(result.pieces) > 3 and "Paris" in "".join(result.pieces), result.pieces
 
 
+@pytest.mark.usefixtures("leak_probe")
 def test_an_fp32_prefill_pool_hands_bf16_kv_to_a_bf16_decode_pool(
-    triton_factory: TritonFactory, smollm2_dir: Path, tmp_path: Path, leak_probe: LeakProbe
+    triton_factory: TritonFactory, smollm2_dir: Path, tmp_path: Path
 ) -> None:
     repository = tmp_path / "repository"
     write_repository(repository, Layout(prefill_dtype="float32", decode_dtype="bfloat16"))
     server = triton_factory.start(repository, exit_timeout_s=10, ready_timeout_s=240, model_dir=smollm2_dir)
-    leak_probe.ignore_shm(server.config.shm_prefix)
-    samples = scrape_metrics(server.config.metrics_url)
-    infos = {dict(labels)["model"]: dict(labels) for name, labels in samples if name == "disagg_engine_info"}
-    assert (infos["prefill"]["dtype"], infos["prefill"]["kv_dtype"]) == ("float32", "bfloat16"), infos
-    assert (infos["decode"]["dtype"], infos["decode"]["kv_dtype"]) == ("bfloat16", "bfloat16"), infos
-    result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
-    assert result.error is None and result.final, result
-    assert "Paris" in "".join(result.pieces), result.pieces
+    triton_factory.release(server)  # stopped here, so that the leak probe sees everything gone
+    try:
+        samples = scrape_metrics(server.config.metrics_url)
+        infos = {dict(k)["model"]: dict(k) for name, k in samples if name == "disagg_engine_info"}
+        assert (infos["prefill"]["dtype"], infos["prefill"]["kv_dtype"]) == ("float32", "bfloat16"), infos
+        assert (infos["decode"]["dtype"], infos["decode"]["kv_dtype"]) == ("bfloat16", "bfloat16"), infos
+        result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
+        assert result.error is None and result.final, result
+        assert "Paris" in "".join(result.pieces), result.pieces
+    finally:
+        assert server.stop() == 0, server.log_tail()
 
 
 # ---- make serve on a user's checkpoint ----------------------------------------------------------------
