@@ -27,6 +27,8 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ from benchlib import plots, report
 from benchlib.clients import ClientConfig, TritonClient, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
 from benchlib.cpuprobe import CpuProbe, group_members
-from benchlib.deploy import VllmConfig, VllmServer, start_triton
+from benchlib.deploy import VllmConfig, VllmServer, free_port, start_triton
 from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
 from benchlib.slo import (
@@ -120,7 +122,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument(
         "--render-only", action="store_true", help="re-render report and plots from the last run's JSON"
     )
-    parser.add_argument("--deployments", default="disagg,colocated,vllm", help="comma-separated names")
+    parser.add_argument(
+        "--deployments",
+        default="disagg,colocated,vllm,vllm-pd",
+        help="comma-separated names; vllm-pd: vLLM's own prefill/decode disaggregation (NIXL connector, "
+        "prefill on core 0, decode on core 1, perf/benchlib/pd_proxy.py in front)",
+    )
+    parser.add_argument("--vllm-pd-dtype", default="bfloat16", help="vllm-pd's --dtype")
     parser.add_argument("--workloads", default="", help="override the profile's workloads")
     parser.add_argument(
         "--experiments", default="goodput,interference", help="which to run (calibration always runs)"
@@ -236,6 +244,50 @@ def vllm_running(
         if binding:
             notes.append(f"vLLM CPU thread binding, {choice.label} (from its log): {binding}.")
         yield ClientConfig("openai", config.url, config.served_name), server.pid, vllm_command_line(config)
+
+
+@contextlib.contextmanager
+def vllm_pd_running(
+    args: argparse.Namespace, workdir: Path, dtype: str
+) -> Iterator[tuple[ClientConfig, str]]:
+    """vLLM's own prefill/decode disaggregation: a kv_producer on core 0 and a kv_consumer on core 1
+    (NIXL with host buffers), each computing on its core, and perf/benchlib/pd_proxy.py in front.
+    Yields the proxy's client config and the three command lines."""
+    configs = [
+        VllmConfig(
+            model_dir=args.model_dir.resolve(), cpus=core, omp_bind=core, dtype=dtype,
+            log_path=workdir / f"vllm-{role}.log", served_name=args.vllm_served_name, kv_cache_gib=1,
+            kv_role=role, side_channel_port=free_port(),
+        )
+        for core, role in (("0", "producer"), ("1", "consumer"))
+    ]  # fmt: skip
+    port = free_port()
+    proxy = [sys.executable, str(PERF / "benchlib" / "pd_proxy.py"), "--port", str(port)]
+    proxy += ["--prefill", configs[0].url, "--decode", configs[1].url]
+    command = " ; ".join([*(vllm_command_line(c) for c in configs), shlex.join(proxy)])
+    log(f"starting vLLM P/D (logs {configs[0].log_path}, {configs[1].log_path}) ...")
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(VllmServer(c).start()) for c in configs]
+        for server in servers:
+            server.wait_healthy()
+        front = subprocess.Popen(proxy, stdin=subprocess.DEVNULL, start_new_session=True)
+        stack.callback(front.wait, 10)
+        stack.callback(front.terminate)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not _answers(f"{url}/health"):
+            if front.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the P/D proxy did not come up (exit {front.poll()})")
+            time.sleep(0.2)
+        yield ClientConfig("openai", url, args.vllm_served_name), command
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 async def tune_vllm(
@@ -472,7 +524,7 @@ async def main_async(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     factory = PromptFactory.from_model_dir(args.model_dir)
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
-    unknown = [n for n in names if n not in (*TRITON_MODELS, "vllm")]
+    unknown = [n for n in names if n not in (*TRITON_MODELS, "vllm", "vllm-pd")]
     if unknown:
         raise SystemExit(f"unknown deployments: {unknown}")
 
@@ -494,6 +546,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, the best of its grid (below)"
                 endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
+            elif name == "vllm-pd":
+                note = (
+                    f"vLLM CPU 0.32.0 P/D: prefill kv_producer on core 0, decode kv_consumer on core 1, "
+                    f"NixlConnector with host buffers, {args.vllm_pd_dtype}"
+                )
+                dep = Deployment(name, None, args.cores, note, available=True)
+                endpoint = "to be started"
             else:
                 endpoint = f"{triton_url or '?'} model {TRITON_MODELS[name]}"
                 dep = Deployment(name, None, args.cores, NOTES[name])
@@ -544,7 +603,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 log(f"{name}: not measured ({dep.reason})")
                 continue
             try:
-                if name == "vllm":
+                if name == "vllm-pd":
+                    notes = results["meta"]["notes"]
+                    with vllm_pd_running(args, workdir, args.vllm_pd_dtype) as (config, command):
+                        results["vllm_pd"] = {"command": command}
+                        dep.config, dep.endpoint = config, f"{config.url} (started here)"
+                        await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
+                elif name == "vllm":
                     choice = await tune_vllm(args, workdir, profile, factory, results, deadline, frozen)
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
                     notes = results["meta"]["notes"]

@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -59,6 +60,10 @@ class VllmConfig:
     venv: Path = VLLM_VENV
     log_path: Path = Path("/tmp/vllm-bench.log")
     served_name: str = "tiny"
+    # vLLM's own prefill/decode disaggregation: "producer" (prefill) or "consumer" (decode) of KV over
+    # its NIXL connector with host buffers, its handshake on `side_channel_port`; "" = not disaggregated
+    kv_role: str = ""
+    side_channel_port: int = 0
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
@@ -71,6 +76,10 @@ class VllmConfig:
             raise ValueError("kv_cache_gib must be in 1..64")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError("dtype must be bfloat16, float32 or float16")
+        if self.kv_role not in ("", "producer", "consumer"):
+            raise ValueError("kv_role must be '', producer or consumer")
+        if self.kv_role and not 1 <= self.side_channel_port <= 65535:
+            raise ValueError("a disaggregated instance needs its NIXL side-channel port")
 
     @property
     def url(self) -> str:
@@ -83,13 +92,21 @@ class VllmConfig:
             "--model", str(self.model_dir), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+            *self.kv_transfer_arguments(),
         ]  # fmt: skip
+
+    def kv_transfer_arguments(self) -> list[str]:
+        if not self.kv_role:
+            return []
+        config = {"kv_connector": "NixlConnector", "kv_role": f"kv_{self.kv_role}", "kv_buffer_device": "cpu"}
+        return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_CPU_OMP_THREADS_BIND=self.omp_bind,
+            **({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port)} if self.kv_role else {}),
             # Nothing may be fetched from outside: the checkpoint is local.
             HF_HUB_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",

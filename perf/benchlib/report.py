@@ -220,6 +220,8 @@ def render(
         out.append("")
     if grid and grid.get("command"):
         out += [f"vLLM as measured: `{grid['command']}`", ""]
+    if results.get("vllm_pd", {}).get("command"):
+        out += [f"vLLM P/D as measured (prefill ; decode ; proxy): `{results['vllm_pd']['command']}`", ""]
 
     out += ["## Goodput", ""]
     for workload, per_dep in results.get("goodput", {}).items():
