@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor
-from engine_bench import EngineRunner, _interleaved, _ms_per_call, cpu_flags
+from engine_bench import EngineRunner, _interleaved, cpu_flags, table_row
 
 from disagg.paths import ensure_model, resolve_model_dir
 
@@ -203,16 +203,7 @@ def section(result: dict) -> str:
         "| phase | batch | runner | tokens/s | ms per call | engine's speed-up |",
         "|---|---:|---|---:|---:|---:|",
     ]
-    for r in result["rows"]:
-        cells = [
-            r["phase"],
-            r["batch"],
-            r["runner"],
-            f"{r['tokens_per_s']:.0f}",
-            f"{_ms_per_call(r):.1f}",
-            f"{r['engine_speedup']:.2f}",
-        ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += [table_row(r, [f"{r['engine_speedup']:.2f}"]) for r in result["rows"]]
     lines += ["", "Compile time of each shape (its first call, on these cores):", ""]
     for runner, shapes in result["compile_s"].items():
         times = ", ".join(f"{shape} {seconds:.1f} s" for shape, seconds in shapes.items())

@@ -307,6 +307,18 @@ def _ms_per_call(row: dict) -> float:
     return row["seconds"] / calls * 1e3
 
 
+def table_row(row: dict, extra: list[str]) -> str:
+    """A markdown row: phase, batch, runner, tokens/s, ms per call, then `extra` cells."""
+    cells = [
+        row["phase"],
+        row["batch"],
+        row["runner"],
+        f"{row['tokens_per_s']:.0f}",
+        f"{_ms_per_call(row):.1f}",
+    ]
+    return "| " + " | ".join(str(c) for c in [*cells, *extra]) + " |"
+
+
 def section(result: dict) -> str:
     """One model's table: prefill and decode tokens/s, milliseconds per call, ratio to the baseline."""
     lines = [
@@ -323,16 +335,8 @@ def section(result: dict) -> str:
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        cells = [
-            r["phase"],
-            r["batch"],
-            r["runner"],
-            f"{r['tokens_per_s']:.0f}",
-            f"{_ms_per_call(r):.1f}",
-            f"{r['vs_baseline']:.2f}",
-            "–" if r.get("vs_vllm") is None else f"{r['vs_vllm']:.2f}",
-        ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        ratios = [f"{r['vs_baseline']:.2f}", "–" if r.get("vs_vllm") is None else f"{r['vs_vllm']:.2f}"]
+        lines.append(table_row(r, ratios))
     lim = result["limits"]
     step = next(
         r
