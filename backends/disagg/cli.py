@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg.engine.errors import EngineError
+from disagg.openai.config import DEFAULT_PORT, ENV_PORT, parse_port
+from disagg.openai.launcher import FrontendError, FrontendLaunch, FrontendProcess
 from disagg.paths import ensure_model, resolve_model_dir
 from disagg.restart import RestartPolicy
 from disagg.server import KILL_GRACE_S, ServerTimeout, TritonServer
@@ -129,11 +131,19 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
-def serve_main(argv: Sequence[str] | None = None) -> int:
-    """Run Triton in the foreground on a model repository until SIGINT, SIGTERM or SIGHUP.
+def _openai(argv: list[str]) -> int:
+    from disagg.openai.server import main
 
-    The signal is forwarded to the server's process group; Triton drains in-flight requests up to the
-    exit timeout. Returns the server's exit status (128 + signal number if it had to be killed).
+    return main(argv)
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """Run Triton in the foreground on a model repository until SIGINT, SIGTERM or SIGHUP, with the
+    OpenAI-compatible front end beside it (``disagg.openai``; port 9000, ``OPENAI_PORT``, 0: off).
+
+    The signal is forwarded to the server's process group and to the front end; both drain in-flight
+    requests up to the exit timeout. Returns the server's exit status (128 + signal number if it had to
+    be killed).
     """
     parser = argparse.ArgumentParser(prog="disagg serve", description=serve_main.__doc__)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
@@ -154,9 +164,22 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         help="restart tritonserver when it dies on its own after it was ready, at most N times in 10 "
         "minutes (0: never); see disagg.restart for why",
     )
+    parser.add_argument(
+        "--openai-port",
+        default=None,
+        metavar="PORT",
+        help=f"port of the OpenAI-compatible front end (default ${ENV_PORT}, else {DEFAULT_PORT}; 0: off)",
+    )
     args = parser.parse_args(argv)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    try:
+        openai_port = parse_port(
+            args.openai_port if args.openai_port is not None else os.environ.get(ENV_PORT)
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    frontend: FrontendProcess | None = None
     policy = RestartPolicy(max_restarts=args.max_restarts)
     stopping: list[int] = []
     holder: list[TritonServer] = []
@@ -165,6 +188,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         stopping.append(signum)
         for server in holder:
             server.signal(signum)
+        if frontend is not None:
+            frontend.terminate()
 
     def fail(exc: Exception) -> int:
         print(f"disagg serve: {redact(str(exc), os.environ.get(ENV_ADMIN_KEY, ''))}", file=sys.stderr)
@@ -197,9 +222,15 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 server.start()
             except (ValueError, ServerError, OSError) as exc:
                 return fail(exc)
+            if openai_port and frontend is None:  # once: it outlives Triton restarts
+                try:
+                    frontend = _start_frontend(args, openai_port, config.grpc_url)
+                except FrontendError as exc:
+                    server.stop(grace_s=5)
+                    return fail(exc)
             if stopping:
                 server.signal(stopping[0])
-            status, was_ready = _supervise(server, stopping)
+            status, was_ready = _supervise(server, stopping, frontend)
             clean = bool(stopping) or status == 0
             if not policy.should_restart(now=time.monotonic(), was_ready=was_ready, stopping=clean):
                 break
@@ -211,10 +242,26 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             )
             server.stop(grace_s=5)  # its stubs and shared memory, before the next one starts
     finally:
+        if frontend is not None:
+            frontend.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     server.stop(grace_s=5)  # already exited: only kills leftover stubs and removes their shared memory
     return 128 - status if status < 0 else status
+
+
+def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str) -> FrontendProcess:
+    """The OpenAI front end beside a Triton whose gRPC endpoint is ``grpc_url`` (FrontendError: none)."""
+    launch = FrontendLaunch(
+        address=args.address,
+        port=port,
+        triton_url=grpc_url,
+        model_dir=resolve_model_dir(),
+        drain_s=float(args.exit_timeout),
+    )
+    frontend = FrontendProcess(launch, env_drop=(ENV_ADMIN_KEY,)).start()
+    print(f"disagg serve: OpenAI-compatible API {frontend.url}", file=sys.stderr, flush=True)
+    return frontend
 
 
 def _describe(status: int) -> str:
@@ -224,12 +271,23 @@ def _describe(status: int) -> str:
     return f"status {status}"
 
 
-def _supervise(server: TritonServer, stopping: list[int]) -> tuple[int, bool]:
+def _supervise(
+    server: TritonServer, stopping: list[int], frontend: FrontendProcess | None = None
+) -> tuple[int, bool]:
     """Wait for the server to exit; announce readiness once; after a stop signal, SIGKILL the group if it
-    outlives the exit timeout plus `KILL_GRACE_S`. Returns the exit status and whether it was ready."""
+    outlives the exit timeout plus `KILL_GRACE_S`; say once if the front end exited on its own.
+    Returns the exit status and whether it was ready."""
     deadline: float | None = None
     announced = False
+    frontend_reported = False
     while True:
+        if frontend is not None and not frontend_reported and not stopping and frontend.poll() is not None:
+            frontend_reported = True
+            print(
+                f"disagg serve: the OpenAI front end exited with status {frontend.poll()}; Triton goes on",
+                file=sys.stderr,
+                flush=True,
+            )
         if stopping and deadline is None:
             deadline = time.monotonic() + server.config.exit_timeout_s + KILL_GRACE_S
         try:
@@ -249,7 +307,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "fetch-model": (_fetch_model, "fetch a real model (SmolLM2) or convert a GGUF file into a checkpoint"),
     "kvcalc": (_kvcalc, "KV cache bytes per token/request and transfer time per link"),
     "repository": (_repository, "write the model repository (config.pbtxt per model)"),
-    "serve": (_serve, "run Triton with the project's model repository"),
+    "serve": (_serve, "run Triton with the project's model repository (and the OpenAI front end)"),
+    "openai": (_openai, "run the OpenAI-compatible front end alone, in front of a Triton's llm model"),
     "autoscale": (_autoscale, "scale the pools from their metrics (log, triton or kubernetes actuator)"),
 }
 

@@ -32,12 +32,14 @@ class Greedy:
 
     `first_piece` is the text streamed with the first token (the one prefill samples); `margin` is
     the smallest gap between the two largest logits over every step (float32), or None with
-    `min_length`, whose masking of the stop tokens it does not follow."""
+    `min_length`, whose masking of the stop tokens it does not follow; `finish_reason` is the engine's
+    ("stop": an end token, counted in `token_ids`; "length": `max_tokens`)."""
 
     token_ids: tuple[int, ...]
     text: str
     first_piece: str
     margin: float | None
+    finish_reason: str | None = None
 
 
 def engine_greedy(
@@ -67,12 +69,13 @@ def engine_greedy(
     results = {}
     for prompt in prompts:
         engine.margin = math.inf
-        token_ids, _ = generate(engine, Request(tuple(tokenizer.encode(prompt)), params))
+        token_ids, reason = generate(engine, Request(tuple(tokenizer.encode(prompt)), params))
         results[prompt] = Greedy(
             token_ids=tuple(token_ids),
             text=tokenizer.decode(token_ids),
             first_piece=IncrementalDetokenizer(tokenizer.decode).add(token_ids[0]),
             margin=None if min_length else engine.margin,
+            finish_reason=reason,
         )
     return results
 

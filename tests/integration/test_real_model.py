@@ -4,8 +4,11 @@
   France?" with Paris through `ensemble` (HTTP), `llm` (gRPC streaming) and `ensemble_colocated`.
 - A repository whose prefill pool computes in fp32 and hands bf16 KV to a bf16 decode pool
   (`--prefill-dtype float32 --decode-dtype bfloat16`) answers it too.
+- The OpenAI front end renders SmolLM2's own chat template (the prompt above, to the token) and the
+  official `openai` client gets Paris from `/v1/chat/completions`.
 - `MODEL_DIR=<a checkpoint of the user's> make serve` serves that checkpoint, leaves every byte of the
-  folder as it was, and answers what `disagg generate --model <folder>` answers in the pools' dtype.
+  folder as it was, and answers what `disagg generate --model <folder>` answers in the pools' dtype,
+  through `ensemble` and through the OpenAI front end it starts beside Triton.
   A folder that is not a complete checkpoint is refused before anything starts.
 """
 
@@ -17,7 +20,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 from serving_support import REPOSITORY, generate, grpc_stream, text_inputs
 from triton_support import (
@@ -31,6 +36,8 @@ from triton_support import (
     wait_until,
 )
 
+from disagg.engine.tokenizer import Tokenizer
+from disagg.openai.launcher import FrontendLaunch, FrontendProcess
 from disagg.server import TritonServer
 from disagg_tools import tiny_model
 from disagg_tools.repository import Layout
@@ -93,6 +100,37 @@ def test_an_fp32_prefill_pool_hands_bf16_kv_to_a_bf16_decode_pool(
         assert server.stop() == 0, server.log_tail()
 
 
+@pytest.mark.usefixtures("own_regions_ignored")
+def test_openai_chat_renders_the_models_template_and_names_paris(
+    server: TritonServer, smollm2_dir: Path
+) -> None:
+    port = free_ports(1)[0]
+    process = FrontendProcess(FrontendLaunch("127.0.0.1", port, server.config.grpc_url, smollm2_dir)).start()
+    try:
+        wait_until(lambda: _call(f"http://127.0.0.1:{port}/health") == (200, {"status": "ok"}), 60, "healthy")
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client:
+            reply = client.chat.completions.create(
+                model=smollm2_dir.resolve().name,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=32,
+                temperature=0,
+            )
+    finally:
+        assert process.stop() == 0
+    answer = reply.choices[0].message.content
+    assert "Paris" in answer and "<|im_end|>" not in answer, answer
+    assert reply.choices[0].finish_reason == "stop", "ended by the end token, within max_tokens"
+    assert reply.usage.prompt_tokens == len(Tokenizer(smollm2_dir).encode(QUESTION))
+
+
+def _call(url: str, body: dict | None = None) -> tuple[int, Any] | None:
+    """(status, reply) of a GET (or a POST of `body`), None while nothing answers."""
+    try:
+        return http_json(url, body, timeout_s=60)
+    except OSError:
+        return None
+
+
 # ---- make serve on a user's checkpoint ----------------------------------------------------------------
 
 
@@ -122,6 +160,7 @@ def make_serve(model_dir: Path, ports: list[int]) -> subprocess.Popen[str]:
         "HTTP_PORT": str(ports[0]),
         "GRPC_PORT": str(ports[1]),
         "METRICS_PORT": str(ports[2]),
+        "OPENAI_PORT": str(ports[3]),
         "SERVE_ARGS": "--address 127.0.0.1 --exit-timeout 5",
     }
     return subprocess.Popen(
@@ -158,7 +197,7 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
         check=True,
     )
     expected = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
-    ports = free_ports(3)
+    ports = free_ports(4)
     serve = make_serve(foreign_checkpoint, ports)
     try:
         url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
@@ -175,6 +214,11 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
 
         reply = wait_until(answer, 240, "make serve answering")
         assert reply["text_output"] == expected
+        # the OpenAI front end `disagg serve` started beside Triton, on OPENAI_PORT
+        completion = {"model": "my-model", "prompt": "Hello world", "max_tokens": 12, "temperature": 0}
+        url = f"http://127.0.0.1:{ports[3]}/v1/completions"
+        status, reply = wait_until(lambda: _call(url, completion), 30, "the OpenAI front end answering")
+        assert status == 200 and reply["choices"][0]["text"] == expected, reply
     finally:
         # SIGTERM to `disagg serve` (make's child), as Ctrl-C or a process manager would send it;
         # make then exits with its status.
@@ -203,7 +247,7 @@ def test_make_serve_refuses_an_incomplete_checkpoint_and_changes_nothing(
         if path.name != missing:
             (folder / path.name).write_bytes(path.read_bytes())
     before = snapshot(folder)
-    serve = make_serve(folder, free_ports(3))
+    serve = make_serve(folder, free_ports(4))
     output, _ = serve.communicate(timeout=120)
     assert serve.returncode != 0
     assert message in output, output[-2000:]

@@ -1,5 +1,6 @@
 """Starting and stopping Triton as an operator does: a model that cannot load, `serve_main` in the
-foreground stopped by Ctrl-C or SIGTERM, and `serve_main` starting again a server that died on its own."""
+foreground stopped by Ctrl-C or SIGTERM, `serve_main` starting again a server that died on its own, and
+the OpenAI front end `serve_main` runs beside Triton."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from triton_support import (
     TEST_BACKENDS,
     TEST_REPOS,
     TritonFactory,
+    free_ports,
+    http_json,
     link_backend,
     live_children,
     live_group_members,
@@ -22,6 +25,7 @@ from triton_support import (
     wait_until,
 )
 
+from disagg.paths import resolve_model_dir
 from disagg.server import ENV_ADMIN_KEY, ServerError
 
 SERVE = "import sys; from disagg.cli import serve_main; sys.exit(serve_main(sys.argv[1:]))"
@@ -40,8 +44,11 @@ def test_model_failing_to_initialize_stops_startup_with_a_clear_error(triton_fac
     assert not shm_entries(server.config.shm_prefix)
 
 
-def _serve(tmp_path: Path, triton_factory: TritonFactory, *extra: str) -> tuple[subprocess.Popen, Any]:
-    """`serve_main` in a child process on the smoke repository, on free ports; returns it and its config."""
+def _serve(
+    tmp_path: Path, triton_factory: TritonFactory, *extra: str, openai_port: int = 0
+) -> tuple[subprocess.Popen, Any]:
+    """`serve_main` in a child process on the smoke repository, on free ports (the OpenAI front end
+    off unless `openai_port` is given); returns it and its config."""
     config = triton_factory.config(TEST_REPOS / "smoke")  # only for free ports and the key
     env = {
         **os.environ,
@@ -49,6 +56,7 @@ def _serve(tmp_path: Path, triton_factory: TritonFactory, *extra: str) -> tuple[
         "GRPC_PORT": str(config.grpc_port),
         "METRICS_PORT": str(config.metrics_port),
         "METRICS_ADDRESS": "127.0.0.1",
+        "OPENAI_PORT": str(openai_port),
         ENV_ADMIN_KEY: config.admin_key,
     }
     link_backend(tmp_path / ".triton" / "backends", "smoke_pybackend", TEST_BACKENDS / "smoke_pybackend")
@@ -74,12 +82,8 @@ def test_serve_main_stops_cleanly_on_signal(
         triton_pid = next(iter(wait_until(lambda: live_children(process.pid), 30, "tritonserver started")))
         wait_until(lambda: _ready(config.http_url), 60, "server ready")
         wait_until(lambda: b"disagg serve: ready" in (tmp_path / "serve.log").read_bytes(), 10, "announced")
-        os.killpg(process.pid, signum)  # as a terminal does for Ctrl-C, or an init system for SIGTERM
-        status = process.wait(timeout=5 + 15)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        status = _stop(process, signum, timeout_s=5 + 15)
     log_text = (tmp_path / "serve.log").read_text(errors="replace")
     assert status == 0, log_text[-3000:]
     assert config.admin_key not in log_text
@@ -117,6 +121,64 @@ def test_serve_main_restarts_a_server_that_aborts_while_serving(
     for pid in servers:
         wait_until(lambda pid=pid: not live_group_members(pid), 15, "no process of a dead server left")
     # shared memory of both servers: checked by the leak probe around every test of this folder
+
+
+def test_serve_main_runs_the_openai_front_end_beside_triton_and_stops_it(
+    tmp_path: Path, triton_factory: TritonFactory
+) -> None:
+    """On by default beside Triton (here on a free port): it answers 503 while `llm` is not served (the
+    smoke repository has none), names the model folder in /v1/models, never holds the admin key, and
+    goes with the server on SIGTERM."""
+    port = free_ports(1)[0]
+    process, config = _serve(tmp_path, triton_factory, openai_port=port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _announced(tmp_path) == 1, 60, "server announced ready")
+        frontend = wait_until(lambda: _children_running(process.pid, b"disagg.openai"), 10, "front end")
+        status, _ = wait_until(lambda: _get(f"{base}/health"), 30, "front end answering")
+        assert status == 503
+        status, models = _get(f"{base}/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [resolve_model_dir().resolve().name]
+        assert config.admin_key.encode() not in Path(f"/proc/{frontend[0]}/environ").read_bytes()
+    finally:
+        status = _stop(process, signal.SIGTERM, timeout_s=5 + 30)
+    log_text = (tmp_path / "serve.log").read_text(errors="replace")
+    assert status == 0, log_text[-3000:]
+    assert f"disagg serve: OpenAI-compatible API http://127.0.0.1:{port}/v1" in log_text
+    assert config.admin_key not in log_text
+    assert not live_group_members(frontend[0]), "the front end's process group is gone"
+    assert not live_children(process.pid)
+
+
+def _stop(process: subprocess.Popen, signum: int, timeout_s: float) -> int:
+    """Send `signum` to serve_main's process group (as a terminal does for Ctrl-C, or an init system
+    for SIGTERM) and wait for its exit status; past `timeout_s`, SIGKILL the group (status -9)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signum)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+def _children_running(pid: int, marker: bytes) -> list[int]:
+    """Live children of `pid` whose command line holds `marker`."""
+    found = []
+    for child in live_children(pid):
+        try:
+            if marker in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            continue
+    return found
+
+
+def _get(url: str) -> tuple[int, Any] | None:
+    try:
+        return http_json(url, timeout_s=5)
+    except OSError:
+        return None
 
 
 def _announced(tmp_path: Path) -> int:

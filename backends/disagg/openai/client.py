@@ -4,11 +4,13 @@ Every request is its own bidirectional stream, always streamed from ``llm`` (the
 unary answer itself), asking for ``llm``'s optional outputs: ``num_input_tokens``, ``num_output_tokens``
 (tokens generated since the previous response), ``finish_reason``, and error messages that start with
 their code. Leaving ``generate``'s iteration early, or cancelling the task running it, cancels the gRPC
-stream: Triton marks the request cancelled and the orchestrator stops both pools' work for it.
+stream: Triton marks the request cancelled and the orchestrator stops both pools' work for it. A
+request that has ended (its final response or an error) is not cancelled: its stream is read to its end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MODEL = "llm"
 READY_TIMEOUT_S = 2.0
+DRAIN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -91,28 +94,43 @@ class LlmClient:
             "parameters": {"triton_enable_empty_final_response": True},
         }
 
+        # The request side stays open until the request has ended (then the server ends the stream),
+        # as tritonclient's own streams do.
+        request_done = asyncio.Event()
+
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request
+            await request_done.wait()
 
         responses = self._client.stream_infer(one_request())
+        ended = False  # the RPC is over: nothing left to cancel
         try:
             while True:
                 try:
                     result, error = await responses.__anext__()
                 except StopAsyncIteration:
+                    ended = True
                     raise unavailable("Triton closed the stream before the request ended") from None
                 except grpc.RpcError as exc:
+                    ended = True
                     raise unavailable(f"Triton is not available ({_rpc_status(exc)})") from None
-                if error is not None:
+                if error is not None:  # an error is the request's last response
+                    request_done.set()
+                    ended = await _drain(responses)
                     raise await self._api_error(str(error.message()))
                 piece = _piece(result)
-                if piece.final and piece.finish_reason is None:
-                    raise ApiError(500, "llm ended the request without a finish reason", "server_error")
-                yield piece
                 if piece.final:
+                    request_done.set()
+                    ended = await _drain(responses)
+                    if piece.finish_reason is None:
+                        raise ApiError(500, "llm ended the request without a finish reason", "server_error")
+                    yield piece
                     return
+                yield piece
         finally:
-            responses.cancel()  # no-op once the stream has ended; else Triton cancels the request
+            if not ended:
+                responses.cancel()  # Triton marks the request cancelled; the orchestrator stops it
+            request_done.set()
 
     async def _api_error(self, message: str) -> ApiError:
         coded = from_llm(message)
@@ -125,6 +143,26 @@ class LlmClient:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+async def _drain(responses: Any) -> bool:
+    """Wait for the server to end a stream whose request has sent its last response; True once it has.
+
+    The stream is left to end by itself rather than cancelled: Triton 2.51 sometimes keeps a
+    reference to ``llm`` after a stream is cancelled (it then cannot unload it at shutdown and exits
+    after its exit timeout); cancelling every finished stream made that frequent, so only requests
+    still running are cancelled.
+    """
+
+    async def to_end() -> None:
+        async for _ in responses:
+            log.warning("llm sent a response after its final one")
+
+    try:
+        await asyncio.wait_for(to_end(), DRAIN_TIMEOUT_S)
+    except (TimeoutError, asyncio.TimeoutError, grpc.RpcError):
+        return False
+    return True
 
 
 def _rpc_status(exc: grpc.RpcError) -> str:

@@ -1,6 +1,7 @@
 """What the front end sends to ``llm`` and how it reads ``llm``'s responses and errors
 (disagg.openai.client, disagg.openai.errors), on protobuf messages built here and a stand-in for the
-``tritonclient.grpc.aio`` client: the stream is cancelled on every way out of a generation."""
+``tritonclient.grpc.aio`` client: a generation left early cancels its stream, one that ended reads its
+stream to the end."""
 
 from __future__ import annotations
 
@@ -123,6 +124,9 @@ class FakeStream:
         self.items = list(items)
         self.cancelled = False
 
+    def __aiter__(self) -> FakeStream:
+        return self
+
     async def __anext__(self) -> Any:
         if not self.items:
             raise StopAsyncIteration
@@ -177,6 +181,7 @@ def test_generate_reads_to_the_final_piece_and_asks_for_the_counts() -> None:
     done = {**TEXT, **COUNT, "finish_reason": np.array([[b"stop"]], dtype=np.object_)}
     triton = FakeTriton([(response(False, **TEXT, **COUNT), None), (response(True, **done), None)])
     got = pieces_of(triton)
+    assert not triton.stream.cancelled, "a request that ended is not cancelled: its stream is read to the end"
     assert [(p.text, p.tokens, p.finish_reason, p.final) for p in got] == [
         ("hi", 2, None, False),
         ("hi", 2, "stop", True),
@@ -202,9 +207,16 @@ def test_leaving_early_cancels_the_stream() -> None:
         ((response(True, **TEXT, **COUNT), None), True, 500),  # a final piece without its reason
     ],
 )
-def test_failures_become_api_errors_and_cancel_the_stream(item: Any, ready: bool, status: int) -> None:
+def test_failures_become_api_errors(item: Any, ready: bool, status: int) -> None:
     triton = FakeTriton([item], ready=ready)
     with pytest.raises(ApiError) as info:
         pieces_of(triton)
     assert info.value.status == status
-    assert triton.stream.cancelled, "the stream is cancelled on every way out"
+    assert not triton.stream.cancelled, "an error ends the request: nothing to cancel"
+
+
+def test_a_stream_ending_before_the_final_piece_is_unavailable() -> None:
+    triton = FakeTriton([(response(False, **TEXT, **COUNT), None)])
+    with pytest.raises(ApiError) as info:
+        pieces_of(triton)
+    assert info.value.status == 503 and "closed the stream" in info.value.message
