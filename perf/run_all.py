@@ -325,7 +325,11 @@ async def tune_vllm(
             entry["goodput_rps"] = scratch["goodput"][workload][dep.name]["goodput_rps"]
         except Exception as exc:  # a configuration that cannot run is reported, the others still are
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        log(f"vLLM grid, {choice.label}: {entry['goodput_rps'] or entry['error']}")
+        measured = entry["goodput_rps"]
+        log(
+            f"vLLM grid, {choice.label}: "
+            + (f"{measured:.3f} req/s" if measured is not None else entry["error"])
+        )
         tried.append(entry)
     measured = [e for e in tried if e["goodput_rps"] is not None]
     if not measured:
