@@ -27,8 +27,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,7 @@ from benchlib.slo import (
 )
 from benchlib.workload import WORKLOADS, PromptFactory
 
+from disagg.server import answers_200
 from disagg.serverconfig import parse_cpus
 
 PERF = Path(__file__).resolve().parent
@@ -275,19 +274,11 @@ def vllm_pd_running(
         stack.callback(front.terminate)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
-        while not _answers(f"{url}/health"):
+        while not answers_200(f"{url}/health", timeout_s=2):
             if front.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the P/D proxy did not come up (exit {front.poll()})")
             time.sleep(0.2)
         yield ClientConfig("openai", url, args.vllm_served_name), command
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 async def tune_vllm(

@@ -125,9 +125,10 @@ def _pinning(cpus: tuple[int, ...]) -> Callable[[], None] | None:
     return pin
 
 
-def _answers_200(url: str) -> bool:
+def answers_200(url: str, timeout_s: float = 1.0) -> bool:
+    """True when a GET of `url` answers 200; False when it answers otherwise or nothing listens."""
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -194,7 +195,7 @@ class TritonServer:
         Triton opens its endpoints one after another once the models are loaded, the metrics service
         last (tens of milliseconds after HTTP), so HTTP readiness alone does not mean a scrape works.
         """
-        return _answers_200(f"http://{self.config.http_url}/v2/health/ready") and _answers_200(
+        return answers_200(f"http://{self.config.http_url}/v2/health/ready") and answers_200(
             self.config.metrics_url
         )
 
