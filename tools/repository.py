@@ -50,6 +50,8 @@ class Layout:
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 600.0
     prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
+    # the prefill pool also decodes whole requests: the fallback ladder's "local" rung
+    local_decode: bool = True
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
     # GPU ids ("0" or "0,1"); set: the pool is a KIND_GPU group with one instance per GPU
@@ -160,6 +162,8 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
+    if role == "prefill" and layout.local_decode:
+        params["local_generate"] = "true"
     if role == "colocated" and layout.colocated_chunk_tokens:
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
@@ -188,6 +192,7 @@ def _llm(layout: Layout) -> str:
     reason and coded errors of ``text_api.EXTRA_OUTPUTS`` (sent only to requests that ask for them)."""
     params = {"mode": "disaggregated", "cores": layout.frontend_cores}
     params["request_timeout_s"] = str(layout.request_timeout_s)
+    params["pool_recovery"] = "true"  # the one entry point that restarts gone pools
     inputs = _text_inputs() + [_tensor(s.name, s.triton_type, s.dims, s.optional) for s in LLM_ONLY_INPUTS]
     outputs = TEXT_OUTPUT + [_tensor(name, dtype, (1,)) for _, name, dtype in EXTRA_OUTPUTS]
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)
@@ -296,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.colocated_chunk_tokens,
         help="colocated pool: prompt tokens per step, in chunks (0: whole prompts)",
     )
+    parser.add_argument(
+        "--no-local-decode",
+        action="store_true",
+        help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
+    )
     args = parser.parse_args(argv)
     try:
         layout = _layout(args)
@@ -320,6 +330,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         lease_ttl_s=args.lease_ttl_s,
         request_timeout_s=args.request_timeout_s,
         colocated_chunk_tokens=args.colocated_chunk_tokens,
+        local_decode=not args.no_local_decode,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         colocated_gpus=args.colocated_gpus,

@@ -37,6 +37,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_prompt_tokens": HISTOGRAM,
         "disagg_output_tokens": HISTOGRAM,
         "disagg_kv_transfer_seconds": HISTOGRAM,
+        "disagg_pool_recovery_seconds": HISTOGRAM,  # exported by the entry point that restarts pools
         # gauges
         "disagg_prefill_queue_requests": GAUGE,
         "disagg_prefill_pending_tokens": GAUGE,
@@ -46,12 +47,17 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_slo_attainment_ratio": GAUGE,
         "disagg_goodput_requests_per_second": GAUGE,
         "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtypes and kernels
+        "disagg_pool_health": GAUGE,  # per entry point instance and pool: 0 healthy, 1 saturated, 2 gone
+        "disagg_serving_mode": GAUGE,  # per entry point instance: 1 on the rung new requests take
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,
         "disagg_kv_transfer_failures_total": COUNTER,
         "disagg_kv_lease_expired_total": COUNTER,
-        "disagg_fallbacks_total": COUNTER,
+        "disagg_fallbacks_total": COUNTER,  # + labels from, to, reason
+        "disagg_migrations_total": COUNTER,
+        "disagg_degraded_requests_total": COUNTER,  # labels rung, capped
+        "disagg_pool_restarts_total": COUNTER,
         "disagg_engine_steps_total": COUNTER,
         "disagg_engine_busy_seconds_total": COUNTER,
     }

@@ -38,7 +38,8 @@ class EngineLimits:
         return -(-num_tokens // self.block_size)
 
     def blocks_needed(self, request: Request, *, decode: bool = True) -> int:
-        tokens = len(request.prompt_token_ids) + (request.params.max_tokens if decode else 0)
+        prefilled = len(request.prompt_token_ids) + len(request.generated_token_ids)
+        tokens = len(request.prompt_token_ids) + request.params.max_tokens if decode else prefilled
         return self.blocks_for(tokens)
 
 

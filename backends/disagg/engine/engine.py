@@ -233,7 +233,7 @@ class Engine:
             seqs.append(self._add(request, blocks[:count], decode))
             blocks = blocks[count:]
         try:
-            outputs = [self.prefill_chunk(seq.seq_id, len(seq.prompt)) for seq in seqs]
+            outputs = [self.prefill_chunk(seq.seq_id, len(seq.context)) for seq in seqs]
             return [out for out in outputs if out is not None]  # each chunk is a whole prompt: all there
         except BaseException:
             for seq in seqs:  # an engine fault: give everything of this call back
@@ -257,7 +257,9 @@ class Engine:
         return output
 
     def _add(self, request: Request, blocks: list[int], decode: bool) -> Sequence:
-        seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks)
+        resumed = request.generated_token_ids
+        seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks, list(resumed))
+        seq.resumed = len(resumed)
         seq.decoding = False  # joins decode_step() when its prompt is complete
         seq.joins_decode = decode
         self._sequences[seq.seq_id] = seq
@@ -285,12 +287,13 @@ class Engine:
             raise InvalidRequest("a sequence appears twice in one step")
         parts = []
         for seq, (_, max_tokens) in zip(seqs, chunks, strict=True):
-            if seq.decoding or seq.num_cached >= len(seq.prompt) or max_tokens < 1:
+            context = seq.context
+            if seq.decoding or seq.num_cached >= len(context) or max_tokens < 1:
                 raise InvalidRequest("sequence has no prompt tokens left to prefill, or the chunk is empty")
-            end = min(len(seq.prompt), seq.num_cached + max_tokens)
-            tokens = torch.tensor(seq.prompt[seq.num_cached : end], dtype=torch.long, device=self.device)
+            end = min(len(context), seq.num_cached + max_tokens)
+            tokens = torch.tensor(context[seq.num_cached : end], dtype=torch.long, device=self.device)
             table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
-            parts.append(PromptChunk(tokens, seq.num_cached, table, end == len(seq.prompt)))
+            parts.append(PromptChunk(tokens, seq.num_cached, table, end == len(context)))
         if not batch and not parts:
             return [], []
         try:

@@ -18,6 +18,21 @@ class Request:
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    generated_token_ids: tuple[int, ...] = ()
+    """Tokens already generated for this request elsewhere: a stream resumed after the pool running it
+    failed. They are prefilled after the prompt and count as generated here: toward ``max_tokens`` and
+    ``min_length``, and in the sampling draws (seeded from (seed, n)), so the continuation is the one
+    the first pool would have produced, up to rounding of the re-computed KV."""
+
+    @classmethod
+    def resuming(cls, state: SequenceState) -> Request:
+        """The request that continues ``state`` by re-prefilling it (no KV moves)."""
+        return cls(state.prompt_token_ids, state.params, state.generated_token_ids)
+
+    @property
+    def context_token_ids(self) -> tuple[int, ...]:
+        """What a prefill of this request computes: the prompt, then the tokens already generated."""
+        return self.prompt_token_ids + self.generated_token_ids
 
     def validate(self, vocab_size: int, max_tokens_cap: int, max_context: int) -> None:
         """Raise InvalidRequest naming the first problem, for a model with these limits."""
@@ -27,6 +42,11 @@ class Request:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size})")
         self.params.validate(vocab_size, max_tokens_cap)
+        generated = self.generated_token_ids
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in generated):
+            raise InvalidRequest(f"generated token ids must be integers in [0, {vocab_size})")
+        if len(generated) >= self.params.max_tokens:
+            raise InvalidRequest("a resumed request must have tokens left to generate (below max_tokens)")
         if len(prompt) + self.params.max_tokens > max_context:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({self.params.max_tokens}) exceeds the "
@@ -56,6 +76,12 @@ class Sequence:
     num_cached: int = 0  # positions whose KV is in the blocks
     decoding: bool = True  # part of decode_step()'s batch
     joins_decode: bool = True  # joins that batch once its prompt is prefilled (False: held for export)
+    resumed: int = 0  # generated tokens it started with (Request.generated_token_ids), prefilled too
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """The tokens its prefill computes: the prompt, then the generated tokens it was resumed with."""
+        return self.prompt + tuple(self.generated[: self.resumed]) if self.resumed else self.prompt
 
     @property
     def last_token(self) -> int:

@@ -260,6 +260,8 @@ class TrtllmBackend:
     def validate(self, request: Request) -> None:
         """Raise InvalidRequest naming the first problem; nothing is allocated."""
         request.validate(self._limits.vocab_size, self._max_tokens_cap, self._limits.max_context)
+        if request.generated_token_ids:  # TensorRT-LLM's sampler cannot start at draw n
+            raise InvalidRequest("the TensorRT-LLM backend cannot resume a stream (generated tokens given)")
 
     # ----------------------------------------------------------------- phases
 

@@ -60,7 +60,8 @@ async def _close_client(app: web.Application) -> None:
 
 
 def _error(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, dumps=_json)
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return web.json_response(exc.body(), status=exc.status, dumps=_json, headers=headers)
 
 
 @web.middleware

@@ -2,11 +2,13 @@
 
 Body: ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status of the failure:
 400 a bad request (``invalid_request_error``), 404 an unknown model or route, 503 Triton or ``llm`` not
-available (not started, not ready, at its limit), 504 the server's own deadline, 500 anything else.
+available (not started, not ready, at its limit, or shedding load: then with ``Retry-After``, from the
+error's "retry after N s"), 504 the server's own deadline, 500 anything else.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -27,6 +29,9 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        hint = _RETRY.search(message) if status == 503 else None
+        self.retry_after_s = math.ceil(float(hint.group(1))) if hint else None
+        """Seconds for a ``Retry-After`` header: the server's hint, when it shed the request."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -43,6 +48,8 @@ def model_not_found(model: str) -> ApiError:
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, SERVER_ERROR, None, "service_unavailable")
 
+
+_RETRY = re.compile(r"retry after (\d+(?:\.\d+)?) s")
 
 # ``llm`` called with ``return_error_code`` starts each error's message with its code (text_api).
 _CODED = re.compile(r"^(INVALID_ARG|UNAVAILABLE|CANCELLED|DEADLINE_EXCEEDED|INTERNAL): (.*)$", re.S)

@@ -1,22 +1,29 @@
 """The prefill role: prompts one at a time, FIFO; each sequence's blocks stay held under its export
-lease until the importer acks, the lease is aborted, or it expires."""
+lease until the importer acks, the lease is aborted, or it expires.
+
+With ``local_generate`` the pool also runs generate jobs, the orchestrator's fallback while the decode
+pool is gone or saturated: such a job is prefilled in its turn like any prompt (it needs a batch slot
+too), then decoded here, one decode step over those sequences per iteration, between prompts."""
 
 from __future__ import annotations
 
 from disagg.engine.backend import EngineLimits
-from disagg.role import Role
+from disagg.role import Operation, Role
 from disagg.scheduling.plan import Emission, Handed, Plan, Removal
 from disagg.scheduling.scheduler import Scheduler, SchedulerConfig
 from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.messages import Prefilled, PrefillJob
+from disagg.serving.messages import GenerateJob, Prefilled, PrefillJob
 
 
-class PrefillScheduler(Scheduler[PrefillJob]):
+class PrefillScheduler(Scheduler[PrefillJob | GenerateJob]):
     job_type = PrefillJob
     role = Role.PREFILL
 
     def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
         super().__init__(limits, config)
+        if self.config.local_generate:
+            self.operations = self.operations | {Operation.GENERATE}
+            self.job_type = (PrefillJob, GenerateJob)  # type: ignore[assignment]
         self._leases: dict[str, tuple[int, str]] = {}  # lease id -> (held seq id, handle)
         self._lease_of: dict[str, str] = {}  # handle -> lease id, while held
 
@@ -29,9 +36,11 @@ class PrefillScheduler(Scheduler[PrefillJob]):
         return len(self._leases)
 
     def schedule(self) -> Plan:
-        chunks = self._prefill_chunks(max_jobs=1)  # one prompt at a time, FIFO
-        if chunks:
-            return Plan(prefill=tuple(chunks))
+        head = self._waiting[0] if self._waiting else None
+        slots = self._free_slots() if isinstance(head, GenerateJob) else None  # it joins the batch
+        chunks = self._prefill_chunks(max_jobs=1, slots=slots)  # one prompt at a time, FIFO
+        if chunks or self._running:
+            return Plan(prefill=tuple(chunks), decode=bool(self._running))
         if self._waiting and not self._leases and not self._prefilling:
             # nothing will come back: the head cannot fit (only a pool too small for check() allows it)
             job = self._waiting.popleft()

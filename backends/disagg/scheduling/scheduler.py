@@ -27,7 +27,7 @@ from disagg.scheduling.plan import (
     Stepped,
 )
 from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
-from disagg.serving.messages import Failed, Job, Token, prompt_tokens
+from disagg.serving.messages import Failed, Job, PrefillJob, Token, prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,18 @@ class SchedulerConfig:
     # True: prompts are prefilled in chunks that fill the budget exactly (a step never runs more than
     # max_prefill_tokens of prompt); False: whole prompts, at least one per step however long
     chunked_prefill: bool = False
+    # True: a prefill pool also runs generate jobs (both phases here, no KV hand-off): the fallback
+    # that keeps requests served while the decode pool is gone or saturated ("local decode")
+    local_generate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer")
-        if not isinstance(self.chunked_prefill, bool):
-            raise ValueError("chunked_prefill must be true or false")
+        for name in ("chunked_prefill", "local_generate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
 
 
 @dataclass
@@ -115,7 +119,7 @@ class Scheduler(ABC, Generic[J]):
 
     def blocks_needed(self, job: Job) -> int:
         """Blocks the engine allocates for ``job`` (a prefill-only sequence holds just its prompt)."""
-        return self.limits.blocks_needed(job.request, decode=not self.role.exports_kv)
+        return self.limits.blocks_needed(job.request, decode=not isinstance(job, PrefillJob))
 
     # ------------------------------------------------------------- admission
 

@@ -15,6 +15,7 @@ CANCELLED = "CANCELLED"
 DEADLINE = "DEADLINE_EXCEEDED"
 INTERNAL = "INTERNAL"
 CODES = (INVALID_ARG, UNAVAILABLE, CANCELLED, DEADLINE, INTERNAL)
+TRANSFER_FAILED = "KV transfer failed"  # the message of a KVError (the pools on both ends may be fine)
 
 
 class ServingError(Exception):
@@ -50,7 +51,7 @@ def classify(exc: BaseException) -> ServingError:
     if isinstance(exc, DescriptorError):
         return ServingError(INVALID_ARG, f"KV descriptor refused: {exc}")
     if isinstance(exc, KVError):
-        return ServingError(UNAVAILABLE, "KV transfer failed")
+        return ServingError(UNAVAILABLE, TRANSFER_FAILED)
     if isinstance(exc, CheckpointError):
         return ServingError(INTERNAL, "model is not loaded")
     log.error("internal error", exc_info=exc)

@@ -29,6 +29,9 @@ class PoolConfig:
     # disagg.scheduling.SchedulerConfig); chunking bounds how long one prompt stalls a colocated batch
     max_prefill_tokens: int = 4096
     chunked_prefill: bool = False
+    # A prefill pool that also decodes what it prefilled, when the orchestrator sends it whole requests
+    # (its fallback while the decode pool is gone or saturated); prefill pools only
+    local_generate: bool = False
     # Scheduling niceness of the whole instance process (0..19). A prefill pool sharing its cores with
     # the token relay (orchestrator, text steps, Triton's own threads) runs nicer, so relaying a
     # token preempts a long prefill at once instead of waiting out its time slice.
@@ -41,11 +44,15 @@ class PoolConfig:
         if not 0 < self.lease_ttl_s <= 3600:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
         self.scheduling()  # validates the scheduler's settings
+        if self.local_generate and self.role is not Role.PREFILL:
+            raise ValueError("local_generate is a prefill pool's setting")
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ValueError("nice must be an integer in [0, 19]")
 
     def scheduling(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_queue, self.max_prefill_tokens, self.chunked_prefill)
+        return SchedulerConfig(
+            self.max_queue, self.max_prefill_tokens, self.chunked_prefill, self.local_generate
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False) -> PoolConfig:

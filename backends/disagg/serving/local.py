@@ -12,7 +12,17 @@ from collections.abc import AsyncIterator, Callable
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.errors import UNAVAILABLE, ServingError
 from disagg.serving.loop import EngineLoop
-from disagg.serving.messages import DecodeJob, Event, Failed, GenerateJob, Job, Prefilled, PrefillJob, Token
+from disagg.serving.messages import (
+    DecodeJob,
+    Event,
+    Failed,
+    GenerateJob,
+    Job,
+    PoolLoad,
+    Prefilled,
+    PrefillJob,
+    Token,
+)
 
 
 class QueueSink:
@@ -75,11 +85,17 @@ class LocalPools:
     def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
         return self._stream(self._submit("decode", lambda sink: DecodeJob(handle, sink, state, descriptor)))
 
-    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
-        return self._stream(self._submit("colocated", lambda sink: GenerateJob(handle, sink, request)))
+    def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
+        return self._stream(self._submit(pool, lambda sink: GenerateJob(handle, sink, request)))
 
     async def stop(self, pool: str, handle: str) -> None:
         self._loop(pool).stop(handle)
 
     async def abort_lease(self, lease_id: str) -> None:
         self._loop("prefill").abort_lease(lease_id)
+
+    async def ping(self, pool: str) -> PoolLoad:
+        loop = self._loop(pool)
+        if not loop.healthy:
+            raise ServingError(UNAVAILABLE, f"the {pool} pool is not serving")
+        return loop.stats().load()

@@ -30,6 +30,7 @@ from disagg.serving.messages import (
     Failed,
     Job,
     Message,
+    PoolLoad,
     Prefilled,
     Released,
     Stop,
@@ -55,6 +56,12 @@ class LoopStats:
     healthy: bool
     engine_steps: int  # engine calls so far: each prefill, each decode step
     engine_busy_s: float  # seconds spent inside them
+
+    def load(self) -> PoolLoad:
+        """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
+        return PoolLoad(
+            self.queued, self.queued_prompt_tokens, self.active_sequences, self.blocks_used, self.blocks_free
+        )
 
 
 class EngineLoop:

@@ -96,7 +96,8 @@ Job = PrefillJob | DecodeJob | GenerateJob
 
 
 def prompt_tokens(job: Job) -> int:
-    return len(job.request.prompt_token_ids)
+    """Tokens a prefill of ``job`` computes (a resumed request's generated tokens included)."""
+    return len(job.request.context_token_ids)
 
 
 # ---------------------------------------------------------------- the engine loop's inbox
@@ -144,7 +145,24 @@ class AbortLease:
 
 @dataclass(frozen=True)
 class Ping:
-    """A liveness probe: a live pool answers at once."""
+    """A liveness probe: a live pool answers at once, with its ``PoolLoad``."""
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """A pool instance's answer to a ``Ping``: its load, which the orchestrator judges health by."""
+
+    queued: int  # jobs waiting for admission
+    queued_prompt_tokens: int  # prompt tokens not prefilled yet
+    active_sequences: int  # in the decode batch
+    blocks_used: int
+    blocks_free: int
+
+    @property
+    def kv_use(self) -> float:
+        """Share of the KV blocks in use, 0..1."""
+        total = self.blocks_used + self.blocks_free
+        return self.blocks_used / total if total else 0.0
 
 
 Control = Stop | AbortLease | Ping

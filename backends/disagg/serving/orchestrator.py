@@ -5,6 +5,11 @@ disaggregated: prefill pool (first token + KV descriptor) -> first piece sent at
 incrementally, applies stop strings, a deadline and cancellation (a stop request to the pool that
 runs the sequence, an explicit lease abort between the two legs), and maps every failure to a
 ServingError. Exactly one final response per request, in every case.
+
+Which way a request goes is the fallback ladder's choice (``disagg.serving.ladder``), from the pools'
+health (``disagg.serving.health``, fed by the calls made here and by ``disagg.serving.watcher``'s
+probes). A stream whose pool fails mid-way *migrates*: it continues on the next rung, which re-prefills
+the prompt and the tokens already sent, so the client sees one stream with nothing repeated or lost.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
-from disagg.serving.errors import CANCELLED, DEADLINE, ServingError, classify
-from disagg.serving.messages import Prefilled, Token
+from disagg.serving.errors import CANCELLED, DEADLINE, TRANSFER_FAILED, UNAVAILABLE, ServingError, classify
+from disagg.serving.health import Change, HealthConfig, PoolHealth
+from disagg.serving.ladder import COLOCATED, DISAGGREGATED, LOCAL, SHED, Ladder, Route, parse_ladder
+from disagg.serving.messages import PoolLoad, Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
 
@@ -38,11 +45,13 @@ class PoolClient(Protocol):
 
     def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]: ...
 
-    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]: ...
+    def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]: ...
 
     async def stop(self, pool: str, handle: str) -> None: ...
 
     async def abort_lease(self, lease_id: str) -> None: ...
+
+    async def ping(self, pool: str) -> PoolLoad: ...
 
 
 class Responder(Protocol):
@@ -62,6 +71,7 @@ class Responder(Protocol):
 
 
 MAX_INFLIGHT_LIMIT = 65536
+NO_LOCAL = "does not run generate jobs"  # a prefill pool's refusal without local_generate
 
 
 @dataclass(frozen=True)
@@ -90,10 +100,35 @@ class OrchestratorConfig:
     model_dir: Path | None = None
     """The tokenizer's checkpoint folder (default: ``disagg.paths.resolve_model_dir()``)."""
     secret_file: Path | None = None
+    fallback_ladder: str = ""
+    """Rungs in order, comma-separated (``disagg.serving.ladder``); empty: the mode's default."""
+    local_max_tokens: int = 128
+    """On the ``local`` rung a request gets at most this many more tokens (the degraded output cap)."""
+    migration_limit: int = 2
+    """Times one stream may move to another rung after its pool failed."""
+    retry_after_s: float = 5.0
+    """The retry hint of a shed request ("retry after N s")."""
+    probe_interval_s: float = 1.0
+    """How often each pool is pinged for its health and load."""
+    probe_timeout_s: float = 3.0
+    """A ping unanswered this long finds the pool gone."""
+    pool_recovery: bool = False
+    """This orchestrator restarts gone pools through model control (exactly one per deployment)."""
+    recovery_backoff_s: float = 5.0
+    """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        parse_ladder(self.fallback_ladder, self.mode)
+        for name, top in (("local_max_tokens", 1 << 20), ("migration_limit", 100)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+                raise ValueError(f"{name} must be an integer in [0, {top}]")
+        for name in ("retry_after_s", "probe_interval_s", "probe_timeout_s", "recovery_backoff_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise ValueError(f"{name} must be a number of seconds in (0, 3600]")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError("request_timeout_s must be in (0, 86400]")
         inflight = self.max_inflight
@@ -116,6 +151,10 @@ class OrchestratorConfig:
         """Pool role -> the model name its requests go to."""
         return {"prefill": self.prefill_model, "decode": self.decode_model, "colocated": self.colocated_model}
 
+    @property
+    def ladder(self) -> tuple[str, ...]:
+        return parse_ladder(self.fallback_ladder, self.mode)
+
 
 @dataclass
 class Outcome:
@@ -130,6 +169,10 @@ class Outcome:
     last_token_at: float | None = None
     error: ServingError | None = None
     finish_reason: str | None = None
+    rung: str = ""  # the ladder rung that finished it (or failed it)
+    fallbacks: list[Route] = field(default_factory=list)  # every route that fell below its first rung
+    migrations: int = 0  # times the stream moved to another rung after its pool failed
+    capped: bool = False  # served on the local rung under its lowered output cap
 
     @property
     def ttft(self) -> float | None:
@@ -148,10 +191,39 @@ class Orchestrator:
         config: OrchestratorConfig,
         pools: PoolClient,
         decode_text: Callable[[Sequence[int]], str],
+        deployed: Sequence[str] | None = None,
+        local_generate: bool = True,
+        on_change: Callable[[Change], None] | None = None,
     ) -> None:
+        """``deployed``: the pools this server has (default: those the ladder names);
+        ``local_generate``: the prefill pool runs generate jobs (the ``local`` rung); ``on_change`` is
+        told of every pool state change (metrics, log)."""
         self.config = config
         self.pools = pools
         self._decode_text = decode_text
+        rungs = config.ladder
+        if deployed is None:
+            deployed = sorted({pool for rung in rungs for pool in Route(rung).pools})
+        self.health = {pool: PoolHealth(pool, HealthConfig()) for pool in deployed}
+        self.ladder = Ladder(rungs, self.health, local=local_generate)
+        self._on_change = on_change
+
+    def observe(self, change: Change | None) -> None:
+        """Pass on a pool's state change (from a call here or a probe)."""
+        if change is None:
+            return
+        log.warning("pool %s: %s -> %s (%s)", change.pool, change.old.value, change.new.value, change.reason)
+        if self._on_change is not None:
+            self._on_change(change)
+
+    def pool_failed(self, pool: str, error: ServingError) -> None:
+        """A call to ``pool`` failed UNAVAILABLE: a pool that refused as full is saturated, a failed KV
+        transfer says nothing of the pool, and any other failure (no answer, its stub gone) is gone."""
+        health = self.health.get(pool)
+        if health is None or error.message == TRANSFER_FAILED:
+            return
+        full = "full" in error.message or "retry later" in error.message
+        self.observe(health.refused() if full else health.failed("call_failed"))
 
     async def serve(
         self, prompt_ids: Sequence[int], text: TextRequest, out: Responder, arrival: float | None = None
@@ -191,6 +263,7 @@ class _Run:
         out: Responder,
         arrival: float,
     ) -> None:
+        self.owner = owner
         self.pools = owner.pools
         self.mode = owner.config.mode
         self.handle = handle
@@ -205,13 +278,68 @@ class _Run:
         self.running_on: str | None = None  # pool to send a stop to
         self.finished = False
         self.sent_tokens = 0  # output tokens accounted for in responses already sent
+        self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
 
     async def go(self) -> None:
-        request = Request(tuple(self.prompt), self.text.params)
-        if self.mode == "colocated":
-            self.running_on = "colocated"
-            await self._relay(self.pools.generate(self.handle, request))
+        """Serve on the ladder's rung; when the rung's pool fails, move down and resume there."""
+        config = self.owner.config
+        route = self.owner.ladder.route()
+        while True:
+            if route.rung == DISAGGREGATED and self.tokens:  # a resumed stream is re-prefilled in one pool
+                route = self.owner.ladder.route(after=DISAGGREGATED, reason=route.reason or "resumed")
+            if route.fell_from is not None:
+                self.outcome.fallbacks.append(route)
+            self.outcome.rung = route.rung
+            try:
+                await self._serve_on(route)
+                return
+            except ServingError as error:
+                pool = self.running_on
+                if route.rung == LOCAL and NO_LOCAL in error.message and not self.finished:
+                    self.owner.ladder.local = False  # the prefill pool was deployed without it
+                    route = self.owner.ladder.route(after=LOCAL, reason="prefill_no_local_generate")
+                    continue
+                if error.code != UNAVAILABLE or pool is None or self.finished:
+                    raise
+                self.owner.pool_failed(pool, error)
+                if self.outcome.migrations >= config.migration_limit:
+                    raise
+                self.running_on = None  # no stop to the failed pool: it may never answer
+                if pool == "prefill":
+                    self.lease_id = None  # its leases went with it
+                await self.cleanup()
+                self._check_cancelled()
+                self.outcome.migrations += 1
+                log.info("request %s migrates off %s (%s)", self.handle, route.rung, error.message)
+                route = self.owner.ladder.route(after=route.rung, reason=f"{pool}_failed")
+
+    async def _serve_on(self, route: Route) -> None:
+        if route.rung == SHED:
+            self.running_on = None
+            why = route.reason.replace("_", " ") if route.reason else "no pool can serve"
+            raise ServingError(
+                UNAVAILABLE, f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s"
+            )
+        if route.rung == DISAGGREGATED:
+            await self._disaggregated()
             return
+        params = self.text.params
+        if route.rung == LOCAL:
+            cap = len(self.tokens) + self.owner.config.local_max_tokens
+            if cap < params.max_tokens:
+                params = replace(params, max_tokens=cap)
+                self.outcome.capped = True
+        if len(self.tokens) >= params.max_tokens:  # the cap leaves nothing more to generate
+            self.outcome.finish_reason = FINISH_LENGTH
+            self._finish()
+            return
+        request = Request(tuple(self.prompt), params, tuple(self.tokens))
+        pool = "prefill" if route.rung == LOCAL else COLOCATED
+        self.running_on = pool
+        await self._relay(self.pools.generate(self.handle, request, pool))
+
+    async def _disaggregated(self) -> None:
+        request = Request(tuple(self.prompt), self.text.params)
         self.running_on = "prefill"
         first = await self.pools.prefill(self.handle, request)
         self.running_on = None
@@ -247,6 +375,7 @@ class _Run:
 
     def _token(self, token_id: int) -> bool:
         """Account one token and stream its text; True when a stop string ended the output."""
+        self.tokens.append(token_id)
         now = time.monotonic()
         if self.outcome.first_token_at is None:
             self.outcome.first_token_at = now

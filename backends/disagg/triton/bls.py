@@ -27,7 +27,7 @@ import numpy as np
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
-from disagg.serving.messages import AbortLease, Control, Ping, Prefilled, Stop, Token
+from disagg.serving.messages import AbortLease, Control, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
 
@@ -154,17 +154,20 @@ class TritonPools:
         inputs = self._job_inputs(handle, state=wire.encode_state(state), descriptor=descriptor)
         return self._tokens("decode", inputs)
 
-    def generate(self, handle: str, request: Request) -> AsyncIterator[Token]:
-        inputs = self._job_inputs(
-            handle, input_ids=list(request.prompt_token_ids), sampling=wire.encode_sampling(request.params)
-        )
-        return self._tokens("colocated", inputs)
+    def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
+        """Both phases on ``pool``: the colocated pool, or the prefill pool's local decode. The request
+        travels as a sequence state, so a resumed one's generated tokens go with it."""
+        state = SequenceState(request.prompt_token_ids, request.generated_token_ids, request.params)
+        return self._tokens(pool, self._job_inputs(handle, state=wire.encode_state(state)))
 
-    async def _control(self, pool: str, control: Control) -> None:
+    async def _control(self, pool: str, control: Control) -> bytes | None:
+        """Send a control request; the event of its answer, if it had one."""
         inputs = [glue.bytes_tensor(self._pb, "control", wire.encode_control(control))]
+        event = None
         async with contextlib.aclosing(self._responses(await self._call(pool, inputs))) as responses:
-            async for _ in responses:
-                pass
+            async for response in responses:
+                event = self._tensor(response, "event") or event
+        return event
 
     async def stop(self, pool: str, handle: str) -> None:
         await self._control(pool, Stop(handle))
@@ -172,6 +175,10 @@ class TritonPools:
     async def abort_lease(self, lease_id: str) -> None:
         await self._control("prefill", AbortLease(lease_id))
 
-    async def ping(self, pool: str) -> None:
-        """Raises ServingError when the pool does not answer as live."""
-        await self._control(pool, Ping())
+    async def ping(self, pool: str) -> PoolLoad:
+        """The pool's load; raises ServingError when it does not answer as live."""
+        raw = await self._control(pool, Ping())
+        try:
+            return wire.decode_load(raw or b"")
+        except (ValueError, KeyError, TypeError):
+            raise ServingError(INTERNAL, f"the {pool} pool answered a ping out of protocol") from None

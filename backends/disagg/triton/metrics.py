@@ -49,7 +49,22 @@ DESCRIPTIONS = {
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
     "disagg_kv_lease_expired_total": ("COUNTER", "KV leases that expired before the importer acked"),
-    "disagg_fallbacks_total": ("COUNTER", "Requests served by a fallback path"),
+    "disagg_fallbacks_total": (
+        "COUNTER",
+        "Requests that fell below a ladder rung; labels from, to and reason (the pool and its state)",
+    ),
+    "disagg_migrations_total": ("COUNTER", "Streams moved to another rung after their pool failed"),
+    "disagg_degraded_requests_total": (
+        "COUNTER",
+        "Requests served on a rung below the entry point's first; capped: under the local output cap",
+    ),
+    "disagg_pool_health": (
+        "GAUGE",
+        "A pool's health as one orchestrator sees it: 0 healthy, 1 saturated, 2 gone",
+    ),
+    "disagg_serving_mode": ("GAUGE", "1 on the ladder rung new requests take now, 0 on the others"),
+    "disagg_pool_restarts_total": ("COUNTER", "Restarts of a gone pool through model control"),
+    "disagg_pool_recovery_seconds": ("HISTOGRAM", "From a pool found gone to its probes healthy again"),
     "disagg_engine_steps_total": (
         "COUNTER",
         "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
+from disagg.serving.health import Change
+from disagg.serving.ladder import Route
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.serving.text_api import (
@@ -28,8 +31,10 @@ from disagg.serving.text_api import (
     parse_text_request,
     wants_error_code,
 )
+from disagg.serving.watcher import PoolWatcher
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
+from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
 from disagg.triton.metrics import OrchestratorMetrics
 
@@ -91,20 +96,54 @@ class OrchestratorModel:
         secret_file = self.config.secret_file
         signer = TokenSigner(glue.deployment_secret(str(secret_file) if secret_file else ""))
         self.pools = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
-        self.orchestrator = Orchestrator(self.config, self.pools, self.tokenizer.decode)
+        instance = args["model_instance_name"]
+        deployed = deployed_pools(self.config, args.get("model_repository", ""))
+        # one owner restarts gone pools: the entry point configured so, its first instance only
+        recovery = self.config.pool_recovery and instance.endswith("_0")
+        self.degradation = DegradationMetrics(
+            pb_utils, args["model_name"], self.config.mode, instance, self.config.ladder, deployed, recovery
+        )
+        self.orchestrator = Orchestrator(
+            self.config, self.pools, self.tokenizer.decode, deployed=deployed, on_change=self._changed
+        )
+        self.watcher = PoolWatcher(
+            self.orchestrator,
+            self._restart if recovery else None,
+            on_restart=self.degradation.restarted,
+            on_recovered=self.degradation.recovered,
+        )
+        self._watching: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0
         slo = SloConfig(
             ttft_s=self.config.slo_ttft_s, tpot_s=self.config.slo_tpot_s, window_s=self.config.slo_window_s
         )
         self.metrics = OrchestratorMetrics(
-            pb_utils, args["model_name"], self.config.mode, SloWindow(slo), args["model_instance_name"]
+            pb_utils, args["model_name"], self.config.mode, SloWindow(slo), instance
         )
         self.metrics.start_refresher()
+
+    def _changed(self, change: Change) -> None:
+        self.degradation.changed(change)
+        self.degradation.serving(self.orchestrator.ladder.mode)
+        self.watcher.pool_gone(change)
+
+    async def _restart(self, pool: str) -> None:
+        """Reload a gone pool's model through model control (on a thread: the call blocks)."""
+        name = self.config.pool_models[pool]
+        await asyncio.get_running_loop().run_in_executor(None, self._pb.load_model, name)
+
+    def _watch(self) -> None:
+        """Start the pool watcher on the backend's event loop (it exists once requests arrive)."""
+        if self._watching is None:
+            self._loop = asyncio.get_running_loop()
+            self._watching = self._loop.create_task(self.watcher.run())
 
     def execute(self, requests: list[Any]) -> Any:
         return self._execute(requests)
 
     async def _execute(self, requests: list[Any]) -> None:
+        self._watch()
         await asyncio.gather(*(self._one(r) for r in requests))
 
     async def _one(self, request: Any) -> None:
@@ -130,6 +169,7 @@ class OrchestratorModel:
             self._inflight -= 1
         try:
             self.metrics.observe(outcome, time.monotonic())
+            self.degradation.observe(outcome, self.config.ladder[0])
         except Exception:
             log.warning("recording request metrics failed", exc_info=True)
 
@@ -152,5 +192,19 @@ class OrchestratorModel:
         return text, ids
 
     def finalize(self) -> None:
+        if self._watching is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._watching.cancel)
         self.metrics.stop()
+        self.degradation.retire()
         self.pools.close()
+
+
+def deployed_pools(config: OrchestratorConfig, model_folder: str) -> tuple[str, ...]:
+    """The pools of ``config``'s ladder whose models are in this server's repository (the folder above
+    this model's); all of them when that cannot be told."""
+    wanted = sorted({pool for rung in config.ladder for pool in Route(rung).pools})
+    repository = Path(model_folder).parent if model_folder else None
+    if repository is None or not repository.is_dir():
+        return tuple(wanted)
+    models = config.pool_models
+    return tuple(pool for pool in wanted if (repository / models[pool] / "config.pbtxt").is_file())

@@ -10,7 +10,7 @@ from disagg.affinity import pin_process
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.messages import AbortLease, Control, Event, Failed, Stop
+from disagg.serving.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 
@@ -79,21 +79,32 @@ class PoolModel:
         values = glue.input_arrays(pb, request, wire.POOL_INPUTS)
         control = glue.first_bytes(values["control"])
         if control is not None:
-            self._control(wire.decode_control(control))
-            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            load = self._control(wire.decode_control(control))
+            final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            if load is None:
+                sender.send(flags=final)
+            else:
+                outputs = [glue.bytes_tensor(pb, "event", wire.encode_load(load))]
+                if self.config.role.exports_kv:
+                    outputs.append(glue.bytes_tensor(pb, "descriptor", b""))
+                sender.send(pb.InferenceResponse(output_tensors=outputs), flags=final)
             return
         sink = TritonSink(pb, sender, descriptor_output=self.config.role.exports_kv)
         job = wire.decode_job(self.config.role, values, sink)
         self.loop.validate(job)
         self.loop.submit(job)
 
-    def _control(self, control: Control) -> None:
+    def _control(self, control: Control) -> PoolLoad | None:
+        """Act on a control request; a ping is answered with the pool's load."""
         if isinstance(control, Stop):
             self.loop.stop(control.handle)
         elif isinstance(control, AbortLease):
             self.loop.abort_lease(control.lease_id)
         elif not self.loop.healthy:  # Ping
             raise ServingError(UNAVAILABLE, f"{self.config.role.value} pool is not serving")
+        else:
+            return self.loop.stats().load()
+        return None
 
     def finalize(self) -> None:
         # Finish what Triton already handed over and let exported KV be pulled before the memory

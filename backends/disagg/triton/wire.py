@@ -3,12 +3,15 @@
 Pool inputs (all optional; which ones are present decides the kind of request):
   ``input_ids`` INT32 [-1]   prompt (prefill, colocated)
   ``sampling``  BYTES [1]    SamplingParams as JSON (prefill, colocated)
-  ``state``     BYTES [1]    SequenceState as JSON (decode)
+  ``state``     BYTES [1]    SequenceState as JSON: with ``descriptor``, decode that KV here; alone,
+                             generate here (prefill the prompt and any generated tokens, then
+                             decode): colocated, or a prefill pool with ``local_generate``
   ``descriptor``BYTES [1]    signed KV descriptor (decode)
   ``handle``    BYTES [1]    the orchestrator's request id (every job)
   ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "abort_lease", "lease_id": ...}
                              | {"op": "ping"}
-Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``).
+Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``); a ping's one
+response carries the pool's load (``encode_load``).
 Every pool request carries the request parameter ``disagg_auth`` (``disagg.serving.auth``).
 """
 
@@ -32,6 +35,7 @@ from disagg.serving.messages import (
     GenerateJob,
     Job,
     Ping,
+    PoolLoad,
     Prefilled,
     PrefillJob,
     Sink,
@@ -111,14 +115,17 @@ def decode_control(raw: bytes) -> Control:
 
 
 def decode_job(role: Role, values: dict[str, Any], sink: Sink) -> Job:
-    """The job a pool request asks for: a sequence state and KV descriptor make a DecodeJob; a prompt
-    and sampling parameters a PrefillJob (prefill role) or a GenerateJob (colocated)."""
+    """The job a pool request asks for: a sequence state and KV descriptor make a DecodeJob; a state
+    alone a GenerateJob that re-prefills it (whether this pool runs it is the scheduler's check); a
+    prompt and sampling parameters a PrefillJob (prefill role) or a GenerateJob (colocated)."""
     handle = decode_handle(first_bytes(values.get("handle")))
     state, descriptor = first_bytes(values.get("state")), first_bytes(values.get("descriptor"))
-    if state is not None or descriptor is not None:
-        if state is None or descriptor is None:
+    if descriptor is not None:
+        if state is None:
             raise invalid("decode requests need a KV descriptor and a sequence state")
         return DecodeJob(handle, sink, decode_state(state), descriptor)
+    if state is not None:
+        return GenerateJob(handle, sink, Request.resuming(decode_state(state)))
     ids, sampling = values.get("input_ids"), first_bytes(values.get("sampling"))
     if ids is None or sampling is None:
         raise invalid(f"{role.value} requests need input_ids and sampling")
@@ -144,6 +151,18 @@ def encode_event(event: Event) -> str:
             }
         )
     raise ValueError("failures travel as Triton errors")
+
+
+def encode_load(load: PoolLoad) -> str:
+    return json.dumps({"type": "load", **asdict(load)})
+
+
+def decode_load(raw: bytes) -> PoolLoad:
+    """A ping's answer; a pool that answers something else is out of protocol (ValueError)."""
+    data = json.loads(raw)
+    if not isinstance(data, dict) or data.pop("type", None) != "load":
+        raise ValueError("not a pool load")
+    return PoolLoad(**{name: int(data[name]) for name in PoolLoad.__dataclass_fields__})
 
 
 def decode_event(raw: bytes, descriptor: bytes | None) -> Token | Prefilled:

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from disagg.openai.app import create_app
 from disagg.openai.client import Piece
 from disagg.openai.config import FrontendConfig
-from disagg.openai.errors import ApiError
+from disagg.openai.errors import ApiError, from_llm
 from disagg.openai.protocol import Generation
 
 MODEL = "tiny-model"
@@ -163,6 +163,24 @@ def test_a_refusal_before_the_first_piece_keeps_its_status(tmp_path: Path) -> No
             error = (await reply.json())["error"]
             assert error["message"] == "prompt too long for the model's context"
             assert set(error) == {"message", "type", "param", "code"}
+
+    run(llm, test, tmp_path)
+
+
+def test_a_shed_request_gets_retry_after(tmp_path: Path) -> None:
+    """llm's shedding error carries its retry hint; the front end turns it into Retry-After."""
+    shed = from_llm("UNAVAILABLE: server is degraded (decode gone); retry after 2.5 s")
+    llm = ScriptedLlm([shed])
+
+    async def test(client: TestClient) -> None:
+        for stream in (False, True):
+            reply = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "p", "stream": stream}
+            )
+            assert reply.status == 503 and reply.headers["Retry-After"] == "3"
+            assert "retry after 2.5 s" in (await reply.json())["error"]["message"]
+        busy = ApiError(503, "Triton or its 'llm' model is not ready")
+        assert busy.retry_after_s is None and from_llm("INVALID_ARG: retry after 2 s").retry_after_s is None
 
     run(llm, test, tmp_path)
 

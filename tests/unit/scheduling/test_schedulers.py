@@ -397,3 +397,41 @@ def test_fused_steps_run_chunks_and_decode_in_one_call():
     emissions = _drive(scheduler, backend, steps=4)
     assert backend.calls[-1] == "decode" and sorted(_finals(emissions)) == ["long", "short"]
     assert scheduler.idle and backend.usage().used == 0
+
+
+# ----------------------------------------------------------------------------------- local generate
+
+
+def test_a_prefill_pool_with_local_generate_decodes_between_prompts():
+    """The decode pool is gone: whole requests run in the prefill pool, one decode step over them per
+    iteration beside the next prompt, while prefill jobs still export under their leases."""
+    backend = FakeBackend(num_blocks=16, block_size=4)
+    scheduler = PrefillScheduler(backend.limits, SchedulerConfig(local_generate=True))
+    local = generate_job("g", prompt_len=4, max_tokens=3)
+    scheduler.check(local)
+    scheduler.add(local)
+    scheduler.add(prefill_job("p", prompt_len=4))
+    emitted = _drive(scheduler, backend, steps=3)
+    tokens = [e.event.token_id for e in emitted if e.job.handle == "g"]
+    assert tokens == [100, 101, 102] and _finals(emitted) == ["p", "g"]
+    assert isinstance(next(e.event for e in emitted if e.job.handle == "p"), Prefilled)
+    assert backend.calls == ["chunk 4", "chunk 4", "decode", "decode"]
+    assert scheduler.held_leases == 1 and scheduler.ledger.reserved == 1, "only p's lease holds blocks"
+
+
+def test_local_generate_needs_a_batch_slot_and_nothing_overtakes_it():
+    backend = FakeBackend(num_blocks=16, block_size=4, max_batch_size=1)
+    scheduler = PrefillScheduler(backend.limits, SchedulerConfig(local_generate=True))
+    for job in (generate_job("a", max_tokens=2), generate_job("b", max_tokens=2), prefill_job("c")):
+        scheduler.add(job)
+    finals = _finals(_drive(scheduler, backend, steps=2))
+    assert finals == ["a"], "b waits for a's slot, and c behind b"
+    assert sorted(_finals(_drive(scheduler, backend, steps=2))) == ["b", "c"]
+    assert backend.calls == ["chunk 4", "decode", "chunk 4", "chunk 4", "decode"], "c only after b"
+
+
+def test_a_prefill_pool_without_local_generate_refuses_generate_jobs():
+    scheduler = PrefillScheduler(FakeBackend().limits)
+    with pytest.raises(ServingError) as refused:
+        scheduler.check(generate_job("g"))
+    assert refused.value.code == INVALID_ARG and "does not run generate jobs" in refused.value.message

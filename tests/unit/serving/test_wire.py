@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from disagg.engine.params import SamplingParams
-from disagg.engine.sequence import SequenceState
+from disagg.engine.sequence import Request, SequenceState
 from disagg.role import Role
 from disagg.serving.errors import INVALID_ARG, ServingError
 from disagg.serving.messages import (
@@ -15,6 +15,7 @@ from disagg.serving.messages import (
     DecodeJob,
     GenerateJob,
     Ping,
+    PoolLoad,
     Prefilled,
     PrefillJob,
     Stop,
@@ -79,13 +80,32 @@ def test_jobs_by_role_and_inputs():
     assert isinstance(decode, DecodeJob) and decode.state == STATE and decode.descriptor == b"d"
 
 
+def test_a_state_alone_asks_for_generation_that_resumes_it():
+    """The fallback ladder's request to a colocated pool or a prefill pool's local decode: the state's
+    generated tokens are re-prefilled after its prompt."""
+    job = wire.decode_job(
+        Role.PREFILL, {"handle": _bytes("h"), "state": _bytes(wire.encode_state(STATE))}, _Sink()
+    )
+    assert isinstance(job, GenerateJob)
+    assert job.request == Request(STATE.prompt_token_ids, STATE.params, STATE.generated_token_ids)
+
+
+def test_a_pool_load_round_trips_and_anything_else_is_out_of_protocol():
+    load = PoolLoad(queued=3, queued_prompt_tokens=900, active_sequences=5, blocks_used=30, blocks_free=70)
+    assert wire.decode_load(wire.encode_load(load).encode()) == load
+    assert load.kv_use == 0.3
+    for raw in (wire.encode_event(Token(5, False)), "[]", '{"type": "load"}'):
+        with pytest.raises((ValueError, KeyError)):
+            wire.decode_load(raw.encode())
+
+
 @pytest.mark.parametrize(
     "values",
     [
         {"input_ids": np.array([[1]], dtype=np.int32)},  # no handle
         {"handle": _bytes("x" * 200), "input_ids": np.array([[1]], dtype=np.int32), "sampling": _bytes("{}")},
         {"handle": _bytes("h"), "input_ids": np.array([[1]], dtype=np.int32)},  # no sampling
-        {"handle": _bytes("h"), "state": _bytes(wire.encode_state(STATE))},  # no descriptor
+        {"handle": _bytes("h"), "descriptor": _bytes(b"d")},  # no state
         {"handle": _bytes("h"), "state": _bytes(b"{}"), "descriptor": _bytes(b"d")},
         {
             "handle": _bytes("h"),

@@ -1,0 +1,128 @@
+"""The pool watcher: probes each pool for its health and load, and restarts the pools that are gone.
+
+Every ``probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
+answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. On Triton 2.51
+a pool whose stub process died is neither restarted by Triton nor marked unready, so the watcher of the
+one orchestrator that owns recovery (``pool_recovery``) restarts it through model control, waiting
+``recovery_backoff_s`` after each failed attempt (doubling, at most ``MAX_BACKOFF_S``). The pool is back
+in use once its probes say so; the time from gone to healthy is what ``recovered`` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from disagg.serving.errors import ServingError
+from disagg.serving.health import Change, PoolState
+from disagg.serving.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 60.0
+
+
+class PoolWatcher:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        restart: Callable[[str], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_restart: Callable[[str], None] | None = None,
+        on_recovered: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """``restart(pool)`` reloads a pool's model (None: this watcher only probes); ``on_restart`` and
+        ``on_recovered(pool, seconds)`` are told of each attempt and each recovery (metrics)."""
+        self.orchestrator = orchestrator
+        self.restart = restart
+        self._on_restart = on_restart
+        self._on_recovered = on_recovered
+        self._clock = clock
+        self._probing: set[str] = set()
+        self._gone_at: dict[str, float] = {}
+        self._next_restart: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self.restarts = 0  # restart attempts so far
+        self.recovered: list[tuple[str, float]] = []  # (pool, seconds from gone to healthy), in order
+        self._restarting: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        """Probe until cancelled."""
+        interval = self.orchestrator.config.probe_interval_s
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(interval)
+
+    async def probe_all(self) -> None:
+        """One round: a probe of every pool not already being probed, then any restart that is due."""
+        pools = [p for p in self.orchestrator.health if p not in self._probing]
+        await asyncio.gather(*(self._probe(pool) for pool in pools))
+        self._maybe_restart()
+
+    async def _probe(self, pool: str) -> None:
+        orchestrator = self.orchestrator
+        health = orchestrator.health[pool]
+        timeout = orchestrator.config.probe_timeout_s
+        self._probing.add(pool)
+        started = self._clock()
+        try:
+            load = await asyncio.wait_for(orchestrator.pools.ping(pool), timeout)
+        except (ServingError, TimeoutError) as exc:
+            reason = "probe_timeout" if isinstance(exc, TimeoutError) else "probe_failed"
+            self._note(health.failed(reason))
+            return
+        finally:
+            self._probing.discard(pool)
+        self._note(health.probed(load, self._clock() - started))
+
+    def _note(self, change: Change | None) -> None:
+        if change is None:
+            return
+        now = self._clock()
+        if change.new is PoolState.GONE:
+            self._gone_at.setdefault(change.pool, now)
+            self._next_restart.setdefault(change.pool, now)
+        elif change.old is PoolState.GONE:
+            gone_at = self._gone_at.pop(change.pool, now)
+            self._next_restart.pop(change.pool, None)
+            self._backoff.pop(change.pool, None)
+            self.recovered.append((change.pool, now - gone_at))
+            log.warning("pool %s is back after %.1f s", change.pool, now - gone_at)
+            if self._on_recovered is not None:
+                self._on_recovered(change.pool, now - gone_at)
+        self.orchestrator.observe(change)
+
+    def pool_gone(self, change: Change | None) -> None:
+        """A call (not a probe) found a pool gone: schedule its restart as a probe would."""
+        if change is not None and change.new is PoolState.GONE:
+            now = self._clock()
+            self._gone_at.setdefault(change.pool, now)
+            self._next_restart.setdefault(change.pool, now)
+
+    def _maybe_restart(self) -> None:
+        """Start the next due restart; one at a time (model control calls are serialised)."""
+        if self.restart is None or (self._restarting is not None and not self._restarting.done()):
+            return
+        now = self._clock()
+        for pool, due in sorted(self._next_restart.items(), key=lambda item: item[1]):
+            if due <= now:
+                backoff = self._backoff.get(pool, self.orchestrator.config.recovery_backoff_s)
+                self._next_restart[pool] = now + backoff
+                self._backoff[pool] = min(backoff * 2, MAX_BACKOFF_S)
+                self._restarting = asyncio.ensure_future(self._restart(pool))
+                return
+
+    async def _restart(self, pool: str) -> None:
+        restart = self.restart
+        if restart is None:
+            return
+        self.restarts += 1
+        log.warning("restarting the %s pool (attempt %d)", pool, self.restarts)
+        if self._on_restart is not None:
+            self._on_restart(pool)
+        try:
+            await restart(pool)
+        except Exception:
+            log.warning("restart of the %s pool failed", pool, exc_info=True)

@@ -1,0 +1,314 @@
+"""Degradation over in-process pools: a pool that fails mid-stream or is gone moves requests down the
+fallback ladder (local decode in the prefill pool, then colocated, then shedding), a migrated stream
+continues with nothing repeated or lost, and every pool's blocks come back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from recorder import Recorder
+
+from disagg.engine.engine import Engine, EngineConfig
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request, SequenceState
+from disagg.engine.tokenizer import Tokenizer
+from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.health import PoolState
+from disagg.serving.instance import PoolConfig, build_instance
+from disagg.serving.ladder import Route
+from disagg.serving.local import LocalPools
+from disagg.serving.messages import PoolLoad, Token
+from disagg.serving.offline import generate
+from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.text_api import TextRequest
+from disagg.serving.watcher import PoolWatcher
+
+PROMPT = "The quick brown fox"
+DEAD = "the decode pool stopped responding"
+
+
+class FlakyPools(LocalPools):
+    """In-process pools where a named pool can die: its streams fail after ``tokens_before_death``
+    tokens, and its later calls and pings fail at once, as a killed stub's do under Triton."""
+
+    def __init__(self, loops, tokens_before_death: int | None = None) -> None:
+        super().__init__(**loops)
+        self.dead: set[str] = set()
+        self.dying: str | None = None
+        self.tokens_before_death = tokens_before_death
+
+    def _check(self, pool: str) -> None:
+        if pool in self.dead:
+            raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding")
+
+    async def _dying(self, pool: str, handle: str, tokens: AsyncIterator[Token]) -> AsyncIterator[Token]:
+        count = 0
+        async for token in tokens:
+            if pool == self.dying and count == self.tokens_before_death:
+                await super().stop(pool, handle)  # its sequence dies with it
+                self.dead.add(pool)
+                raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding")
+            count += 1
+            yield token
+
+    async def prefill(self, handle, request):
+        self._check("prefill")
+        return await super().prefill(handle, request)
+
+    def decode(self, handle, state, descriptor):
+        self._check("decode")
+        return self._dying("decode", handle, super().decode(handle, state, descriptor))
+
+    def generate(self, handle, request, pool="colocated"):
+        self._check(pool)
+        return self._dying(pool, handle, super().generate(handle, request, pool))
+
+    async def stop(self, pool, handle):
+        if pool not in self.dead:
+            await super().stop(pool, handle)
+
+    async def ping(self, pool):
+        self._check(pool)
+        return await super().ping(pool)
+
+
+@pytest.fixture(scope="module")
+def loops(tiny_model_dir) -> Iterator[dict]:
+    secret = secrets.token_bytes(32)
+    prefix = f"g{os.getpid()}"
+    built = {}
+    for role in ("prefill", "decode", "colocated"):
+        engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
+        config = PoolConfig(
+            role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix, local_generate=role == "prefill"
+        )
+        built[role] = build_instance(config, secret)
+    started = {role: loop.start() for role, (loop, _) in built.items()}
+    yield started
+    for loop in started.values():
+        loop.shutdown()
+    for _, transport in built.values():
+        if transport is not None:
+            transport.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> Tokenizer:
+    return Tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tokenizer):
+    engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16))
+
+    def text_of(prompt: str, params: SamplingParams) -> str:
+        return tokenizer.decode(generate(engine, Request(tuple(tokenizer.encode(prompt)), params))[0])
+
+    return text_of
+
+
+def _clean(loops, timeout_s: float = 10.0) -> bool:
+    """Every pool's blocks back (polled: a stop reaches a pool's engine thread asynchronously)."""
+
+    def clean() -> bool:
+        return all(
+            loop.engine.kv.free_blocks == loop.engine.kv.num_blocks and not loop.engine.held_sequences()
+            for loop in loops.values()
+        )
+
+    deadline = time.monotonic() + timeout_s
+    while not clean():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _serve(orchestrator, tokenizer, text: TextRequest, recorder: Recorder | None = None):
+    recorder = recorder or Recorder()
+    outcome = asyncio.run(orchestrator.serve(tokenizer.encode(text.prompt), text, recorder))
+    return outcome, recorder
+
+
+def _orchestrator(pools, tokenizer, **settings) -> Orchestrator:
+    return Orchestrator(OrchestratorConfig(**settings), pools, tokenizer.decode)
+
+
+@pytest.mark.parametrize("dying", ["decode", "prefill", "colocated"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_stream_whose_pool_dies_continues_on_the_next_rung(loops, tokenizer, reference, dying, sampled):
+    """decode dies: local decode in the prefill pool takes over; the prefill pool's local decode dies:
+    colocated does; colocated dies (a colocated entry point): the disaggregated pools can't resume a
+    stream, local decode does. The client's text is the uninterrupted text (float32, seeded draws)."""
+    params = SamplingParams(max_tokens=24, temperature=0.9 if sampled else 0.0, top_k=40, seed=99)
+    expected = reference(PROMPT, params)
+    pools = FlakyPools(loops, tokens_before_death=6)
+    pools.dying = dying
+    if dying == "prefill":  # only its local decode streams: the decode pool is gone from the start
+        pools.dead.add("decode")
+    mode = "colocated" if dying == "colocated" else "disaggregated"
+    orchestrator = _orchestrator(pools, tokenizer, mode=mode)
+    if dying == "prefill":
+        orchestrator.observe(orchestrator.health["decode"].failed("probe_failed"))
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, stream=True))
+
+    assert recorder.error is None and recorder.finals == 1
+    assert recorder.text == expected, "one stream: nothing repeated, nothing lost"
+    assert outcome.output_tokens == 24 and sum(recorder.tokens) == 24
+    assert outcome.migrations == 1
+    assert outcome.rung == {"decode": "local", "prefill": "colocated", "colocated": "local"}[dying]
+    assert orchestrator.health[dying].state is PoolState.GONE
+    assert _clean(loops)
+
+
+def test_new_requests_skip_a_gone_pool_and_count_why(loops, tokenizer, reference):
+    params = SamplingParams(max_tokens=10)
+    pools = FlakyPools(loops)
+    pools.dead.add("decode")
+    orchestrator = _orchestrator(pools, tokenizer)
+
+    first, _ = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params))  # finds decode dead mid-way
+    later, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, stream=True))
+
+    assert first.error is None and first.migrations == 1
+    assert first.fallbacks == [Route("local", "disaggregated", "decode_failed")]
+    assert later.migrations == 0 and later.rung == "local"
+    assert later.fallbacks == [Route("local", "disaggregated", "decode_gone")]
+    assert orchestrator.ladder.mode == "local"
+    assert recorder.text == reference(PROMPT, params)
+    assert _clean(loops)
+
+
+def test_the_local_rung_caps_the_output_and_says_so(loops, tokenizer, reference):
+    pools = FlakyPools(loops)
+    orchestrator = _orchestrator(pools, tokenizer, local_max_tokens=5)
+    orchestrator.observe(orchestrator.health["decode"].failed("probe_failed"))
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(max_tokens=40)))
+
+    assert outcome.capped and outcome.output_tokens == 5 and recorder.finish_reason == "length"
+    assert recorder.text == PROMPT + reference(PROMPT, SamplingParams(max_tokens=5))
+    assert _clean(loops)
+
+
+def test_with_no_pool_left_requests_are_shed_at_once_with_a_retry_hint(loops, tokenizer):
+    pools = FlakyPools(loops)
+    orchestrator = _orchestrator(pools, tokenizer, retry_after_s=7)
+    for pool in ("prefill", "decode", "colocated"):
+        orchestrator.observe(orchestrator.health[pool].failed("probe_failed"))
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(max_tokens=8)))
+
+    assert recorder.error.code == UNAVAILABLE and "retry after 7 s" in recorder.error.message
+    assert outcome.rung == "shed" and outcome.first_token_at is None
+    assert _clean(loops)
+
+
+def test_the_migration_limit_ends_a_stream_with_its_error(loops, tokenizer):
+    pools = FlakyPools(loops, tokens_before_death=3)
+    pools.dying = "decode"
+    orchestrator = _orchestrator(pools, tokenizer, migration_limit=0)
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(16), stream=True))
+
+    assert recorder.error.code == UNAVAILABLE and DEAD in recorder.error.message
+    assert outcome.migrations == 0 and outcome.output_tokens == 4  # the first token, then 3 from decode
+    assert _clean(loops)
+
+
+def test_a_bad_request_is_not_migrated(loops, tokenizer):
+    orchestrator = _orchestrator(FlakyPools(loops), tokenizer)
+    text = TextRequest(PROMPT, SamplingParams(max_tokens=10**6))
+    outcome, recorder = _serve(orchestrator, tokenizer, text)
+    assert recorder.error.code == INVALID_ARG and outcome.migrations == 0
+    assert all(h.state is PoolState.HEALTHY for h in orchestrator.health.values())
+
+
+def test_a_prefill_pool_without_local_generate_refuses_whole_requests(tiny_model_dir):
+    engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=32, block_size=16)
+    loop, transport = build_instance(PoolConfig(role="prefill", engine=engine), secrets.token_bytes(32))
+    try:
+        pools = LocalPools(prefill=loop.start())
+        state = SequenceState((1, 2, 3), (), SamplingParams(max_tokens=4))
+
+        async def attempt():
+            async for _ in pools.generate("h", Request.resuming(state), "prefill"):
+                pass
+
+        with pytest.raises(ServingError, match="does not run generate jobs"):
+            asyncio.run(attempt())
+    finally:
+        loop.shutdown()
+        transport.close()
+
+
+class _ScriptedPools:
+    """Pings answered from a script per pool: a PoolLoad, or an exception to raise."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, object] = {}
+
+    async def ping(self, pool: str) -> PoolLoad:
+        answer = self.answers.get(pool, PoolLoad(0, 0, 0, 0, 10))
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def test_the_watcher_finds_a_dead_pool_restarts_it_once_per_backoff_and_times_its_recovery():
+    now = [100.0]
+    pools = _ScriptedPools()
+    restarted: list[str] = []
+
+    async def restart(pool: str) -> None:
+        restarted.append(pool)
+
+    orchestrator = Orchestrator(
+        OrchestratorConfig(recovery_backoff_s=5), pools, lambda ids: "", deployed=("prefill", "decode")
+    )
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0])
+
+    async def rounds() -> None:
+        pools.answers["decode"] = ServingError(UNAVAILABLE, DEAD)
+        await watcher.probe_all()  # gone; first restart at once
+        await asyncio.sleep(0)
+        now[0] += 2
+        await watcher.probe_all()  # still gone, within the backoff: no restart
+        await asyncio.sleep(0)
+        now[0] += 4
+        await watcher.probe_all()  # backoff (5 s) passed: second restart
+        await asyncio.sleep(0)
+        pools.answers.pop("decode")
+        now[0] += 1
+        await watcher.probe_all()  # one answered probe: not yet trusted
+        assert orchestrator.health["decode"].state is PoolState.GONE
+        now[0] += 1
+        await watcher.probe_all()  # two: healthy again
+
+    asyncio.run(rounds())
+    assert restarted == ["decode", "decode"]
+    assert orchestrator.health["decode"].state is PoolState.HEALTHY
+    assert orchestrator.health["prefill"].state is PoolState.HEALTHY
+    assert watcher.recovered == [("decode", 8.0)]
+    assert orchestrator.ladder.mode == "disaggregated"
+
+
+def test_a_probe_that_does_not_answer_in_time_finds_the_pool_gone():
+    class Hanging(_ScriptedPools):
+        async def ping(self, pool: str) -> PoolLoad:
+            if pool == "decode":
+                await asyncio.Event().wait()
+            return await super().ping(pool)
+
+    orchestrator = Orchestrator(
+        OrchestratorConfig(probe_timeout_s=0.05), Hanging(), lambda ids: "", deployed=("prefill", "decode")
+    )
+    asyncio.run(PoolWatcher(orchestrator).probe_all())
+    assert orchestrator.health["decode"].state is PoolState.GONE
+    assert orchestrator.ladder.mode == "local"
