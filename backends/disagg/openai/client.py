@@ -91,7 +91,7 @@ class LlmClient:
         request = {
             "model_name": MODEL,
             "inputs": llm_inputs(gen, prompt, seed),
-            "parameters": {"triton_enable_empty_final_response": True},
+            "parameters": {"triton_enable_empty_final_response": True, "disagg_priority": gen.priority},
         }
 
         # The request side stays open until the request has ended (then the server ends the stream),

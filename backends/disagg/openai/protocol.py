@@ -6,7 +6,8 @@ What is accepted, besides ``model`` (required, the served model's id):
   (0, 1]), ``seed``, ``stop`` (a string or up to 4), ``n`` (1 only), ``stream``, ``stream_options``
   (``include_usage`` only, and only with ``stream``), ``user`` (accepted and not used: it labels the
   caller in OpenAI's own service), and vLLM's ``min_tokens`` (the fewest tokens before an end token may
-  end the output);
+  end the output) and ``priority`` (an integer in [-100, 100], 0 by default; negative is refused
+  first when the server is over capacity);
 - completions: ``prompt`` (a string, or a list holding one string; token ids are refused);
 - chat: ``messages`` (roles system, developer, user, assistant; content a string or text parts) and
   ``max_completion_tokens`` (the newer name of ``max_tokens``).
@@ -26,6 +27,7 @@ from typing import Any, Literal
 from disagg.openai.errors import bad_request
 
 MAX_SEED = (1 << 64) - 1
+MAX_PRIORITY = 100  # text_api.MAX_PRIORITY: llm refuses a priority beyond it
 MAX_TOKENS = (1 << 31) - 1  # llm's max_tokens is INT32; the server refuses what exceeds its own cap
 MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_BYTES = 256  # text_api.MAX_STOP_WORD_BYTES: refused here with the parameter's name
@@ -33,7 +35,7 @@ ROLES = ("system", "developer", "user", "assistant")
 
 _COMMON = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"}
-    | {"user", "min_tokens"}
+    | {"user", "min_tokens", "priority"}
 )
 _COMPLETION = _COMMON | {"prompt"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
@@ -84,6 +86,7 @@ class Generation:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    priority: int = 0  # negative: sheddable (vLLM's field; llm's request parameter ``disagg_priority``)
     prompt: str = ""  # completions
     messages: tuple[Message, ...] = ()  # chat
 
@@ -172,6 +175,7 @@ def _sampling(
     if not 0 < top_p <= 1:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     seed = _integer(body, "seed", 0, MAX_SEED, None)
+    priority = _integer(body, "priority", -MAX_PRIORITY, MAX_PRIORITY, 0)
     if _integer(body, "n", 1, None, 1) != 1:
         raise bad_request("only n=1 is supported", "n")
     stream = body.get("stream")
@@ -183,6 +187,7 @@ def _sampling(
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
+        "priority": priority,
         "stop": _stop(body.get("stop")),
         "stream": bool(stream),
         "include_usage": _include_usage(body.get("stream_options"), bool(stream)),

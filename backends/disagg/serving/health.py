@@ -83,6 +83,11 @@ class PoolHealth:
         self.load: PoolLoad | None = None  # the last load a probe reported
         self._answered = 0  # probes answered in a row while gone
 
+    @property
+    def answered(self) -> int:
+        """Probes answered in a row since the pool went gone (0 while it stays silent)."""
+        return self._answered
+
     def probed(self, load: PoolLoad, probe_s: float) -> Change | None:
         """A probe answered with ``load`` after ``probe_s`` seconds."""
         self.load = load

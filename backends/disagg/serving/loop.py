@@ -56,11 +56,18 @@ class LoopStats:
     healthy: bool
     engine_steps: int  # engine calls so far: each prefill, each decode step
     engine_busy_s: float  # seconds spent inside them
+    prompt_tokens_done: int = 0  # prompt tokens prefilled so far
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
         return PoolLoad(
-            self.queued, self.queued_prompt_tokens, self.active_sequences, self.blocks_used, self.blocks_free
+            self.queued,
+            self.queued_prompt_tokens,
+            self.active_sequences,
+            self.blocks_used,
+            self.blocks_free,
+            self.prompt_tokens_done,
+            self.engine_busy_s,
         )
 
 
@@ -258,4 +265,5 @@ class EngineLoop:
             healthy=self._healthy,
             engine_steps=self.runner.steps,
             engine_busy_s=self.runner.busy_s,
+            prompt_tokens_done=self.runner.prompt_tokens,
         )

@@ -157,6 +157,8 @@ class PoolLoad:
     active_sequences: int  # in the decode batch
     blocks_used: int
     blocks_free: int
+    prompt_tokens_done: int = 0  # prompt tokens prefilled since the instance started ...
+    busy_s: float = 0.0  # ... and the seconds its engine has computed: the throughput, from two loads
 
     @property
     def kv_use(self) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
+from disagg.serving.admission import Admission, AdmissionConfig
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, TRANSFER_FAILED, UNAVAILABLE, ServingError, classify
 from disagg.serving.health import Change, HealthConfig, PoolHealth
@@ -116,11 +117,16 @@ class OrchestratorConfig:
     """This orchestrator restarts gone pools through model control (exactly one per deployment)."""
     recovery_backoff_s: float = 5.0
     """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
+    admission_margin: float = 0.0
+    """Refuse a request whose predicted TTFT exceeds this x ``slo_ttft_s`` (0: off; see admission)."""
+    admission_sheddable_margin: float = 0.5
+    """The same for requests of negative ``priority``, which are so refused first."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         parse_ladder(self.fallback_ladder, self.mode)
+        _ = self.admission  # validates its settings
         for name, top in (("local_max_tokens", 1 << 20), ("migration_limit", 100)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
@@ -154,6 +160,10 @@ class OrchestratorConfig:
     @property
     def ladder(self) -> tuple[str, ...]:
         return parse_ladder(self.fallback_ladder, self.mode)
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(self.admission_margin, self.admission_sheddable_margin, self.slo_ttft_s)
 
 
 @dataclass
@@ -206,6 +216,7 @@ class Orchestrator:
             deployed = sorted({pool for rung in rungs for pool in Route(rung).pools})
         self.health = {pool: PoolHealth(pool, HealthConfig()) for pool in deployed}
         self.ladder = Ladder(rungs, self.health, local=local_generate)
+        self.admission = Admission(config.admission)
         self._on_change = on_change
 
     def observe(self, change: Change | None) -> None:
@@ -279,6 +290,7 @@ class _Run:
         self.finished = False
         self.sent_tokens = 0  # output tokens accounted for in responses already sent
         self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
+        self.admitted = False  # passed admission by capacity
 
     async def go(self) -> None:
         """Serve on the ladder's rung; when the rung's pool fails, move down and resume there."""
@@ -320,6 +332,9 @@ class _Run:
             raise ServingError(
                 UNAVAILABLE, f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s"
             )
+        if not self.tokens and not self.admitted:  # a new request: is there capacity for its TTFT?
+            self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
+            self.admitted = True
         if route.rung == DISAGGREGATED:
             await self._disaggregated()
             return
@@ -356,21 +371,25 @@ class _Run:
         await self._relay(self.pools.decode(self.handle, first.state, first.descriptor))
 
     async def _relay(self, tokens: AsyncIterator[Token]) -> None:
+        ended = False
         try:
             async for token in tokens:
                 self.lease_id = None  # decode produced a token: it has imported the KV
                 self.outcome.finish_reason = token.finish_reason
                 stop = self._token(token.token_id)
                 if token.finished:
-                    self.running_on = None
+                    self.running_on, ended = None, True
                     break
                 if stop:
                     await self.cleanup()
+                    ended = True
                     break
                 self._check_cancelled()
         finally:
             with contextlib.suppress(Exception):
                 await tokens.aclose()  # type: ignore[attr-defined]
+        if not ended:  # the pool's stream stopped short of its last token: its instance died
+            raise ServingError(UNAVAILABLE, f"the {self.running_on} pool ended a stream before its end")
         self._finish()
 
     def _token(self, token_id: int) -> bool:

@@ -28,6 +28,7 @@ class Runner:
         self.transport = transport  # moves the KV of PrefillJobs and DecodeJobs
         self.steps = 0  # engine calls so far (each prefill, each decode step) ...
         self.busy_s = 0.0  # ... and the seconds spent in them (disagg_engine_* metrics)
+        self.prompt_tokens = 0  # prompt tokens prefilled so far (with busy_s: the prefill throughput)
         self.transfer_times: deque[float] = deque(maxlen=4096)  # seconds of each KV import
 
     def run(self, plan: Plan) -> list[Result]:
@@ -55,6 +56,7 @@ class Runner:
         try:
             seq_id = self._sequence(chunk)
             output = self._timed(self.backend.prefill_chunk, seq_id, chunk.tokens)
+            self.prompt_tokens += chunk.tokens
         except Exception as exc:
             if seq_id is not None:
                 self.backend.free(seq_id)
@@ -91,6 +93,7 @@ class Runner:
             outputs, firsts = self._timed(
                 self.backend.step, [(seq_id, c.tokens) for c, seq_id in chunks], decode=plan.decode
             )
+            self.prompt_tokens += sum(c.tokens for c, _ in chunks)
         except SequenceFailed as failure:  # the chunks' outcome is unknown: they end with the lost ones
             for chunk, seq_id in chunks:
                 self.backend.free(seq_id)

@@ -92,7 +92,12 @@ MAX_PROMPT_BYTES = 1 << 20  # 1 MiB of UTF-8: far above any context this server 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_BYTES = 256
 # Request parameters Triton itself adds, or that our own glue sets; everything else is refused.
-ALLOWED_PARAMETERS = frozenset({"triton_enable_empty_final_response", "disagg_auth"})
+PRIORITY_PARAMETER = "disagg_priority"
+"""Request parameter: an integer in [-MAX_PRIORITY, MAX_PRIORITY], 0 by default; negative is sheddable
+(refused first when the server is over capacity). Not ``priority``: Triton reserves that name for its
+own scheduler's priority level (the clients refuse it as a parameter)."""
+ALLOWED_PARAMETERS = frozenset({"triton_enable_empty_final_response", "disagg_auth", PRIORITY_PARAMETER})
+MAX_PRIORITY = 100
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class TextRequest:
     stop_words: tuple[str, ...] = ()
     extra_outputs: frozenset[str] = frozenset()
     """Names of the ``EXTRA_OUTPUTS`` the client asked for (``llm`` only)."""
+    priority: int = 0
 
 
 def _scalar(name: str, value: np.ndarray) -> Any:
@@ -190,7 +196,18 @@ def parse_text_request(values: Mapping[str, np.ndarray | None], parameters: Mapp
         extra_outputs=frozenset(
             output for flag, output, _ in EXTRA_OUTPUTS if flag in present and bool(get(flag, False))
         ),
+        priority=_priority(parameters.get(PRIORITY_PARAMETER, 0)),
     )
+
+
+def _priority(value: Any) -> int:
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+        raise invalid(
+            f"parameter '{PRIORITY_PARAMETER}' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]"
+        )
+    return value
 
 
 def wants_error_code(values: Mapping[str, np.ndarray | None]) -> bool:

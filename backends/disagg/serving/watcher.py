@@ -76,14 +76,14 @@ class PoolWatcher:
         finally:
             self._probing.discard(pool)
         self._note(health.probed(load, self._clock() - started))
+        orchestrator.admission.observe(pool, load)
 
     def _note(self, change: Change | None) -> None:
         if change is None:
             return
         now = self._clock()
         if change.new is PoolState.GONE:
-            self._gone_at.setdefault(change.pool, now)
-            self._next_restart.setdefault(change.pool, now)
+            self._gone(change.pool, now)
         elif change.old is PoolState.GONE:
             gone_at = self._gone_at.pop(change.pool, now)
             self._next_restart.pop(change.pool, None)
@@ -97,9 +97,13 @@ class PoolWatcher:
     def pool_gone(self, change: Change | None) -> None:
         """A call (not a probe) found a pool gone: schedule its restart as a probe would."""
         if change is not None and change.new is PoolState.GONE:
-            now = self._clock()
-            self._gone_at.setdefault(change.pool, now)
-            self._next_restart.setdefault(change.pool, now)
+            self._gone(change.pool, self._clock())
+
+    def _gone(self, pool: str, now: float) -> None:
+        # the first restart waits one probe round: a pool found gone by one slow answer that
+        # answers the next probe is not restarted (a restart drops everything it was running)
+        self._gone_at.setdefault(pool, now)
+        self._next_restart.setdefault(pool, now + self.orchestrator.config.probe_interval_s)
 
     def _maybe_restart(self) -> None:
         """Start the next due restart; one at a time (model control calls are serialised)."""
@@ -107,7 +111,7 @@ class PoolWatcher:
             return
         now = self._clock()
         for pool, due in sorted(self._next_restart.items(), key=lambda item: item[1]):
-            if due <= now:
+            if due <= now and self.orchestrator.health[pool].answered == 0:
                 backoff = self._backoff.get(pool, self.orchestrator.config.recovery_backoff_s)
                 self._next_restart[pool] = now + backoff
                 self._backoff[pool] = min(backoff * 2, MAX_BACKOFF_S)

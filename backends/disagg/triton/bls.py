@@ -7,7 +7,11 @@ a sequence is stopped with a ``control`` request to its pool, keyed by the reque
 A pool instance whose stub process dies (``kill -9``, OOM) never completes its open requests on
 Triton 2.51, and the stub is not restarted: a wait for its next response would block forever. So
 while a response is overdue the pool is probed (a ``ping`` control request, answered at once by a
-live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE.
+live pool); a probe that fails or does not answer in time ends the request UNAVAILABLE. A ping goes to
+the pool's model, not to the instance a request is on: once the watcher has restarted a dead pool,
+the new instance answers for it. So each call also remembers the pool's *epoch* (how many times it
+was found gone, ``pool_lost``): a call whose pool was lost since it began ends UNAVAILABLE too, at its
+next check (every ``CHECK_S``).
 
 A finished iterator is never simply dropped: it goes to the ``Graveyard``, which releases it once the
 stub has dropped its own reference (Triton 2.51 would otherwise free its responses without the GIL;
@@ -45,6 +49,7 @@ def _drain(responses: Iterator[Any], graveyard: Graveyard) -> None:
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
+CHECK_S = 1.0  # how often a waiting call looks whether its pool was lost meanwhile
 
 
 class TritonPools:
@@ -54,6 +59,11 @@ class TritonPools:
         self.models = models  # pool -> Triton model name
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bls")
         self.graveyard = Graveyard()
+        self._epochs: dict[str, int] = {}  # pool -> times it was found gone
+
+    def pool_lost(self, pool: str) -> None:
+        """The pool was found gone: the calls it had open will never be answered."""
+        self._epochs[pool] = self._epochs.get(pool, 0) + 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -69,7 +79,9 @@ class TritonPools:
         )
         return await request.async_exec(decoupled=True)
 
-    async def _responses(self, responses: Iterator[Any], pool: str | None = None) -> AsyncIterator[Any]:
+    async def _responses(
+        self, responses: Iterator[Any], pool: str | None = None, epoch: int = 0
+    ) -> AsyncIterator[Any]:
         """Responses of one BLS call; with ``pool``, a pool that stops answering raises UNAVAILABLE.
 
         A caller that stops early (cancel, stop string, error) leaves the call's remaining responses
@@ -82,7 +94,7 @@ class TritonPools:
         try:
             while True:
                 pending = loop.run_in_executor(self._executor, next, responses, _END)
-                response = await (pending if pool is None else self._while_alive(pool, pending))
+                response = await (pending if pool is None else self._while_alive(pool, pending, epoch))
                 pending = None
                 if response is _END:
                     finished = True
@@ -97,16 +109,22 @@ class TritonPools:
             elif not finished:
                 self._executor.submit(_drain, responses, self.graveyard)
 
-    async def _while_alive(self, pool: str, pending: asyncio.Future[Any]) -> Any:
+    async def _while_alive(self, pool: str, pending: asyncio.Future[Any], epoch: int) -> Any:
+        overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
         while True:
-            done, _ = await asyncio.wait({pending}, timeout=PROBE_AFTER_S)
+            done, _ = await asyncio.wait({pending}, timeout=CHECK_S)
             if done:
                 return pending.result()
+            if self._epochs.get(pool, 0) != epoch:
+                # the thread blocked in next() stays blocked: the iterator has no cancel() here
+                raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding (it was lost)")
+            if asyncio.get_running_loop().time() < overdue_at:
+                continue
             try:
                 await asyncio.wait_for(self.ping(pool), PROBE_TIMEOUT_S)
             except (ServingError, TimeoutError):
-                # the thread blocked in next() stays blocked: the iterator has no cancel() here
                 raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding") from None
+            overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
 
     def _tensor(self, response: Any, name: str) -> bytes | None:
         tensor = self._pb.get_output_tensor_by_name(response, name)
@@ -124,7 +142,9 @@ class TritonPools:
 
     async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
         # aclosing: an early exit closes the inner generator now, not whenever it is collected
-        async with contextlib.aclosing(self._responses(await self._call(pool, inputs), pool)) as responses:
+        epoch = self._epochs.get(pool, 0)
+        call = await self._call(pool, inputs)
+        async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:
                 raw = self._tensor(response, "event")
                 if raw is None:
@@ -140,6 +160,8 @@ class TritonPools:
         async with contextlib.aclosing(self._events("prefill", inputs)) as events:
             async for event in events:
                 result = event
+        if result is None:  # the call ended without its answer: the instance died under it
+            raise ServingError(UNAVAILABLE, "the prefill pool ended a request without its answer")
         if not isinstance(result, Prefilled):
             raise ServingError(INTERNAL, "prefill pool answered out of protocol")
         return result

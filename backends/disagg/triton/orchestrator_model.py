@@ -20,7 +20,7 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
-from disagg.serving.health import Change
+from disagg.serving.health import Change, PoolState
 from disagg.serving.ladder import Route
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
@@ -124,14 +124,25 @@ class OrchestratorModel:
         self.metrics.start_refresher()
 
     def _changed(self, change: Change) -> None:
+        if change.new is PoolState.GONE:
+            self.pools.pool_lost(change.pool)
         self.degradation.changed(change)
         self.degradation.serving(self.orchestrator.ladder.mode)
         self.watcher.pool_gone(change)
 
     async def _restart(self, pool: str) -> None:
-        """Reload a gone pool's model through model control (on a thread: the call blocks)."""
+        """Restart a gone pool's model through model control, on a thread (the calls block).
+
+        On Triton 2.51 a load of a loaded model whose files did not change is a no-op, even when its
+        stub is dead (it stays READY): the model is unloaded first (that returns at once; the dead
+        instance is dropped in the background), then loaded, which starts a new stub."""
         name = self.config.pool_models[pool]
-        await asyncio.get_running_loop().run_in_executor(None, self._pb.load_model, name)
+
+        def restart() -> None:
+            self._pb.unload_model(name)
+            self._pb.load_model(name)
+
+        await asyncio.get_running_loop().run_in_executor(None, restart)
 
     def _watch(self) -> None:
         """Start the pool watcher on the backend's event loop (it exists once requests arrive)."""

@@ -162,7 +162,10 @@ def decode_load(raw: bytes) -> PoolLoad:
     data = json.loads(raw)
     if not isinstance(data, dict) or data.pop("type", None) != "load":
         raise ValueError("not a pool load")
-    return PoolLoad(**{name: int(data[name]) for name in PoolLoad.__dataclass_fields__})
+    return PoolLoad(**{name: _LOAD_TYPES[name](data[name]) for name in PoolLoad.__dataclass_fields__})
+
+
+_LOAD_TYPES = {name: float if name == "busy_s" else int for name in PoolLoad.__dataclass_fields__}
 
 
 def decode_event(raw: bytes, descriptor: bytes | None) -> Token | Prefilled:
@@ -189,6 +192,7 @@ def encode_text_request(text: Any) -> str:
             "stream": text.stream,
             "exclude_input_in_output": text.exclude_input_in_output,
             "stop_words": list(text.stop_words),
+            "priority": text.priority,
         }
     )
 
@@ -204,6 +208,7 @@ def decode_text_request(raw: bytes) -> Any:
             stream=bool(data["stream"]),
             exclude_input_in_output=bool(data["exclude_input_in_output"]),
             stop_words=tuple(str(w) for w in data["stop_words"]),
+            priority=int(data.get("priority", 0)),
         )
     except (ValueError, KeyError, TypeError):
         raise invalid("malformed request from preprocessing") from None

@@ -188,7 +188,7 @@ def test_generate_reads_to_the_final_piece_and_asks_for_the_counts() -> None:
     ]
     request = triton.requests[0]
     assert request["model_name"] == "llm"
-    assert request["parameters"] == {"triton_enable_empty_final_response": True}
+    assert request["parameters"] == {"triton_enable_empty_final_response": True, "disagg_priority": 0}
 
 
 def test_leaving_early_cancels_the_stream() -> None:

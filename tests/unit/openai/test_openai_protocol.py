@@ -122,6 +122,11 @@ def test_chat_refuses_unimplemented_values_by_name(field: str, value: Any) -> No
     assert parse_chat(chat(**{field: None}), 16).kind == "chat"
 
 
+def test_priority_is_carried_and_zero_by_default() -> None:
+    assert parse_completion(completion(priority=-3), 16).priority == -3
+    assert parse_chat(chat(), 16).priority == 0
+
+
 def test_unknown_fields_are_refused_by_name() -> None:
     error = refused(parse_completion, completion(top_k=5))
     assert error.param == "top_k" and "unknown parameter 'top_k'" in error.message
@@ -145,6 +150,8 @@ def test_unknown_fields_are_refused_by_name() -> None:
         ({"seed": -1}, "seed"),
         ({"seed": MAX_SEED + 1}, "seed"),
         ({"n": 2}, "n"),
+        ({"priority": 101}, "priority"),
+        ({"priority": 1.5}, "priority"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         (

@@ -275,28 +275,53 @@ def test_the_watcher_finds_a_dead_pool_restarts_it_once_per_backoff_and_times_it
     watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0])
 
     async def rounds() -> None:
+        async def at(t: float) -> None:
+            now[0] = t
+            await watcher.probe_all()
+            await asyncio.sleep(0)  # let a restart it started run
+
         pools.answers["decode"] = ServingError(UNAVAILABLE, DEAD)
-        await watcher.probe_all()  # gone; first restart at once
-        await asyncio.sleep(0)
-        now[0] += 2
-        await watcher.probe_all()  # still gone, within the backoff: no restart
-        await asyncio.sleep(0)
-        now[0] += 4
-        await watcher.probe_all()  # backoff (5 s) passed: second restart
-        await asyncio.sleep(0)
+        await at(100.0)  # gone; the restart waits one probe round (1 s)
+        assert restarted == []
+        await at(101.5)  # still silent: first restart
+        await at(104.0)  # within the backoff (5 s): none
+        assert restarted == ["decode"]
+        await at(107.0)  # backoff passed: second restart (the next waits 10 s)
         pools.answers.pop("decode")
-        now[0] += 1
-        await watcher.probe_all()  # one answered probe: not yet trusted
+        await at(108.0)  # one answered probe: not yet trusted
         assert orchestrator.health["decode"].state is PoolState.GONE
-        now[0] += 1
-        await watcher.probe_all()  # two: healthy again
+        await at(109.0)  # two: healthy again
 
     asyncio.run(rounds())
     assert restarted == ["decode", "decode"]
     assert orchestrator.health["decode"].state is PoolState.HEALTHY
     assert orchestrator.health["prefill"].state is PoolState.HEALTHY
-    assert watcher.recovered == [("decode", 8.0)]
+    assert watcher.recovered == [("decode", 9.0)]
     assert orchestrator.ladder.mode == "disaggregated"
+
+
+def test_a_pool_that_answers_again_before_its_restart_is_not_restarted():
+    now = [0.0]
+    pools = _ScriptedPools()
+    restarted: list[str] = []
+
+    async def restart(pool: str) -> None:
+        restarted.append(pool)
+
+    orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0])
+
+    async def rounds() -> None:
+        pools.answers["decode"] = TimeoutError()  # one slow answer
+        await watcher.probe_all()
+        pools.answers.pop("decode")
+        for t in (1.0, 2.0):
+            now[0] = t
+            await watcher.probe_all()
+            await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert restarted == [] and orchestrator.health["decode"].state is PoolState.HEALTHY
 
 
 def test_a_probe_that_does_not_answer_in_time_finds_the_pool_gone():

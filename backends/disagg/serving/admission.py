@@ -1,0 +1,92 @@
+"""Admission by capacity: refuse at once a request whose time to first token cannot meet the target.
+
+Mooncake's prediction-based early rejection, on what the orchestrator sees of a pool:
+
+- its backlog: the prompt tokens waiting in it (``PoolLoad.queued_prompt_tokens``, from the last probe),
+  plus those this orchestrator admitted to it since that probe;
+- its throughput: prompt tokens prefilled per second of engine time, from the difference of two probes'
+  ``prompt_tokens_done`` / ``busy_s``, smoothed.
+
+A request's predicted TTFT is (backlog + its prompt) / throughput. It is refused, UNAVAILABLE with a
+retry hint, when that exceeds ``margin`` x the TTFT SLO; a request of negative ``priority`` (sheddable)
+already at ``sheddable_margin`` x the SLO, so it goes first. Before the first throughput estimate
+every request is admitted. Pure: the caller passes loads and the clock's readings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.serving.messages import PoolLoad
+
+SMOOTHING = 0.3  # weight of the newest throughput sample
+MIN_BUSY_S = 0.05  # engine seconds between two probes below which a sample is too noisy to use
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    margin: float = 0.0  # refuse above margin x the TTFT SLO; 0: admission by capacity is off
+    sheddable_margin: float = 0.5  # the same, for requests of negative priority (while margin > 0)
+    ttft_slo_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("margin", "sheddable_margin", "ttft_slo_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1e6:
+                raise ValueError(f"{name} must be a number >= 0")
+        if self.ttft_slo_s <= 0:
+            raise ValueError("ttft_slo_s must be positive")
+
+
+@dataclass
+class _Pool:
+    load: PoolLoad | None = None
+    throughput: float | None = None  # prompt tokens per engine second
+    admitted: int = 0  # prompt tokens admitted here since the last probe
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._pools: dict[str, _Pool] = {}
+
+    def observe(self, pool: str, load: PoolLoad) -> None:
+        """A probe's answer: the new backlog, and a throughput sample from the previous answer."""
+        state = self._pools.setdefault(pool, _Pool())
+        previous, state.load, state.admitted = state.load, load, 0
+        if previous is None:
+            return
+        busy = load.busy_s - previous.busy_s
+        done = load.prompt_tokens_done - previous.prompt_tokens_done
+        if busy < MIN_BUSY_S or done <= 0:
+            return  # idle, or restarted (its counters went back): no sample
+        sample = done / busy
+        state.throughput = sample if state.throughput is None else (
+            SMOOTHING * sample + (1 - SMOOTHING) * state.throughput
+        )  # fmt: skip
+
+    def predict_ttft(self, pool: str, prompt_tokens: int) -> float | None:
+        """Seconds until a new request's prompt would be prefilled on ``pool``; None: no estimate yet."""
+        state = self._pools.get(pool)
+        if state is None or state.load is None or not state.throughput:
+            return None
+        backlog = state.load.queued_prompt_tokens + state.admitted + prompt_tokens
+        return backlog / state.throughput
+
+    def admit(self, pool: str, prompt_tokens: int, priority: int = 0) -> None:
+        """Count the request into ``pool``'s backlog, or raise UNAVAILABLE when it would miss its TTFT."""
+        config = self.config
+        if config.margin <= 0:
+            return
+        predicted = self.predict_ttft(pool, prompt_tokens)
+        margin = config.sheddable_margin if priority < 0 else config.margin
+        if predicted is not None and predicted > margin * config.ttft_slo_s:
+            wait = predicted - margin * config.ttft_slo_s
+            raise ServingError(
+                UNAVAILABLE,
+                f"server is over capacity: predicted time to first token {predicted:.1f} s exceeds "
+                f"{margin:g} x the {config.ttft_slo_s:g} s target; retry after {max(1, math.ceil(wait))} s",
+            )
+        self._pools.setdefault(pool, _Pool()).admitted += prompt_tokens

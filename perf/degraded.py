@@ -1,0 +1,263 @@
+"""RELIABILITY D1/D2 measured: a pool's stub killed under a steady load, and what the clients got.
+
+One run against a fresh Triton on the project's repository: an open-loop Poisson load of one workload
+(`codegen` by default) at `--rate`, sent to `ensemble`; after `--kill-after` seconds the `--kill` pool's
+stub gets `kill -9`. A scrape of `/metrics` every 0.5 s records when every entry point sees the pool
+healthy again (the watcher of `llm` restarts it through model control). The report splits the run into
+10 s windows by arrival and three phases: before the kill (normal), from the kill to the pool healthy
+again (degraded) and after (recovered). Per phase it gives the served rate, the attainment of the frozen
+SLOs (`perf/slos.json`) and the goodput (requests per second meeting both); the degraded goodput over
+the normal one is the article's "keeps more than 60 % of normal traffic".
+
+    .venv/bin/python perf/degraded.py --model-dir .models/tiny --rate 1.6 --kill decode
+
+Writes `<out-dir>/degraded_<pool>.json` and `.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.arrivals import count_for
+from benchlib.clients import ClientConfig, make_client
+from benchlib.cliutil import log, machine, write_json
+from benchlib.deploy import start_triton
+from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.metrics import RequestRecord, Slo
+from benchlib.slo import SLO_FILE, load_frozen
+from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WINDOW_S = 10.0
+SCRAPE_S = 0.5
+
+
+def stub_pids(server_pid: int, model: str) -> list[int]:
+    """The Python backend stubs of `model` that this server started (its direct children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        named = any(re.fullmatch(rf"{re.escape(model)}_\d+_\d+".encode(), arg) for arg in argv[1:])
+        if ppid == server_pid and argv[0].endswith(b"triton_python_backend_stub") and named:
+            pids.append(int(entry.name))
+    return pids
+
+
+def pool_health(metrics_url: str, pool: str) -> list[float]:
+    """Every entry point instance's `disagg_pool_health` of `pool` (0 healthy, 1 saturated, 2 gone)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    pattern = re.compile(rf'^disagg_pool_health\{{[^}}]*pool="{re.escape(pool)}"[^}}]*\}} (\S+)$', re.M)
+    return [float(v) for v in pattern.findall(text)]
+
+
+class HealthWatch:
+    """Scrapes the pool's health until stopped; `healthy_again` is the first time after `gone_seen`
+    that every view says healthy (seconds on `time.perf_counter()`)."""
+
+    def __init__(self, metrics_url: str, pool: str) -> None:
+        self.url, self.pool = metrics_url, pool
+        self.gone_seen: float | None = None
+        self.healthy_again: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SCRAPE_S):
+            try:
+                views = pool_health(self.url, self.pool)
+            except OSError:
+                continue
+            now = time.perf_counter()
+            if views and max(views) >= 2 and self.gone_seen is None:
+                self.gone_seen = now
+            if self.gone_seen is not None and self.healthy_again is None and views and not any(views):
+                self.healthy_again = now
+
+
+def phase_of(arrival: float, kill_at: float, back_at: float | None) -> str:
+    if arrival < kill_at:
+        return "normal"
+    if back_at is None or arrival < back_at:
+        return "degraded"
+    return "recovered"
+
+
+def figures(records: list[RequestRecord], slo: Slo, span_s: float) -> dict[str, Any]:
+    """Served rate, attainment and goodput of the requests that arrived in a span of `span_s`."""
+    good = [r for r in records if r.ok and r.ttft is not None and r.meets(slo)]
+    served = [r for r in records if r.ok]
+    return {
+        "requests": len(records),
+        "served": len(served),
+        "failed": len(records) - len(served),
+        "served_rps": len(served) / span_s if span_s > 0 else 0.0,
+        "attainment": len(good) / len(records) if records else None,
+        "goodput_rps": len(good) / span_s if span_s > 0 else 0.0,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
+    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--workload", default="codegen", choices=sorted(WORKLOADS))
+    parser.add_argument("--rate", type=float, required=True, help="requests/s: 80 %% of the normal goodput")
+    parser.add_argument("--kill", default="decode", choices=("decode", "prefill"))
+    parser.add_argument("--kill-after", type=float, default=40.0, help="seconds of normal load first")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals in all")
+    parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "degraded")
+    return parser.parse_args(argv)
+
+
+async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]:
+    workload = WORKLOADS[args.workload]
+    factory = PromptFactory.from_model_dir(args.model_dir)
+    count = count_for(args.rate, args.duration, max_requests=100000)
+    trace = build_trace(workload, factory, args.rate, count, args.seed, new_salt())
+    client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
+    await client.open()
+    (victim,) = stub_pids(server.pid, args.kill)
+    watch = HealthWatch(server.config.metrics_url, args.kill).start()
+    started = time.perf_counter()
+    load = asyncio.create_task(
+        run_trace(client, trace, LoadConfig(max_duration_s=args.duration + 1), factory.count_output)
+    )
+    await asyncio.sleep(args.kill_after)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.perf_counter()
+    log(f"killed the {args.kill} stub (pid {victim}) at {killed - started:.1f} s")
+    records = await load
+    watch.stop()
+    await client.close()
+    back = watch.healthy_again
+    kill_at, back_at = killed - started, None if back is None else back - started
+    phases: dict[str, list[RequestRecord]] = {"normal": [], "degraded": [], "recovered": []}
+    for record in records:
+        phases[phase_of(record.arrival, kill_at, back_at)].append(record)
+    spans = {
+        "normal": kill_at,
+        "degraded": (back_at if back_at is not None else args.duration) - kill_at,
+        "recovered": max(0.0, args.duration - back_at) if back_at is not None else 0.0,
+    }
+    windows = []
+    for start in range(0, int(args.duration), int(WINDOW_S)):
+        inside = [r for r in records if start <= r.arrival < start + WINDOW_S]
+        windows.append(
+            {"start_s": start, "phase": phase_of(start, kill_at, back_at), **figures(inside, slo, WINDOW_S)}
+        )
+    result = {phase: figures(phases[phase], slo, spans[phase]) | {"span_s": spans[phase]} for phase in phases}
+    normal, degraded = result["normal"]["goodput_rps"], result["degraded"]["goodput_rps"]
+    return {
+        "kill": args.kill,
+        "workload": args.workload,
+        "entry_point": args.model,
+        "rate_rps": args.rate,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "killed_at_s": kill_at,
+        "healthy_again_at_s": back_at,
+        "recovery_s": None if back_at is None else back_at - kill_at,
+        "phases": result,
+        "degraded_over_normal_goodput": degraded / normal if normal else None,
+        "windows": windows,
+        "machine": machine(),
+    }
+
+
+def markdown(out: dict[str, Any], command: str) -> str:
+    slo = out["slo"]
+    lines = [
+        f"# Degraded mode: the {out['kill']} stub killed under load",
+        "",
+        f"Written by `perf/degraded.py`: `{command}`. {out['workload']} at {out['rate_rps']:g} req/s "
+        f"(Poisson) to `{out['entry_point']}`; SLOs {slo['ttft_s'] * 1000:.0f} ms TTFT / "
+        f"{slo['tpot_s'] * 1000:.1f} ms TPOT (frozen, `perf/slos.json`). {out['machine']}.",
+        "",
+        f"Killed at {out['killed_at_s']:.1f} s; every entry point saw the pool healthy again at "
+        + (
+            f"{out['healthy_again_at_s']:.1f} s ({out['recovery_s']:.1f} s later)."
+            if out["recovery_s"]
+            else "never."
+        ),
+        "",
+        "| phase | span, s | requests | served | failed | served, req/s | attainment | goodput, req/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for phase, f in out["phases"].items():
+        attainment = "–" if f["attainment"] is None else f"{f['attainment']:.2f}"
+        lines.append(
+            f"| {phase} | {f['span_s']:.1f} | {f['requests']} | {f['served']} | {f['failed']} | "
+            f"{f['served_rps']:.2f} | {attainment} | {f['goodput_rps']:.2f} |"
+        )
+    ratio = out["degraded_over_normal_goodput"]
+    lines += ["", f"Degraded goodput / normal goodput: **{'–' if ratio is None else f'{ratio:.2f}'}**.", ""]
+    lines += [
+        "| window (arrivals), s | phase | requests | served | goodput, req/s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for w in out["windows"]:
+        lines.append(
+            f"| {w['start_s']}–{w['start_s'] + WINDOW_S:.0f} | {w['phase']} | {w['requests']} | "
+            f"{w['served']} | {w['goodput_rps']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    frozen = load_frozen(SLO_FILE, args.model_dir.name).get(args.workload)
+    if frozen is None:
+        log(
+            f"no frozen SLO for {args.model_dir.name}/{args.workload} in {SLO_FILE}: "
+            "run make bench-slos first"
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="degraded-") as scratch:
+        server = start_triton(args.repository, Path(scratch), args.model_dir, exit_timeout_s=10)
+        try:
+            out = asyncio.run(run(args, server, frozen.slo))
+        finally:
+            server.stop(grace_s=5)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"degraded_{args.kill}"
+    write_json(args.out_dir / f"{name}.json", out)
+    command = "python perf/degraded.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (args.out_dir / f"{name}.md").write_text(markdown(out, command))
+    log(markdown(out, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

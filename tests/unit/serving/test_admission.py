@@ -1,0 +1,66 @@
+"""Admission by capacity: the predicted TTFT from a pool's backlog and measured throughput, early
+refusal above the margin (sheddable requests first), and the backlog this orchestrator adds between
+two probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.serving.admission import Admission, AdmissionConfig
+from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.serving.messages import PoolLoad
+
+
+def _load(queued_tokens: int, done: int, busy_s: float) -> PoolLoad:
+    return PoolLoad(1, queued_tokens, 0, 0, 100, prompt_tokens_done=done, busy_s=busy_s)
+
+
+def _measured(config: AdmissionConfig) -> Admission:
+    """A prefill pool that prefilled 1,000 tokens in 1 s of engine time, with 1,500 tokens waiting."""
+    admission = Admission(config)
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(1500, 1000, 1.0))
+    return admission
+
+
+def test_the_prediction_is_backlog_over_throughput():
+    admission = _measured(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))
+    assert admission.predict_ttft("prefill", 300) == pytest.approx(1.8)
+    assert admission.predict_ttft("decode", 300) is None, "no estimate for a pool never probed"
+
+
+def test_a_request_that_would_miss_is_refused_with_a_retry_hint_and_others_pass():
+    admission = _measured(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))
+    admission.admit("prefill", 300)  # 1.8 s <= 2 x 1 s
+    with pytest.raises(ServingError) as refused:
+        admission.admit("prefill", 300)  # 1,500 + 300 admitted + 300 = 2.1 s
+    assert refused.value.code == UNAVAILABLE
+    assert "predicted time to first token 2.1 s" in refused.value.message
+    assert "retry after 1 s" in refused.value.message
+    admission.observe("prefill", _load(0, 2800, 2.8))  # the backlog drained: admitted again
+    admission.admit("prefill", 300)
+
+
+def test_sheddable_requests_are_refused_first():
+    admission = _measured(AdmissionConfig(margin=2.0, sheddable_margin=1.0, ttft_slo_s=1.0))
+    with pytest.raises(ServingError):
+        admission.admit("prefill", 300, priority=-1)  # 1.8 s > 1 x 1 s
+    admission.admit("prefill", 300, priority=0)
+    admission.admit("prefill", 100, priority=5)
+
+
+def test_off_without_a_margin_and_open_until_measured():
+    off = _measured(AdmissionConfig(margin=0.0))
+    for _ in range(100):
+        off.admit("prefill", 10_000)
+    fresh = Admission(AdmissionConfig(margin=1.0))
+    fresh.observe("prefill", _load(10**6, 0, 0.0))
+    fresh.admit("prefill", 300)  # one probe: no throughput yet
+
+
+def test_throughput_ignores_idle_intervals_and_restarted_counters():
+    admission = _measured(AdmissionConfig(margin=1.0))
+    admission.observe("prefill", _load(0, 1000, 1.0))  # idle: no engine time between the probes
+    admission.observe("prefill", _load(0, 10, 0.1))  # restarted instance: counters went back
+    admission.observe("prefill", _load(1000, 510, 0.6))  # 500 tokens in 0.5 s: the same rate
+    assert admission.predict_ttft("prefill", 0) == pytest.approx(1.0)
