@@ -81,6 +81,7 @@ class PoolHealth:
         self.config = config or HealthConfig()
         self.state = PoolState.HEALTHY
         self.load: PoolLoad | None = None  # the last load a probe reported
+        self.reason = ""  # why it is in its state (a threshold's name, or what failed)
         self._answered = 0  # probes answered in a row while gone
 
     @property
@@ -107,6 +108,11 @@ class PoolHealth:
     def failed(self, reason: str) -> Change | None:
         """A probe or call found the pool dead (no answer, or its stub gone): it is gone at once."""
         self._answered = 0
+        if self.state is PoolState.GONE:
+            if reason == self.reason:
+                return None
+            self.reason = reason  # still gone, known better now (a probe after a call's failure)
+            return Change(self.pool, PoolState.GONE, PoolState.GONE, reason)
         return self._to(PoolState.GONE, reason)
 
     def refused(self) -> Change | None:
@@ -119,7 +125,7 @@ class PoolHealth:
         if state is self.state:
             return None
         change = Change(self.pool, self.state, state, reason)
-        self.state = state
+        self.state, self.reason = state, reason
         if state is not PoolState.GONE:
             self._answered = 0
         return change

@@ -126,7 +126,6 @@ class OrchestratorConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         parse_ladder(self.fallback_ladder, self.mode)
-        _ = self.admission  # validates its settings
         for name, top in (("local_max_tokens", 1 << 20), ("migration_limit", 100)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
@@ -151,6 +150,7 @@ class OrchestratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
+        _ = self.admission  # validates its settings
 
     @property
     def pool_models(self) -> dict[str, str]:

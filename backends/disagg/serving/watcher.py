@@ -1,11 +1,15 @@
 """The pool watcher: probes each pool for its health and load, and restarts the pools that are gone.
 
 Every ``probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
-answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. On Triton 2.51
-a pool whose stub process died is neither restarted by Triton nor marked unready, so the watcher of the
-one orchestrator that owns recovery (``pool_recovery``) restarts it through model control, waiting
-``recovery_backoff_s`` after each failed attempt (doubling, at most ``MAX_BACKOFF_S``). The pool is back
-in use once its probes say so; the time from gone to healthy is what ``recovered`` reports.
+answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. A pool that does
+not answer is gone either way, but why matters: a model Triton still reports ready whose instance does
+not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked unready); one that is
+not ready is being unloaded (a shutdown, an operator, a reload) or was never loaded, and is left alone.
+Only a dead pool's open calls are given up (the caller's ``on_change`` sees the reason), and only a dead
+pool is restarted, by the watcher of the one orchestrator that owns recovery (``pool_recovery``),
+through model control, after it stayed silent for a probe round, waiting ``recovery_backoff_s`` after
+each failed attempt (doubling, at most ``MAX_BACKOFF_S``). The pool is back in use once its probes say
+so; the time from gone to healthy is what ``recovered`` reports.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from disagg.serving.orchestrator import Orchestrator
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 60.0
+DEAD = "dead"  # the reason of a pool Triton reports ready that does not answer
+NOT_READY = "not_ready"  # the reason of a pool that does not answer and is not ready (unloading)
 
 
 class PoolWatcher:
@@ -32,11 +38,14 @@ class PoolWatcher:
         clock: Callable[[], float] = time.monotonic,
         on_restart: Callable[[str], None] | None = None,
         on_recovered: Callable[[str, float], None] | None = None,
+        is_ready: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         """``restart(pool)`` reloads a pool's model (None: this watcher only probes); ``on_restart`` and
-        ``on_recovered(pool, seconds)`` are told of each attempt and each recovery (metrics)."""
+        ``on_recovered(pool, seconds)`` are told of each attempt and each recovery (metrics);
+        ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does)."""
         self.orchestrator = orchestrator
         self.restart = restart
+        self._is_ready = is_ready
         self._on_restart = on_restart
         self._on_recovered = on_recovered
         self._clock = clock
@@ -69,21 +78,29 @@ class PoolWatcher:
         started = self._clock()
         try:
             load = await asyncio.wait_for(orchestrator.pools.ping(pool), timeout)
-        except (ServingError, TimeoutError) as exc:
-            reason = "probe_timeout" if isinstance(exc, TimeoutError) else "probe_failed"
-            self._note(health.failed(reason))
+        except (ServingError, TimeoutError):
+            self._note(health.failed(DEAD if await self._ready(pool) else NOT_READY))
             return
         finally:
             self._probing.discard(pool)
         self._note(health.probed(load, self._clock() - started))
         orchestrator.admission.observe(pool, load)
 
+    async def _ready(self, pool: str) -> bool:
+        if self._is_ready is None:
+            return True
+        try:
+            return await self._is_ready(pool)
+        except Exception:  # the server is going away: not ready
+            return False
+
     def _note(self, change: Change | None) -> None:
         if change is None:
             return
         now = self._clock()
         if change.new is PoolState.GONE:
-            self._gone(change.pool, now)
+            if change.reason == DEAD:
+                self._gone(change.pool, now)
         elif change.old is PoolState.GONE:
             gone_at = self._gone_at.pop(change.pool, now)
             self._next_restart.pop(change.pool, None)
@@ -93,11 +110,6 @@ class PoolWatcher:
             if self._on_recovered is not None:
                 self._on_recovered(change.pool, now - gone_at)
         self.orchestrator.observe(change)
-
-    def pool_gone(self, change: Change | None) -> None:
-        """A call (not a probe) found a pool gone: schedule its restart as a probe would."""
-        if change is not None and change.new is PoolState.GONE:
-            self._gone(change.pool, self._clock())
 
     def _gone(self, pool: str, now: float) -> None:
         # the first restart waits one probe round: a pool found gone by one slow answer that
@@ -111,7 +123,11 @@ class PoolWatcher:
             return
         now = self._clock()
         for pool, due in sorted(self._next_restart.items(), key=lambda item: item[1]):
-            if due <= now and self.orchestrator.health[pool].answered == 0:
+            health = self.orchestrator.health[pool]
+            if health.state is not PoolState.GONE or health.reason != DEAD:
+                del self._next_restart[pool]  # it answered, or is being unloaded: not ours to restart
+                continue
+            if due <= now and health.answered == 0:
                 backoff = self._backoff.get(pool, self.orchestrator.config.recovery_backoff_s)
                 self._next_restart[pool] = now + backoff
                 self._backoff[pool] = min(backoff * 2, MAX_BACKOFF_S)

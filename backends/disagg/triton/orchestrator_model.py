@@ -31,7 +31,7 @@ from disagg.serving.text_api import (
     parse_text_request,
     wants_error_code,
 )
-from disagg.serving.watcher import PoolWatcher
+from disagg.serving.watcher import DEAD, PoolWatcher
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
@@ -111,6 +111,7 @@ class OrchestratorModel:
             self._restart if recovery else None,
             on_restart=self.degradation.restarted,
             on_recovered=self.degradation.recovered,
+            is_ready=self._is_ready,
         )
         self._watching: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,11 +125,14 @@ class OrchestratorModel:
         self.metrics.start_refresher()
 
     def _changed(self, change: Change) -> None:
-        if change.new is PoolState.GONE:
-            self.pools.pool_lost(change.pool)
+        if change.new is PoolState.GONE and change.reason == DEAD:
+            self.pools.pool_lost(change.pool)  # its open calls will never be answered
         self.degradation.changed(change)
         self.degradation.serving(self.orchestrator.ladder.mode)
-        self.watcher.pool_gone(change)
+
+    async def _is_ready(self, pool: str) -> bool:
+        name = self.config.pool_models[pool]
+        return bool(await asyncio.get_running_loop().run_in_executor(None, self._pb.is_model_ready, name))
 
     async def _restart(self, pool: str) -> None:
         """Restart a gone pool's model through model control, on a thread (the calls block).
@@ -139,6 +143,8 @@ class OrchestratorModel:
         name = self.config.pool_models[pool]
 
         def restart() -> None:
+            if not self._pb.is_model_ready(name):
+                return  # being unloaded (a shutdown, an operator): not a dead stub
             self._pb.unload_model(name)
             self._pb.load_model(name)
 

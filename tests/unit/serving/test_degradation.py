@@ -337,3 +337,41 @@ def test_a_probe_that_does_not_answer_in_time_finds_the_pool_gone():
     asyncio.run(PoolWatcher(orchestrator).probe_all())
     assert orchestrator.health["decode"].state is PoolState.GONE
     assert orchestrator.ladder.mode == "local"
+
+
+def test_a_pool_being_unloaded_is_gone_but_never_restarted_and_a_dead_one_is():
+    """Not ready (a shutdown, an operator's unload): routed around, left alone. Ready but silent (a
+    dead stub, which Triton 2.51 still reports ready), also after a call found it first: restarted."""
+    now = [0.0]
+    pools = _ScriptedPools()
+    ready = {"prefill": False, "decode": True}
+    restarted: list[str] = []
+
+    async def is_ready(pool: str) -> bool:
+        return ready[pool]
+
+    async def restart(pool: str) -> None:
+        restarted.append(pool)
+
+    orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], is_ready=is_ready)
+    orchestrator.pool_failed("decode", ServingError(UNAVAILABLE, "Stub process 'decode_0_0' is not healthy."))
+
+    async def rounds() -> None:
+        for pool in ("prefill", "decode"):
+            pools.answers[pool] = ServingError(UNAVAILABLE, "no answer")
+        for t in (0.0, 2.0, 4.0):
+            now[0] = t
+            await watcher.probe_all()
+            await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert {p: h.state for p, h in orchestrator.health.items()} == {
+        "prefill": PoolState.GONE,
+        "decode": PoolState.GONE,
+    }
+    assert (
+        orchestrator.health["prefill"].reason == "not_ready"
+        and orchestrator.health["decode"].reason == "dead"
+    )
+    assert restarted == ["decode"]
