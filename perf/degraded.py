@@ -20,11 +20,13 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +64,11 @@ def stub_pids(server_pid: int, model: str) -> list[int]:
 
 
 def pool_health(metrics_url: str, pool: str) -> list[float]:
-    """Every entry point instance's `disagg_pool_health` of `pool` (0 healthy, 1 saturated, 2 gone)."""
+    """Every entry point instance's `disagg_pool_health` of `pool` (0 healthy, 1 saturated, 2 gone);
+    `metrics_url` is the full URL of `/metrics`."""
     import urllib.request
 
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(metrics_url, timeout=5) as reply:
         text = reply.read().decode()
     pattern = re.compile(rf'^disagg_pool_health\{{[^}}]*pool="{re.escape(pool)}"[^}}]*\}} (\S+)$', re.M)
     return [float(v) for v in pattern.findall(text)]
@@ -103,6 +106,18 @@ class HealthWatch:
                 self.healthy_again = now
 
 
+def without_recovery(repository: Path, scratch: Path) -> Path:
+    """A copy of `repository` whose orchestrators have `pool_recovery` false."""
+    copy = scratch / "repository"
+    shutil.copytree(repository, copy)
+    for config in copy.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if 'key: "mode"' in text:  # an orchestrator (ensemble step or llm)
+            entry = '  { key: "pool_recovery", value: { string_value: "false" } },\n'
+            config.write_text(text.replace("parameters [\n", "parameters [\n" + entry, 1))
+    return copy
+
+
 def phase_of(arrival: float, kill_at: float, back_at: float | None) -> str:
     if arrival < kill_at:
         return "normal"
@@ -115,7 +130,9 @@ def figures(records: list[RequestRecord], slo: Slo, span_s: float) -> dict[str, 
     """Served rate, attainment and goodput of the requests that arrived in a span of `span_s`."""
     good = [r for r in records if r.ok and r.ttft is not None and r.meets(slo)]
     served = [r for r in records if r.ok]
+    errors = Counter((r.error or "no answer")[:120] for r in records if not r.ok)
     return {
+        "errors": dict(errors.most_common(5)),
         "requests": len(records),
         "served": len(served),
         "failed": len(records) - len(served),
@@ -138,6 +155,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals in all")
     parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--no-recovery",
+        action="store_true",
+        help="serve a copy of the repository whose entry points never restart pools (steady degraded mode)",
+    )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "degraded")
     return parser.parse_args(argv)
 
@@ -147,13 +169,14 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     factory = PromptFactory.from_model_dir(args.model_dir)
     count = count_for(args.rate, args.duration, max_requests=100000)
     trace = build_trace(workload, factory, args.rate, count, args.seed, new_salt())
+    trace = [spec for spec in trace if spec.arrival < args.duration]  # the run's arrivals only
     client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
     await client.open()
     (victim,) = stub_pids(server.pid, args.kill)
     watch = HealthWatch(server.config.metrics_url, args.kill).start()
     started = time.perf_counter()
     load = asyncio.create_task(
-        run_trace(client, trace, LoadConfig(max_duration_s=args.duration + 1), factory.count_output)
+        run_trace(client, trace, LoadConfig(max_duration_s=args.duration), factory.count_output)
     )
     await asyncio.sleep(args.kill_after)
     os.kill(victim, signal.SIGKILL)
@@ -175,8 +198,9 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     windows = []
     for start in range(0, int(args.duration), int(WINDOW_S)):
         inside = [r for r in records if start <= r.arrival < start + WINDOW_S]
+        middle = start + WINDOW_S / 2  # a window is labelled by the phase of most of it
         windows.append(
-            {"start_s": start, "phase": phase_of(start, kill_at, back_at), **figures(inside, slo, WINDOW_S)}
+            {"start_s": start, "phase": phase_of(middle, kill_at, back_at), **figures(inside, slo, WINDOW_S)}
         )
     result = {phase: figures(phases[phase], slo, spans[phase]) | {"span_s": spans[phase]} for phase in phases}
     normal, degraded = result["normal"]["goodput_rps"], result["degraded"]["goodput_rps"]
@@ -221,6 +245,9 @@ def markdown(out: dict[str, Any], command: str) -> str:
             f"| {phase} | {f['span_s']:.1f} | {f['requests']} | {f['served']} | {f['failed']} | "
             f"{f['served_rps']:.2f} | {attainment} | {f['goodput_rps']:.2f} |"
         )
+    for phase, f in out["phases"].items():
+        for error, count in f["errors"].items():
+            lines.append(f"- {phase}: {count} x `{error}`")
     ratio = out["degraded_over_normal_goodput"]
     lines += ["", f"Degraded goodput / normal goodput: **{'–' if ratio is None else f'{ratio:.2f}'}**.", ""]
     lines += [
@@ -245,13 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="degraded-") as scratch:
-        server = start_triton(args.repository, Path(scratch), args.model_dir, exit_timeout_s=10)
+        repository = without_recovery(args.repository, Path(scratch)) if args.no_recovery else args.repository
+        server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:
             out = asyncio.run(run(args, server, frozen.slo))
         finally:
             server.stop(grace_s=5)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"degraded_{args.kill}"
+    name = f"degraded_{args.kill}" + ("_no_recovery" if args.no_recovery else "")
     write_json(args.out_dir / f"{name}.json", out)
     command = "python perf/degraded.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out_dir / f"{name}.md").write_text(markdown(out, command))

@@ -192,7 +192,6 @@ def _llm(layout: Layout) -> str:
     reason and coded errors of ``text_api.EXTRA_OUTPUTS`` (sent only to requests that ask for them)."""
     params = {"mode": "disaggregated", "cores": layout.frontend_cores}
     params["request_timeout_s"] = str(layout.request_timeout_s)
-    params["pool_recovery"] = "true"  # the one entry point that restarts gone pools
     inputs = _text_inputs() + [_tensor(s.name, s.triton_type, s.dims, s.optional) for s in LLM_ONLY_INPUTS]
     outputs = TEXT_OUTPUT + [_tensor(name, dtype, (1,)) for _, name, dtype in EXTRA_OUTPUTS]
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)

@@ -16,6 +16,7 @@ every request is admitted. Pure: the caller passes loads and the clock's reading
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 from disagg.serving.errors import UNAVAILABLE, ServingError
@@ -51,9 +52,14 @@ class Admission:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
         self._pools: dict[str, _Pool] = {}
+        self._lock = threading.Lock()  # observed from the watcher's thread, admitted from requests'
 
     def observe(self, pool: str, load: PoolLoad) -> None:
         """A probe's answer: the new backlog, and a throughput sample from the previous answer."""
+        with self._lock:
+            self._observe(pool, load)
+
+    def _observe(self, pool: str, load: PoolLoad) -> None:
         state = self._pools.setdefault(pool, _Pool())
         previous, state.load, state.admitted = state.load, load, 0
         if previous is None:
@@ -80,6 +86,11 @@ class Admission:
         config = self.config
         if config.margin <= 0:
             return
+        with self._lock:
+            self._admit(pool, prompt_tokens, priority)
+
+    def _admit(self, pool: str, prompt_tokens: int, priority: int) -> None:
+        config = self.config
         predicted = self.predict_ttft(pool, prompt_tokens)
         margin = config.sheddable_margin if priority < 0 else config.margin
         if predicted is not None and predicted > margin * config.ttft_slo_s:

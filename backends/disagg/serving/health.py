@@ -6,16 +6,21 @@ Each pool's state is judged from what the orchestrator observes of it:
 - the calls it makes (a pool that stops responding mid-request, or refuses one UNAVAILABLE);
 - the load a probe reports: queue depth, prompt tokens waiting, KV use.
 
-Going *gone* is fast: one hard failure (a probe or call that found the pool dead). Coming back is
+Observations may come from two threads (requests, and the watcher's own loop): each one takes the
+pool's lock. Going *gone* is fast: one hard failure (a probe or call that found the pool dead). Coming back is
 slow: ``recover_after`` probes in a row that answered. Saturation enters at the thresholds and
 leaves only below ``clear_fraction`` of them, so a pool near a threshold does not flap.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 from disagg.serving.messages import PoolLoad
 
@@ -73,6 +78,18 @@ class Change:
     reason: str
 
 
+F = TypeVar("F", bound=Callable[..., "Change | None"])
+
+
+def _locked(method: F) -> F:
+    @functools.wraps(method)
+    def run(self: PoolHealth, *args: object) -> Change | None:
+        with self._lock:
+            return method(self, *args)
+
+    return run  # type: ignore[return-value]
+
+
 class PoolHealth:
     """The state of one pool; every observation may change it and returns the Change if it did."""
 
@@ -83,12 +100,14 @@ class PoolHealth:
         self.load: PoolLoad | None = None  # the last load a probe reported
         self.reason = ""  # why it is in its state (a threshold's name, or what failed)
         self._answered = 0  # probes answered in a row while gone
+        self._lock = threading.Lock()
 
     @property
     def answered(self) -> int:
         """Probes answered in a row since the pool went gone (0 while it stays silent)."""
         return self._answered
 
+    @_locked
     def probed(self, load: PoolLoad, probe_s: float) -> Change | None:
         """A probe answered with ``load`` after ``probe_s`` seconds."""
         self.load = load
@@ -105,6 +124,7 @@ class PoolHealth:
             return self._to(PoolState.HEALTHY, "cleared")
         return None
 
+    @_locked
     def failed(self, reason: str) -> Change | None:
         """A probe or call found the pool dead (no answer, or its stub gone): it is gone at once."""
         self._answered = 0
@@ -115,6 +135,7 @@ class PoolHealth:
             return Change(self.pool, PoolState.GONE, PoolState.GONE, reason)
         return self._to(PoolState.GONE, reason)
 
+    @_locked
     def refused(self) -> Change | None:
         """The pool refused a request as full (UNAVAILABLE): it is saturated until a probe clears it."""
         if self.state is PoolState.HEALTHY:

@@ -113,8 +113,8 @@ class OrchestratorConfig:
     """How often each pool is pinged for its health and load."""
     probe_timeout_s: float = 3.0
     """A ping unanswered this long finds the pool gone."""
-    pool_recovery: bool = False
-    """This orchestrator restarts gone pools through model control (exactly one per deployment)."""
+    pool_recovery: bool = True
+    """This orchestrator restarts dead pools through model control (see ``disagg.serving.watcher``)."""
     recovery_backoff_s: float = 5.0
     """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
     admission_margin: float = 0.0

@@ -6,16 +6,20 @@ not answer is gone either way, but why matters: a model Triton still reports rea
 not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked unready); one that is
 not ready is being unloaded (a shutdown, an operator, a reload) or was never loaded, and is left alone.
 Only a dead pool's open calls are given up (the caller's ``on_change`` sees the reason), and only a dead
-pool is restarted, by the watcher of the one orchestrator that owns recovery (``pool_recovery``),
-through model control, after it stayed silent for a probe round, waiting ``recovery_backoff_s`` after
-each failed attempt (doubling, at most ``MAX_BACKOFF_S``). The pool is back in use once its probes say
-so; the time from gone to healthy is what ``recovered`` reports.
+pool is restarted through model control, after it stayed silent for a probe round plus this watcher's
+own random delay (under one probe interval), waiting ``recovery_backoff_s`` after each failed attempt
+(doubling, at most ``MAX_BACKOFF_S``). Every orchestrator's watcher may restart (``pool_recovery``);
+the delays spread them, and a restart begins by checking the model is still ready (the one that came
+first is unloading it): so one restart happens, by whichever watcher saw the death first. A watcher
+starts with its orchestrator's first request. The pool is back in use once its probes say so; the
+time from gone to healthy is what ``recovered`` reports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 
@@ -39,13 +43,18 @@ class PoolWatcher:
         on_restart: Callable[[str], None] | None = None,
         on_recovered: Callable[[str, float], None] | None = None,
         is_ready: Callable[[str], Awaitable[bool]] | None = None,
+        restart_delay_s: float | None = None,
     ) -> None:
         """``restart(pool)`` reloads a pool's model (None: this watcher only probes); ``on_restart`` and
         ``on_recovered(pool, seconds)`` are told of each attempt and each recovery (metrics);
-        ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does)."""
+        ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does);
+        ``restart_delay_s``: this watcher's delay before a first restart, beyond one probe round (None:
+        random, under one probe interval)."""
         self.orchestrator = orchestrator
         self.restart = restart
         self._is_ready = is_ready
+        interval = orchestrator.config.probe_interval_s
+        self._delay = random.uniform(0, interval) if restart_delay_s is None else restart_delay_s
         self._on_restart = on_restart
         self._on_recovered = on_recovered
         self._clock = clock
@@ -115,7 +124,7 @@ class PoolWatcher:
         # the first restart waits one probe round: a pool found gone by one slow answer that
         # answers the next probe is not restarted (a restart drops everything it was running)
         self._gone_at.setdefault(pool, now)
-        self._next_restart.setdefault(pool, now + self.orchestrator.config.probe_interval_s)
+        self._next_restart.setdefault(pool, now + self.orchestrator.config.probe_interval_s + self._delay)
 
     def _maybe_restart(self) -> None:
         """Start the next due restart; one at a time (model control calls are serialised)."""

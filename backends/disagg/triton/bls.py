@@ -143,7 +143,13 @@ class TritonPools:
     async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
         # aclosing: an early exit closes the inner generator now, not whenever it is collected
         epoch = self._epochs.get(pool, 0)
-        call = await self._call(pool, inputs)
+        # the call itself is watched too: one sent to an instance as it dies may never be accepted
+        sending = asyncio.ensure_future(self._call(pool, inputs))
+        try:
+            call = await self._while_alive(pool, sending, epoch)
+        except ServingError:
+            sending.cancel()
+            raise
         async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:
                 raw = self._tensor(response, "event")

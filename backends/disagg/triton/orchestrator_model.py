@@ -98,8 +98,7 @@ class OrchestratorModel:
         self.pools = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
         instance = args["model_instance_name"]
         deployed = deployed_pools(self.config, args.get("model_repository", ""))
-        # one owner restarts gone pools: the entry point configured so, its first instance only
-        recovery = self.config.pool_recovery and instance.endswith("_0")
+        recovery = self.config.pool_recovery  # each watcher checks the pool is dead before a restart
         self.degradation = DegradationMetrics(
             pb_utils, args["model_name"], self.config.mode, instance, self.config.ladder, deployed, recovery
         )
@@ -144,7 +143,7 @@ class OrchestratorModel:
 
         def restart() -> None:
             if not self._pb.is_model_ready(name):
-                return  # being unloaded (a shutdown, an operator): not a dead stub
+                return  # being unloaded (a shutdown, an operator, another watcher's restart)
             self._pb.unload_model(name)
             self._pb.load_model(name)
 

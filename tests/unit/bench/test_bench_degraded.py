@@ -33,6 +33,7 @@ def test_figures_count_good_requests_only_toward_goodput():
     ]
     got = degraded.figures(records, SLO, span_s=10.0)
     assert got == {
+        "errors": {"UNAVAILABLE": 1},
         "requests": 4,
         "served": 3,
         "failed": 1,
@@ -45,6 +46,7 @@ def test_figures_count_good_requests_only_toward_goodput():
 
 def test_the_report_states_the_ratio_and_each_window():
     phase = {
+        "errors": {"UNAVAILABLE: retry after 5 s": 2},
         "requests": 10,
         "served": 10,
         "failed": 0,
@@ -60,4 +62,5 @@ def test_the_report_states_the_ratio_and_each_window():
         "windows": [{"start_s": 0, "phase": "normal", **phase}],
     }  # fmt: skip
     text = degraded.markdown(out, "python perf/degraded.py --rate 1")
+    assert "- normal: 2 x `UNAVAILABLE: retry after 5 s`" in text
     assert "**0.75**" in text and "(8.0 s later)" in text and "| 0–10 | normal | 10 | 10 | 0.90 |" in text

@@ -272,7 +272,7 @@ def test_the_watcher_finds_a_dead_pool_restarts_it_once_per_backoff_and_times_it
     orchestrator = Orchestrator(
         OrchestratorConfig(recovery_backoff_s=5), pools, lambda ids: "", deployed=("prefill", "decode")
     )
-    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0])
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], restart_delay_s=0)
 
     async def rounds() -> None:
         async def at(t: float) -> None:
@@ -309,7 +309,7 @@ def test_a_pool_that_answers_again_before_its_restart_is_not_restarted():
         restarted.append(pool)
 
     orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
-    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0])
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], restart_delay_s=0)
 
     async def rounds() -> None:
         pools.answers["decode"] = TimeoutError()  # one slow answer
@@ -354,7 +354,7 @@ def test_a_pool_being_unloaded_is_gone_but_never_restarted_and_a_dead_one_is():
         restarted.append(pool)
 
     orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
-    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], is_ready=is_ready)
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], is_ready=is_ready, restart_delay_s=0)
     orchestrator.pool_failed("decode", ServingError(UNAVAILABLE, "Stub process 'decode_0_0' is not healthy."))
 
     async def rounds() -> None:
