@@ -5,27 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from margins import TIE, record_margins
 
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 
 PROMPT = tuple([1, *range(7, 50)])  # 44 tokens: chunks cross block boundaries (block size 4)
-TIE = 1e-3  # top-two logits closer than this: a greedy choice that float32 rounding may flip
-
-
-def _margins(engine) -> list[float]:
-    """Record, for every token the engine samples from now on, its top-two logit gap."""
-    seen: list[float] = []
-    sample = engine._append
-
-    def recording(seq, logits):
-        top = torch.topk(logits.float(), 2).values
-        seen.append(float(top[0] - top[1]))
-        return sample(seq, logits)
-
-    engine._append = recording
-    return seen
 
 
 def _agree_until_tie(expected: list[int], got: list[int], margins: list[float]) -> None:
@@ -73,7 +59,7 @@ def test_chunked_logits_equal_whole_prompt(make_engine, kind, size):
 def test_chunked_sequence_decodes_and_hands_off_like_a_whole_one(make_engine):
     request = Request(PROMPT, SamplingParams(max_tokens=10, min_length=10))
     engine = make_engine()
-    margins = _margins(engine)
+    margins = record_margins(engine)
     (out,) = engine.prefill([request])
     expected = [out.token_id]
     while engine.active_sequences():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from margins import TIE, record_margins
 
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
@@ -14,21 +15,6 @@ from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, Sequence
 from disagg.serving.offline import generate
 
 PROMPT = (1, 5, 9, 13, 17, 21, 25)
-TIE = 1e-3  # top-two logits closer than this: a choice float32 rounding may flip
-
-
-def _with_margins(engine) -> list[float]:
-    """Record the top-two logit gap of every token the engine samples from now on."""
-    seen: list[float] = []
-    sample = engine._append
-
-    def recording(seq, logits):
-        top = torch.topk(logits.float(), 2).values
-        seen.append(float(top[0] - top[1]))
-        return sample(seq, logits)
-
-    engine._append = recording
-    return seen
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -36,7 +22,7 @@ def _with_margins(engine) -> list[float]:
 def test_resumed_request_continues_the_uninterrupted_one(make_engine, sampled, cut):
     params = SamplingParams(max_tokens=16, temperature=0.8 if sampled else 0.0, top_k=50, seed=4242)
     reference = make_engine()
-    margins = _with_margins(reference)
+    margins = record_margins(reference)
     full, reason = generate(reference, Request(PROMPT, params))
     assert len(full) == 16 and reason == FINISH_LENGTH  # random weights: no end token this early
 
