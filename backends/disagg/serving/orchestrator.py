@@ -111,7 +111,7 @@ class OrchestratorConfig:
     """The retry hint of a shed request ("retry after N s")."""
     probe_interval_s: float = 1.0
     """How often each pool is pinged for its health and load."""
-    probe_timeout_s: float = 3.0
+    probe_timeout_s: float = 10.0
     """A ping unanswered this long finds the pool gone."""
     pool_recovery: bool = True
     """This orchestrator restarts dead pools through model control (see ``disagg.serving.watcher``)."""

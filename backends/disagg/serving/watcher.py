@@ -1,10 +1,12 @@
 """The pool watcher: probes each pool for its health and load, and restarts the pools that are gone.
 
 Every ``probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
-answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. A pool that does
-not answer is gone either way, but why matters: a model Triton still reports ready whose instance does
-not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked unready); one that is
-not ready is being unloaded (a shutdown, an operator, a reload) or was never loaded, and is left alone.
+answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. A pool that
+misses ``DEAD_AFTER`` probes in a row is gone, and why matters: a model Triton still reports ready whose
+instance does not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked
+unready); one that is not ready is being unloaded (a shutdown, an operator, a reload) or was never
+loaded, and is left alone. One missed probe alone says nothing: a ping can land on an instance the
+autoscaler is removing.
 Only a dead pool's open calls are given up (the caller's ``on_change`` sees the reason), and only a dead
 pool is restarted through model control, after it stayed silent for a probe round plus this watcher's
 own random delay (under one probe interval), waiting ``recovery_backoff_s`` after each failed attempt
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 60.0
 DEAD = "dead"  # the reason of a pool Triton reports ready that does not answer
+DEAD_AFTER = 2  # probes missed in a row that find a pool gone
 NOT_READY = "not_ready"  # the reason of a pool that does not answer and is not ready (unloading)
 
 
@@ -59,6 +62,7 @@ class PoolWatcher:
         self._on_recovered = on_recovered
         self._clock = clock
         self._probing: set[str] = set()
+        self._missed: dict[str, int] = {}  # probes missed in a row, per pool
         self._gone_at: dict[str, float] = {}
         self._next_restart: dict[str, float] = {}
         self._backoff: dict[str, float] = {}
@@ -84,16 +88,28 @@ class PoolWatcher:
         health = orchestrator.health[pool]
         timeout = orchestrator.config.probe_timeout_s
         self._probing.add(pool)
-        started = self._clock()
         try:
-            load = await asyncio.wait_for(orchestrator.pools.ping(pool), timeout)
-        except (ServingError, TimeoutError):
-            self._note(health.failed(DEAD if await self._ready(pool) else NOT_READY))
-            return
+            # never ping a model Triton is unloading: on 2.51 a request reaching a stub in its
+            # finalize can abort tritonserver (boost::interprocess::lock_exception)
+            if not await self._ready(pool):
+                self._miss(pool, NOT_READY)
+                return
+            started = self._clock()
+            try:
+                load = await asyncio.wait_for(orchestrator.pools.ping(pool), timeout)
+            except (ServingError, TimeoutError):
+                self._miss(pool, DEAD if await self._ready(pool) else NOT_READY)
+                return
         finally:
             self._probing.discard(pool)
+        self._missed[pool] = 0
         self._note(health.probed(load, self._clock() - started))
         orchestrator.admission.observe(pool, load)
+
+    def _miss(self, pool: str, reason: str) -> None:
+        missed = self._missed[pool] = self._missed.get(pool, 0) + 1
+        if missed >= DEAD_AFTER:
+            self._note(self.orchestrator.health[pool].failed(reason))
 
     async def _ready(self, pool: str) -> bool:
         if self._is_ready is None:

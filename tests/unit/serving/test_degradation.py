@@ -281,7 +281,9 @@ def test_the_watcher_finds_a_dead_pool_restarts_it_once_per_backoff_and_times_it
             await asyncio.sleep(0)  # let a restart it started run
 
         pools.answers["decode"] = ServingError(UNAVAILABLE, DEAD)
-        await at(100.0)  # gone; the restart waits one probe round (1 s)
+        await at(99.0)  # one missed probe says nothing yet
+        assert orchestrator.health["decode"].state is PoolState.HEALTHY
+        await at(100.0)  # two: gone (dead); the restart waits one probe round (1 s)
         assert restarted == []
         await at(101.5)  # still silent: first restart
         await at(104.0)  # within the backoff (5 s): none
@@ -334,7 +336,13 @@ def test_a_probe_that_does_not_answer_in_time_finds_the_pool_gone():
     orchestrator = Orchestrator(
         OrchestratorConfig(probe_timeout_s=0.05), Hanging(), lambda ids: "", deployed=("prefill", "decode")
     )
-    asyncio.run(PoolWatcher(orchestrator).probe_all())
+    watcher = PoolWatcher(orchestrator)
+
+    async def rounds() -> None:
+        for _ in range(2):
+            await watcher.probe_all()
+
+    asyncio.run(rounds())
     assert orchestrator.health["decode"].state is PoolState.GONE
     assert orchestrator.ladder.mode == "local"
 
