@@ -69,6 +69,7 @@ class PoolWatcher:
         self.restarts = 0  # restart attempts so far
         self.recovered: list[tuple[str, float]] = []  # (pool, seconds from gone to healthy), in order
         self._restarting: asyncio.Task[None] | None = None
+        self.stopped = False
 
     async def run(self) -> None:
         """Probe until cancelled."""
@@ -77,8 +78,14 @@ class PoolWatcher:
             await self.probe_all()
             await asyncio.sleep(interval)
 
+    def stop(self) -> None:
+        """Start no probe or restart any more (the entry point is unloading)."""
+        self.stopped = True
+
     async def probe_all(self) -> None:
         """One round: a probe of every pool not already being probed, then any restart that is due."""
+        if self.stopped:
+            return
         pools = [p for p in self.orchestrator.health if p not in self._probing]
         await asyncio.gather(*(self._probe(pool) for pool in pools))
         self._maybe_restart()
@@ -144,7 +151,8 @@ class PoolWatcher:
 
     def _maybe_restart(self) -> None:
         """Start the next due restart; one at a time (model control calls are serialised)."""
-        if self.restart is None or (self._restarting is not None and not self._restarting.done()):
+        busy = self._restarting is not None and not self._restarting.done()
+        if self.stopped or self.restart is None or busy:
             return
         now = self._clock()
         for pool, due in sorted(self._next_restart.items(), key=lambda item: item[1]):

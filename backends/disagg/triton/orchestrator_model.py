@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -208,8 +209,18 @@ class OrchestratorModel:
         return text, ids
 
     def finalize(self) -> None:
+        self.watcher.stop()
         if self._watching is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._watching.cancel)
+            # wait (briefly) until the watcher is out of any call of its own: on Triton 2.51 a stub
+            # still talking to the server while it is finalized can abort tritonserver
+            ended, task = threading.Event(), self._watching
+
+            def cancel() -> None:  # on the loop's own thread: tasks are not thread-safe
+                task.add_done_callback(lambda _: ended.set())
+                task.cancel()
+
+            self._loop.call_soon_threadsafe(cancel)
+            ended.wait(timeout=2.0)
         self.metrics.stop()
         self.degradation.retire()
         self.pools.close()
