@@ -31,6 +31,11 @@ POOLS = {DISAGGREGATED: ("prefill", "decode"), LOCAL: ("prefill",), COLOCATED: (
 """The pools each rung runs on."""
 
 
+def ladder_pools(rungs: tuple[str, ...]) -> list[str]:
+    """The pools a ladder's rungs run on, sorted, each once."""
+    return sorted({pool for rung in rungs for pool in POOLS[rung]})
+
+
 def parse_ladder(text: str, mode: str) -> tuple[str, ...]:
     """A ladder from its config form (``"disaggregated,local,shed"``; empty: ``mode``'s default). It
     must name known rungs once each and end with ``shed`` (every request gets an answer)."""

@@ -29,7 +29,16 @@ from disagg.serving.admission import Admission, AdmissionConfig
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import CANCELLED, DEADLINE, TRANSFER_FAILED, UNAVAILABLE, ServingError, classify
 from disagg.serving.health import Change, HealthConfig, PoolHealth
-from disagg.serving.ladder import COLOCATED, DISAGGREGATED, LOCAL, SHED, Ladder, Route, parse_ladder
+from disagg.serving.ladder import (
+    COLOCATED,
+    DISAGGREGATED,
+    LOCAL,
+    SHED,
+    Ladder,
+    Route,
+    ladder_pools,
+    parse_ladder,
+)
 from disagg.serving.messages import PoolLoad, Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
@@ -213,7 +222,7 @@ class Orchestrator:
         self._decode_text = decode_text
         rungs = config.ladder
         if deployed is None:
-            deployed = sorted({pool for rung in rungs for pool in Route(rung).pools})
+            deployed = ladder_pools(rungs)
         self.health = {pool: PoolHealth(pool, HealthConfig()) for pool in deployed}
         self.ladder = Ladder(rungs, self.health, local=local_generate)
         self.admission = Admission(config.admission)

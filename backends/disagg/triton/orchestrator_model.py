@@ -22,7 +22,7 @@ from disagg.paths import resolve_model_dir
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.health import Change, PoolState
-from disagg.serving.ladder import Route
+from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.serving.text_api import (
@@ -229,7 +229,7 @@ class OrchestratorModel:
 def deployed_pools(config: OrchestratorConfig, model_folder: str) -> tuple[str, ...]:
     """The pools of ``config``'s ladder whose models are in this server's repository (the folder above
     this model's); all of them when that cannot be told."""
-    wanted = sorted({pool for rung in config.ladder for pool in Route(rung).pools})
+    wanted = ladder_pools(config.ladder)
     repository = Path(model_folder).parent if model_folder else None
     if repository is None or not repository.is_dir():
         return tuple(wanted)
