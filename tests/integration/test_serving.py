@@ -29,6 +29,7 @@ from serving_support import (
     group_rss,
     grpc_error,
     grpc_stream,
+    metric_samples,
     metric_sum,
     pool_gauges,
     read_stream,
@@ -317,6 +318,29 @@ def test_cancelled_llm_stream_stops_decode_and_frees_both_pools(server: TritonSe
         5,
         "cancel counted",
     )
+    wait_until(lambda: calls_open(server, "llm") == 0, 5, "no call to a pool left open")
+
+
+def calls_open(server: TritonServer, model: str) -> float | None:
+    """The entry point's `disagg_pool_calls_open` (summed over its instances); None while absent."""
+    values = [v for name, labels, v in metric_samples(server) if name == "disagg_pool_calls_open"
+              and labels.get("model") == model]  # fmt: skip
+    return sum(values) if values else None
+
+
+def test_a_stream_ended_by_a_stop_word_leaves_no_call_open(
+    server: TritonServer, expected: dict[str, str]
+) -> None:
+    """A stop word ends the output early: the orchestrator stops the decode sequence and drains its
+    call to the pool's final response (on Triton 2.51 a pool that ended it with an error response
+    would leave the call, and a thread, waiting forever; the stub could then not exit)."""
+    words = expected["Hello world"].split()
+    assert len(words) >= 3, expected  # the stop word comes from decode, not with the first token
+    body = {"text_input": "Hello world", "max_tokens": 300, "stop_words": words[1]}
+    status, stopped = generate(server, "llm", body)
+    assert status == 200, stopped
+    assert stopped["text_output"].startswith("Hello world") and words[1] not in stopped["text_output"]
+    assert wait_until(lambda: calls_open(server, "llm") == 0, 5, "no call to a pool left open")
 
 
 def idle_now(server: TritonServer, baseline: dict[tuple[str, str], float]) -> bool:

@@ -49,6 +49,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtypes and kernels
         "disagg_pool_health": GAUGE,  # per entry point instance and pool: 0 healthy, 1 saturated, 2 gone
         "disagg_serving_mode": GAUGE,  # per entry point instance: 1 on the rung new requests take
+        "disagg_pool_calls_open": GAUGE,  # per entry point instance: calls to pools not yet ended
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,

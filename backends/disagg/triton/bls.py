@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,20 +32,20 @@ import numpy as np
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
-from disagg.serving.messages import AbortLease, Control, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
 
 _END = object()
 
 
-def _drain(responses: Iterator[Any], graveyard: Graveyard) -> None:
+def _drain(responses: Iterator[Any], bury: Callable[[Iterator[Any]], None]) -> None:
     """Consume a BLS call's remaining responses (on an executor thread), then bury the iterator."""
     try:
         for _ in responses:
             pass
     finally:
-        graveyard.bury(responses)
+        bury(responses)
 
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
@@ -60,10 +61,24 @@ class TritonPools:
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bls")
         self.graveyard = Graveyard()
         self._epochs: dict[str, int] = {}  # pool -> times it was found gone
+        self._lock = threading.Lock()
+        self._open = 0  # calls made whose final response has not arrived yet
 
     def pool_lost(self, pool: str) -> None:
         """The pool was found gone: the calls it had open will never be answered."""
         self._epochs[pool] = self._epochs.get(pool, 0) + 1
+
+    @property
+    def open_calls(self) -> int:
+        """Calls to the pools still waiting for their final response (being read or drained); it
+        falls back to zero between requests unless a pool left a call without its end."""
+        with self._lock:
+            return self._open
+
+    def _bury(self, responses: Iterator[Any]) -> None:
+        with self._lock:
+            self._open -= 1
+        self.graveyard.bury(responses)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -77,7 +92,10 @@ class TritonPools:
             requested_output_names=["event", "descriptor"] if pool == "prefill" else ["event"],
             parameters={PARAMETER: self._signer.mint()},
         )
-        return await request.async_exec(decoupled=True)
+        responses = await request.async_exec(decoupled=True)
+        with self._lock:
+            self._open += 1
+        return responses
 
     async def _responses(
         self, responses: Iterator[Any], pool: str | None = None, epoch: int = 0
@@ -98,16 +116,16 @@ class TritonPools:
                 pending = None
                 if response is _END:
                     finished = True
-                    self.graveyard.bury(responses)
+                    self._bury(responses)
                     return
                 if response.has_error():
                     raise glue.serving_error(self._pb, response.error())
                 yield response
         finally:
             if pending is not None and not pending.done():  # a thread is inside next(): drain after it
-                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses, self.graveyard))
+                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses, self._bury))
             elif not finished:
-                self._executor.submit(_drain, responses, self.graveyard)
+                self._executor.submit(_drain, responses, self._bury)
 
     async def _while_alive(self, pool: str, pending: asyncio.Future[Any], epoch: int) -> Any:
         overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
@@ -156,7 +174,10 @@ class TritonPools:
                 if raw is None:
                     continue  # the bare final flag
                 descriptor = self._tensor(response, "descriptor") if pool == "prefill" else None
-                yield wire.decode_event(raw, descriptor)
+                event = wire.decode_event(raw, descriptor)
+                if isinstance(event, Failed):
+                    raise event.error
+                yield event
 
     async def prefill(self, handle: str, request: Request) -> Prefilled:
         inputs = self._job_inputs(

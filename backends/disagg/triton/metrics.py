@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from disagg.serving.errors import ServingError
@@ -63,6 +64,10 @@ DESCRIPTIONS = {
         "A pool's health as one orchestrator sees it: 0 healthy, 1 saturated, 2 gone",
     ),
     "disagg_serving_mode": ("GAUGE", "1 on the ladder rung new requests take now, 0 on the others"),
+    "disagg_pool_calls_open": (
+        "GAUGE",
+        "Calls an entry point instance has open to the pools (waiting for their final response)",
+    ),
     "disagg_pool_restarts_total": ("COUNTER", "Restarts of a gone pool through model control"),
     "disagg_pool_recovery_seconds": ("HISTOGRAM", "From a pool found gone to its probes healthy again"),
     "disagg_engine_steps_total": (
@@ -176,7 +181,16 @@ def outcome_label(error: ServingError | None) -> str:
 class OrchestratorMetrics:
     """Per-request histograms, outcome counters and the live SLO gauges of one entry point."""
 
-    def __init__(self, pb_utils: Any, model: str, path: str, window: SloWindow, instance: str = "") -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        model: str,
+        path: str,
+        window: SloWindow,
+        instance: str = "",
+        open_calls: Callable[[], int] | None = None,
+    ) -> None:
+        """``open_calls()``: the instance's calls to the pools still open (published at each refresh)."""
         fam = Families(pb_utils)
         labels = {"model": model, "path": path}
         self._labels = labels
@@ -191,6 +205,8 @@ class OrchestratorMetrics:
         own = {**labels, "instance": instance} if instance else labels
         self.attainment = fam.gauge("disagg_slo_attainment_ratio", own)
         self.goodput = fam.gauge("disagg_goodput_requests_per_second", own)
+        self._open_calls = open_calls
+        self.calls_open = fam.gauge("disagg_pool_calls_open", own)
         self.fallbacks = fam.metric("disagg_fallbacks_total", labels)
         self._outcomes: dict[str, SerialMetric] = {}
         self._lock = threading.Lock()
@@ -249,12 +265,15 @@ class OrchestratorMetrics:
             self._refresher.join(timeout=5)
         self.attainment.set(0)
         self.goodput.set(0)
+        self.calls_open.set(0)
 
     def refresh(self) -> None:
         """Publish the window's attainment (1.0 while empty: nothing missed) and goodput."""
         attainment = self.window.attainment()
         self.attainment.set(1.0 if attainment is None else attainment)
         self.goodput.set(self.window.goodput())
+        if self._open_calls is not None:
+            self.calls_open.set(self._open_calls())
 
 
 class PoolReporter:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -114,13 +113,17 @@ class OrchestratorModel:
             is_ready=self._is_ready,
         )
         self._watching: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0
         slo = SloConfig(
             ttft_s=self.config.slo_ttft_s, tpot_s=self.config.slo_tpot_s, window_s=self.config.slo_window_s
         )
         self.metrics = OrchestratorMetrics(
-            pb_utils, args["model_name"], self.config.mode, SloWindow(slo), instance
+            pb_utils,
+            args["model_name"],
+            self.config.mode,
+            SloWindow(slo),
+            instance,
+            open_calls=lambda: self.pools.open_calls,
         )
         self.metrics.start_refresher()
 
@@ -153,8 +156,7 @@ class OrchestratorModel:
     def _watch(self) -> None:
         """Start the pool watcher on the backend's event loop (it exists once requests arrive)."""
         if self._watching is None:
-            self._loop = asyncio.get_running_loop()
-            self._watching = self._loop.create_task(self.watcher.run())
+            self._watching = asyncio.get_running_loop().create_task(self.watcher.run())
 
     def execute(self, requests: list[Any]) -> Any:
         return self._execute(requests)
@@ -209,18 +211,9 @@ class OrchestratorModel:
         return text, ids
 
     def finalize(self) -> None:
+        # the stub stops its event loop before this: the watcher's task runs no further, and the
+        # flag keeps a probe round that is somehow still scheduled from starting calls
         self.watcher.stop()
-        if self._watching is not None and self._loop is not None:
-            # wait (briefly) until the watcher is out of any call of its own: on Triton 2.51 a stub
-            # still talking to the server while it is finalized can abort tritonserver
-            ended, task = threading.Event(), self._watching
-
-            def cancel() -> None:  # on the loop's own thread: tasks are not thread-safe
-                task.add_done_callback(lambda _: ended.set())
-                task.cancel()
-
-            self._loop.call_soon_threadsafe(cancel)
-            ended.wait(timeout=2.0)
         self.metrics.stop()
         self.degradation.retire()
         self.pools.close()

@@ -10,7 +10,7 @@ from disagg.affinity import pin_process
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
+from disagg.serving.messages import AbortLease, Control, Event, PoolLoad, Stop
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 
@@ -34,10 +34,7 @@ class TritonSink:
     def emit(self, event: Event, final: bool) -> None:
         pb = self._pb
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if isinstance(event, Failed):
-            error = glue.triton_error(pb, event.error, tagged=True)
-            self._sender.send(pb.InferenceResponse(error=error), flags=flags)
-            return
+        # a failure is an event, not an error response: see wire (Triton 2.51 loses those mid-stream)
         outputs = [glue.bytes_tensor(pb, "event", wire.encode_event(event))]
         if self._descriptor_output:
             outputs.append(glue.bytes_tensor(pb, "descriptor", getattr(event, "descriptor", None) or b""))

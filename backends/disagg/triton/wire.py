@@ -11,7 +11,10 @@ Pool inputs (all optional; which ones are present decides the kind of request):
   ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "abort_lease", "lease_id": ...}
                              | {"op": "ping"}
 Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``); a ping's one
-response carries the pool's load (``encode_load``).
+response carries the pool's load (``encode_load``). A job's failure is an event too, never a Triton
+error response: on Triton 2.51 an error response after the first one of a decoupled BLS stream
+reaches the caller without the stream's id (the Python backend saves a response's id only when it
+has no error), so the caller's iterator never sees its final response and waits forever.
 Every pool request carries the request parameter ``disagg_auth`` (``disagg.serving.auth``).
 """
 
@@ -26,12 +29,13 @@ import numpy as np
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.role import Operation, Role
-from disagg.serving.errors import invalid
+from disagg.serving.errors import CODES, INTERNAL, ServingError, invalid
 from disagg.serving.messages import (
     AbortLease,
     Control,
     DecodeJob,
     Event,
+    Failed,
     GenerateJob,
     Job,
     Ping,
@@ -150,7 +154,9 @@ def encode_event(event: Event) -> str:
                 "state": event.state.to_dict() if event.state else None,
             }
         )
-    raise ValueError("failures travel as Triton errors")
+    if isinstance(event, Failed):
+        return json.dumps({"type": "failed", "code": event.error.code, "message": event.error.message})
+    raise ValueError(f"not a pool event: {event!r}")
 
 
 def encode_load(load: PoolLoad) -> str:
@@ -168,10 +174,13 @@ def decode_load(raw: bytes) -> PoolLoad:
 _LOAD_TYPES = {name: float if name == "busy_s" else int for name in PoolLoad.__dataclass_fields__}
 
 
-def decode_event(raw: bytes, descriptor: bytes | None) -> Token | Prefilled:
+def decode_event(raw: bytes, descriptor: bytes | None) -> Event:
     data = json.loads(raw)
     if data["type"] == "token":
         return Token(int(data["token_id"]), bool(data["finished"]), data["finish_reason"])
+    if data["type"] == "failed":
+        code = data["code"] if data["code"] in CODES else INTERNAL
+        return Failed(ServingError(code, str(data["message"])))
     state = SequenceState.from_dict(data["state"]) if data["state"] else None
     return Prefilled(
         int(data["token_id"]),

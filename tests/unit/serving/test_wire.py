@@ -9,10 +9,11 @@ import pytest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.role import Role
-from disagg.serving.errors import INVALID_ARG, ServingError
+from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
 from disagg.serving.messages import (
     AbortLease,
     DecodeJob,
+    Failed,
     GenerateJob,
     Ping,
     PoolLoad,
@@ -58,6 +59,22 @@ def test_events_round_trip():
     assert wire.decode_event(wire.encode_event(token).encode(), None) == token
     prefilled = Prefilled(9, False, None, b"descriptor-bytes", "lease-1", STATE)
     assert wire.decode_event(wire.encode_event(prefilled).encode(), b"descriptor-bytes") == prefilled
+    failed = wire.decode_event(
+        wire.encode_event(Failed(ServingError(UNAVAILABLE, "shutting down"))).encode(), None
+    )
+    assert isinstance(failed, Failed) and (failed.error.code, failed.error.message) == (
+        UNAVAILABLE,
+        "shutting down",
+    )
+
+
+def test_a_failure_with_a_code_not_ours_decodes_as_internal():
+    raw = b'{"type": "failed", "code": "TEAPOT", "message": "short and stout"}'
+    failed = wire.decode_event(raw, None)
+    assert isinstance(failed, Failed) and (failed.error.code, failed.error.message) == (
+        INTERNAL,
+        "short and stout",
+    )
 
 
 def test_state_and_sampling_round_trip():

@@ -1,0 +1,207 @@
+"""The orchestrator's BLS client (``TritonPools``) against a pool's response sender (``TritonSink``),
+through a fake of the Python backend that behaves like Triton 2.51: a decoupled call's iterator ends
+after the response flagged final, and an error response after the first one never reaches it (the
+backend loses its stream id). A job's failure must still end the caller's call, and every call must
+be counted closed once its final response is read, by the caller or by a drain."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request, SequenceState
+from disagg.serving.auth import TokenSigner
+from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
+from disagg.serving.messages import Event, Failed, Token
+from disagg.triton.bls import TritonPools
+from disagg.triton.pool_model import TritonSink
+
+FINAL = 1
+
+
+class _Tensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self._array = name, array
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class _Response:
+    def __init__(self, output_tensors: list[_Tensor] | None = None, error: Any = None) -> None:
+        self.outputs = {t.name: t for t in output_tensors or []}
+        self._error = error
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> Any:
+        return self._error
+
+
+class _Error:
+    UNAVAILABLE, INVALID_ARG, CANCELLED, INTERNAL = range(4)
+
+    def __init__(self, message: str, code: int = 3) -> None:
+        self._message = message
+
+    def message(self) -> str:
+        return self._message
+
+
+class _Stream:
+    """One decoupled call's responses as the caller's iterator sees them on Triton 2.51."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Response | None] = queue.SimpleQueue()
+        self._sent = 0
+        self.ended = False  # the caller's iterator read the final response
+
+    def send(self, response: _Response | None = None, flags: int = 0) -> None:
+        first = self._sent == 0
+        self._sent += 1
+        if response is not None and response.has_error() and not first:
+            response = None  # lost on its way (no stream id); only its final flag would have ended it
+            if flags & FINAL:
+                return
+        if response is not None:
+            self._queue.put(response)
+        if flags & FINAL:
+            self._queue.put(None)
+
+    def __iter__(self) -> Iterator[_Response]:
+        # Triton's iterator would wait forever for a lost final; a bounded wait keeps a failing test short
+        while (response := self._queue.get(timeout=2)) is not None:
+            yield response
+        self.ended = True
+
+
+class _FakePb:
+    """The pb_utils calls TritonPools and TritonSink make; requests go to ``pool(inputs, stream)``."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    TritonError = _Error
+    Tensor = _Tensor
+    InferenceResponse = _Response
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.streams: list[_Stream] = []
+        fake = self
+
+        class InferenceRequest:
+            def __init__(self, *, model_name: str, inputs: list[_Tensor], **_: Any) -> None:
+                self.inputs = {t.name: t.as_numpy() for t in inputs}
+
+            async def async_exec(self, decoupled: bool) -> Iterator[_Response]:
+                stream = _Stream()
+                fake.streams.append(stream)
+                fake.pool(self.inputs, stream)
+                return iter(stream)
+
+        self.InferenceRequest = InferenceRequest
+
+    @staticmethod
+    def get_output_tensor_by_name(response: _Response, name: str) -> _Tensor | None:
+        return response.outputs.get(name)
+
+
+def _pools(events: list[tuple[Event, bool]]) -> tuple[TritonPools, list[str]]:
+    """Pools whose every job emits ``events`` through a real TritonSink; controls are answered empty
+    and recorded."""
+    controls: list[str] = []
+
+    def pool(inputs: dict[str, np.ndarray], stream: _Stream) -> None:
+        if "control" in inputs:
+            controls.append(inputs["control"].reshape(-1)[0].decode())
+            stream.send(flags=FINAL)
+            return
+        sink = TritonSink(pb, stream, descriptor_output=False)
+        for event, final in events:
+            sink.emit(event, final)
+
+    pb = _FakePb(pool)
+    models = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+    return TritonPools(pb, TokenSigner(b"k" * 32), models, max_inflight=4), controls
+
+
+STATE = SequenceState((1, 2, 3), (4,), SamplingParams(max_tokens=8))
+
+
+async def _read(tokens: Any, stop_after: int | None = None) -> list[int]:
+    got = []
+    async for token in tokens:
+        got.append(token.token_id)
+        if stop_after is not None and len(got) == stop_after:
+            await tokens.aclose()
+            break
+    return got
+
+
+def _all_closed(pools: TritonPools) -> bool:
+    """Once every drain has run (the executor joined): every call read to its final response, and
+    none counted open."""
+    pools._executor.shutdown(wait=True)
+    return all(stream.ended for stream in pools._pb.streams) and pools.open_calls == 0
+
+
+def test_a_failure_after_tokens_ends_the_call_with_its_code_and_closes_it() -> None:
+    """A stream stopped or failed by its pool after some tokens: the caller sees the pool's error
+    (not a call that never ends), and nothing is left open."""
+    pools, _ = _pools(
+        [(Token(7, False), False), (Failed(ServingError(CANCELLED, "request was stopped")), True)]
+    )
+    got: list[int] = []
+
+    async def run() -> None:
+        async for token in pools.decode("h", STATE, b"descriptor"):
+            got.append(token.token_id)
+
+    with pytest.raises(ServingError) as failed:
+        asyncio.run(run())
+    assert (failed.value.code, failed.value.message) == (CANCELLED, "request was stopped")
+    assert got == [7]
+    assert _all_closed(pools)
+
+
+def test_a_stream_left_early_is_drained_to_its_final_response_and_closed() -> None:
+    """The caller stops reading after one token (a stop string, a cancel): the rest, ending in the
+    pool's failure event, is drained in the background and the call counted closed."""
+    events = [(Token(i, False), False) for i in range(3)]
+    pools, controls = _pools([*events, (Failed(ServingError(CANCELLED, "request was stopped")), True)])
+
+    async def run() -> list[int]:
+        got = await _read(pools.decode("h", STATE, b"descriptor"), stop_after=1)
+        await pools.stop("decode", "h")
+        return got
+
+    assert asyncio.run(run()) == [0]
+    assert controls and '"stop"' in controls[0]
+    assert _all_closed(pools)
+
+
+def test_a_finished_stream_closes_its_call() -> None:
+    pools, _ = _pools([(Token(1, False), False), (Token(2, True, "length"), True)])
+    request = Request(STATE.prompt_token_ids, STATE.params, STATE.generated_token_ids)
+    assert asyncio.run(_read(pools.generate("h", request))) == [1, 2]
+    assert _all_closed(pools)
+
+
+def test_a_refusal_as_the_first_response_still_reaches_the_caller() -> None:
+    """A pool refusing a job at once (its first and only response) may answer with an event or a
+    Triton error: both end the call with the pool's code."""
+    pools, _ = _pools([(Failed(ServingError(UNAVAILABLE, "decode pool is full; retry later")), True)])
+
+    async def run() -> None:
+        await _read(pools.decode("h", STATE, b"descriptor"))
+
+    with pytest.raises(ServingError) as failed:
+        asyncio.run(run())
+    assert failed.value.code == UNAVAILABLE and "full" in failed.value.message
+    assert _all_closed(pools)
