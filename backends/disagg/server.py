@@ -170,7 +170,7 @@ class TritonServer:
         try:
             self._process = subprocess.Popen(
                 build_command(self.config, files),
-                env=build_environment(files, model_dir=self.config.model_dir),
+                env=build_environment(files, model_dir=self.config.model_dir, http_url=self.config.http_url),
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,

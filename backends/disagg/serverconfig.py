@@ -35,6 +35,9 @@ ENV_GRPC_PORT = "GRPC_PORT"
 ENV_METRICS_PORT = "METRICS_PORT"
 ENV_METRICS_ADDRESS = "METRICS_ADDRESS"
 ENV_ADMIN_KEY = "DISAGG_ADMIN_KEY"
+ENV_SERVER_HTTP = "DISAGG_SERVER_HTTP"
+"""Set for the server's processes: host:port of its own HTTP endpoint (the orchestrators read model
+readiness there, see ``disagg.triton.readiness``)."""
 
 ADMIN_HEADER = "disagg-admin-key"
 """HTTP header that must carry the admin key for the restricted APIs."""
@@ -320,14 +323,20 @@ def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
 
 
 def build_environment(
-    files: TritonFiles, base: Mapping[str, str] | None = None, model_dir: Path | None = None
+    files: TritonFiles,
+    base: Mapping[str, str] | None = None,
+    model_dir: Path | None = None,
+    http_url: str | None = None,
 ) -> dict[str, str]:
     """Environment for `tritonserver`: this interpreter's `bin/` first on PATH (the Python backend stub
     runs models with the first `python` there), the wheel's libraries on LD_LIBRARY_PATH, the admin
-    key variable removed so that model processes never inherit it, and `MODEL_DIR` set to `model_dir`
-    when one is given (the models read it when they load)."""
+    key variable removed so that model processes never inherit it, `MODEL_DIR` set to `model_dir`
+    when one is given (the models read it when they load), and `DISAGG_SERVER_HTTP` to `http_url`
+    (host:port of the server's own HTTP endpoint) when one is given."""
     env = dict(os.environ if base is None else base)
     env.pop(ENV_ADMIN_KEY, None)
+    if http_url is not None:
+        env[ENV_SERVER_HTTP] = http_url
     if model_dir is not None:
         env["MODEL_DIR"] = str(model_dir)
     bin_dir = str(Path(sys.prefix) / "bin")

@@ -28,7 +28,7 @@ from disagg.server import (
     remove_shm_regions,
     server_config,
 )
-from disagg.serverconfig import parse_cpus
+from disagg.serverconfig import ENV_SERVER_HTTP, parse_cpus
 from disagg.tritonbin import TritonFiles, TritonFilesError, prepare_backend_directory, project_backend_source
 
 KEY = "k" * 32
@@ -363,3 +363,11 @@ def test_not_ready_until_the_metrics_endpoint_answers_too() -> None:
 
         assert not server(quiet.getsockname()[1]).is_ready()
         assert server(metrics).is_ready()
+
+
+def test_environment_tells_the_models_where_the_server_listens(files: TritonFiles) -> None:
+    """The orchestrators read pool readiness from the server's own HTTP endpoint (readiness)."""
+    config = make_config()
+    env = build_environment(files, {"PATH": "/usr/bin"}, http_url=config.http_url)
+    assert env[ENV_SERVER_HTTP] == config.http_url
+    assert ENV_SERVER_HTTP not in build_environment(files, {"PATH": "/usr/bin"})

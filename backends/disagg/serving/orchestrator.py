@@ -19,10 +19,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
 from disagg.serving.admission import Admission, AdmissionConfig
@@ -44,6 +44,8 @@ from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MODES = ("disaggregated", "colocated")
 
@@ -130,6 +132,9 @@ class OrchestratorConfig:
     """Refuse a request whose predicted TTFT exceeds this x ``slo_ttft_s`` (0: off; see admission)."""
     admission_sheddable_margin: float = 0.5
     """The same for requests of negative ``priority``, which are so refused first."""
+    cancel_poll_s: float = 0.1
+    """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
+    decode blocks) checks whether its client left; after that, every token checks."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,6 +144,8 @@ class OrchestratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
                 raise ValueError(f"{name} must be an integer in [0, {top}]")
+        if not isinstance(self.cancel_poll_s, int | float) or not 0 < self.cancel_poll_s <= 10:
+            raise ValueError("cancel_poll_s must be a number of seconds in (0, 10]")
         for name in ("retry_after_s", "probe_interval_s", "probe_timeout_s", "recovery_backoff_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
@@ -342,6 +349,7 @@ class _Run:
                 UNAVAILABLE, f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s"
             )
         if not self.tokens and not self.admitted:  # a new request: is there capacity for its TTFT?
+            self._check_cancelled()  # a client already gone is never dispatched (C1)
             self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
             self.admitted = True
         if route.rung == DISAGGREGATED:
@@ -365,7 +373,7 @@ class _Run:
     async def _disaggregated(self) -> None:
         request = Request(tuple(self.prompt), self.text.params)
         self.running_on = "prefill"
-        first = await self.pools.prefill(self.handle, request)
+        first = await self._unless_cancelled(self.pools.prefill(self.handle, request))
         self.running_on = None
         self.lease_id = first.lease_id
         self.outcome.finish_reason = first.finish_reason
@@ -379,10 +387,32 @@ class _Run:
         self.running_on = "decode"
         await self._relay(self.pools.decode(self.handle, first.state, first.descriptor))
 
+    async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
+        """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:
+        a request waiting in a pool's queue or being prefilled hears of a cancel no other way. A
+        cancel stops the wait (its call is drained in the background) and raises CANCELLED; the
+        caller's clean-up then sends the pool a stop, which takes the job out of its queue, or frees
+        its KV once the step prefilling it ends (C1, C2)."""
+        waiting = asyncio.ensure_future(answer)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.owner.config.cancel_poll_s)
+                if done:
+                    return waiting.result()
+                self._check_cancelled()
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await waiting
+
     async def _relay(self, tokens: AsyncIterator[Token]) -> None:
         ended = False
         try:
-            async for token in tokens:
+            # the first token waits behind the pool's queue (and, on one pool, the prefill): watched;
+            # every later one is followed by a check of its own
+            token = await self._unless_cancelled(anext(tokens, None))
+            while token is not None:
                 self.lease_id = None  # decode produced a token: it has imported the KV
                 self.outcome.finish_reason = token.finish_reason
                 stop = self._token(token.token_id)
@@ -394,6 +424,7 @@ class _Run:
                     ended = True
                     break
                 self._check_cancelled()
+                token = await anext(tokens, None)
         finally:
             with contextlib.suppress(Exception):
                 await tokens.aclose()  # type: ignore[attr-defined]

@@ -165,8 +165,11 @@ class TritonPools:
         sending = asyncio.ensure_future(self._call(pool, inputs))
         try:
             call = await self._while_alive(pool, sending, epoch)
-        except ServingError:
+        except ServingError:  # the pool was lost: the call may never be accepted
             sending.cancel()
+            raise
+        except BaseException:  # the caller left (a cancel while queued): the call still needs its end
+            sending.add_done_callback(self._drain_accepted)
             raise
         async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:
@@ -209,11 +212,26 @@ class TritonPools:
         state = SequenceState(request.prompt_token_ids, request.generated_token_ids, request.params)
         return self._tokens(pool, self._job_inputs(handle, state=wire.encode_state(state)))
 
+    def _drain_accepted(self, sending: asyncio.Future[Iterator[Any]]) -> None:
+        """A call its caller stopped waiting for before it was accepted: once it is, read it to its
+        final response in the background (else the call, and the stub's reference to it, stay)."""
+        if not sending.cancelled() and sending.exception() is None:
+            self._executor.submit(_drain, sending.result(), self._bury)
+
+    async def _accepted(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
+        """Make a call; a caller that gives up first (a ping's timeout) leaves it to be drained."""
+        sending = asyncio.ensure_future(self._call(pool, inputs))
+        try:
+            return await asyncio.shield(sending)
+        except BaseException:
+            sending.add_done_callback(self._drain_accepted)
+            raise
+
     async def _control(self, pool: str, control: Control) -> bytes | None:
         """Send a control request; the event of its answer, if it had one."""
         inputs = [glue.bytes_tensor(self._pb, "control", wire.encode_control(control))]
         event = None
-        async with contextlib.aclosing(self._responses(await self._call(pool, inputs))) as responses:
+        async with contextlib.aclosing(self._responses(await self._accepted(pool, inputs))) as responses:
             async for response in responses:
                 event = self._tensor(response, "event") or event
         return event

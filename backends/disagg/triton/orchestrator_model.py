@@ -18,6 +18,7 @@ from disagg.affinity import pin_process
 from disagg.config import build
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
+from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.health import Change, PoolState
@@ -37,6 +38,7 @@ from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
 from disagg.triton.metrics import OrchestratorMetrics
+from disagg.triton.readiness import ServerReadiness
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,12 @@ class OrchestratorModel:
         self.pools = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
         instance = args["model_instance_name"]
         deployed = deployed_pools(self.config, args.get("model_repository", ""))
-        recovery = self.config.pool_recovery  # each watcher checks the pool is dead before a restart
+        # readiness over the server's HTTP endpoint (see readiness): without it a silent pool cannot
+        # be told from one being unloaded, so it is routed around but never restarted
+        self.readiness = ServerReadiness.from_environment()
+        recovery = self.config.pool_recovery and self.readiness is not None
+        if self.config.pool_recovery and self.readiness is None:
+            log.warning("%s not set: pools that die are routed around, not restarted", ENV_SERVER_HTTP)
         self.degradation = DegradationMetrics(
             pb_utils, args["model_name"], self.config.mode, instance, self.config.ladder, deployed, recovery
         )
@@ -110,7 +117,7 @@ class OrchestratorModel:
             self._restart if recovery else None,
             on_restart=self.degradation.restarted,
             on_recovered=self.degradation.recovered,
-            is_ready=self._is_ready,
+            is_ready=self._is_ready if self.readiness is not None else None,
         )
         self._watching: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -134,8 +141,10 @@ class OrchestratorModel:
         self.degradation.serving(self.orchestrator.ladder.mode)
 
     async def _is_ready(self, pool: str) -> bool:
-        name = self.config.pool_models[pool]
-        return bool(await asyncio.get_running_loop().run_in_executor(None, self._pb.is_model_ready, name))
+        readiness, name = self.readiness, self.config.pool_models[pool]
+        if readiness is None:
+            return True
+        return await asyncio.get_running_loop().run_in_executor(None, readiness.model_ready, name)
 
     async def _restart(self, pool: str) -> None:
         """Restart a gone pool's model through model control, on a thread (the calls block).
@@ -146,7 +155,7 @@ class OrchestratorModel:
         name = self.config.pool_models[pool]
 
         def restart() -> None:
-            if not self._pb.is_model_ready(name):
+            if self.readiness is None or not self.readiness.model_ready(name):
                 return  # being unloaded (a shutdown, an operator, another watcher's restart)
             self._pb.unload_model(name)
             self._pb.load_model(name)

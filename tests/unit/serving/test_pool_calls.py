@@ -93,6 +93,8 @@ class _FakePb:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.streams: list[_Stream] = []
+        self.gate: asyncio.Event | None = None  # when set up: calls are accepted once it is set
+        self.sent = 0  # calls sent so far (accepted or not)
         fake = self
 
         class InferenceRequest:
@@ -100,6 +102,9 @@ class _FakePb:
                 self.inputs = {t.name: t.as_numpy() for t in inputs}
 
             async def async_exec(self, decoupled: bool) -> Iterator[_Response]:
+                fake.sent += 1
+                if fake.gate is not None:
+                    await fake.gate.wait()
                 stream = _Stream()
                 fake.streams.append(stream)
                 fake.pool(self.inputs, stream)
@@ -204,4 +209,40 @@ def test_a_refusal_as_the_first_response_still_reaches_the_caller() -> None:
     with pytest.raises(ServingError) as failed:
         asyncio.run(run())
     assert failed.value.code == UNAVAILABLE and "full" in failed.value.message
+    assert _all_closed(pools)
+
+
+async def _until(condition: Any, timeout_s: float = 5.0) -> None:
+    """Yield to the loop until ``condition()`` holds (a bounded wait for callbacks, not a delay)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "ping"])
+def test_a_caller_that_leaves_before_its_call_is_accepted_leaves_it_drained(kind: str) -> None:
+    """A request cancelled while its call waits to be accepted (queued behind a busy pool), or a ping
+    that timed out: once the call is accepted it is read to its end in the background, not left
+    open in the stub forever."""
+    pools, _ = _pools([(Token(1, False), False), (Token(2, True, "length"), True)])
+    pb = pools._pb
+
+    async def run() -> None:
+        pb.gate = asyncio.Event()
+        if kind == "decode":
+            caller = _read(pools.decode("h", STATE, b"descriptor"))
+        elif kind == "prefill":
+            caller = pools.prefill("h", Request(STATE.prompt_token_ids, STATE.params))
+        else:
+            caller = pools.ping("decode")
+        task = asyncio.ensure_future(caller)
+        await _until(lambda: pb.sent == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pb.gate.set()  # accepted only now
+        await _until(lambda: pb.streams and pb.streams[0].ended)
+
+    asyncio.run(run())
     assert _all_closed(pools)

@@ -1,0 +1,257 @@
+"""RELIABILITY C6: requests to `llm` cancelled at random moments, then a check that nothing stayed behind.
+
+Each request is a gRPC stream to `llm` (a short or a long prompt, seeded) that its client cancels after
+a random delay, from before its first token (queued, being prefilled) to mid-stream; `--concurrency`
+streams are open at once. Afterwards the server's `/metrics` must come back to where it was before:
+the pools' queues, active sequences, prompt tokens waiting and KV blocks in use, and no call from an
+entry point to a pool left open (`disagg_pool_calls_open`); every request must be counted once in
+`disagg_requests_total{model="llm"}`. The report says how long that took and what the clients saw.
+
+    .venv/bin/python perf/cancel_storm.py --start-triton --model-dir .models/tiny --requests 1000
+
+`--grpc-url` and `--metrics-url` run it against a server already up instead (the integration suite
+does, with a few dozen requests). Writes `<out-dir>/cancel_storm.json` and `.md`; exits 1 when
+something stayed behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.cliutil import log, machine, write_json
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# the gauges that must return to their values before the storm (per pool instance, summed)
+IDLE_GAUGES = (
+    "disagg_prefill_queue_requests",
+    "disagg_prefill_pending_tokens",
+    "disagg_decode_active_sequences",
+    "disagg_kv_blocks_used",
+    "disagg_pool_calls_open",
+)
+SHORT_PROMPT = "Hello world"
+LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # ~540 tokens
+
+
+@dataclass(frozen=True)
+class StormResult:
+    requests: int
+    cancelled_before_first_piece: int  # the client left before any text came back
+    cancelled_mid_stream: int
+    finished_before_cancel: int  # the stream ended (final or error) before its client left
+    errors_seen: int  # error responses the clients got before leaving (not CANCELLED)
+    counted: float  # disagg_requests_total{model="llm"} increase
+    settle_s: float | None  # from the last cancel to every gauge back at its baseline (None: never)
+    leftover: dict[str, float]  # gauges still off their baseline at the end (empty when clean)
+
+    @property
+    def clean(self) -> bool:
+        return self.settle_s is not None and not self.leftover and self.counted == self.requests
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """Each family of interest summed over its series, and `llm`'s request count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    out = dict.fromkeys((*IDLE_GAUGES, "llm_requests"), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in IDLE_GAUGES:
+                out[sample.name] += sample.value
+            elif sample.name == "disagg_requests_total" and sample.labels.get("model") == "llm":
+                out["llm_requests"] += sample.value
+    return out
+
+
+def _inputs(prompt: str, max_tokens: int) -> list[Any]:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    out = []
+    for name, value, kind in (
+        ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+        ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ("stream", np.array([[True]], dtype=bool), "BOOL"),
+    ):
+        tensor = grpcclient.InferInput(name, list(value.shape), kind)
+        tensor.set_data_from_numpy(value)
+        out.append(tensor)
+    return out
+
+
+def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float) -> tuple[str, int]:
+    """One stream cancelled after `delay_s`: (what happened first, error responses seen)."""
+    import tritonclient.grpc as grpcclient
+
+    events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    pieces = errors = 0
+    ended = False
+    try:
+        client.start_stream(callback=lambda result, error: events.put((result, error)))
+        client.async_stream_infer("llm", _inputs(prompt, max_tokens), enable_empty_final_response=True)
+        deadline = time.monotonic() + delay_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                result, error = events.get(timeout=left)
+            except queue.Empty:
+                break
+            if error is not None:
+                errors += 1
+                ended = True
+                break
+            pieces += 1
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                ended = True
+                break
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    if ended:
+        return "finished", errors
+    return ("mid_stream" if pieces else "before_first_piece"), errors
+
+
+def settle(metrics_url: str, baseline: dict[str, float], timeout_s: float) -> tuple[float | None, dict]:
+    """Seconds until every idle gauge is back at its baseline (None if not within `timeout_s`), and
+    what is still off at the end."""
+    started = time.monotonic()
+    while True:
+        now = scrape(metrics_url)
+        off = {k: now[k] for k in IDLE_GAUGES if now[k] != baseline[k]}
+        if not off:
+            return time.monotonic() - started, {}
+        if time.monotonic() - started > timeout_s:
+            return None, off
+        time.sleep(0.2)  # polling a server-side effect with a deadline, not synchronising
+
+
+def storm(
+    grpc_url: str,
+    metrics_url: str,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    max_delay_s: float,
+    max_tokens: int,
+    settle_timeout_s: float = 30.0,
+) -> StormResult:
+    rng = random.Random(seed)
+    plan = [
+        (LONG_PROMPT if rng.random() < 0.3 else SHORT_PROMPT, rng.uniform(0, max_delay_s))
+        for _ in range(requests)
+    ]
+    baseline = scrape(metrics_url)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outcomes = list(pool.map(lambda p: one(grpc_url, p[0], max_tokens, p[1]), plan))
+    # every request is counted once the server has ended it: wait for the count, then the gauges
+    deadline = time.monotonic() + settle_timeout_s
+    while scrape(metrics_url)["llm_requests"] - baseline["llm_requests"] < requests:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    settle_s, leftover = settle(metrics_url, baseline, max(deadline - time.monotonic(), 1.0))
+    kinds = [kind for kind, _ in outcomes]
+    return StormResult(
+        requests=requests,
+        cancelled_before_first_piece=kinds.count("before_first_piece"),
+        cancelled_mid_stream=kinds.count("mid_stream"),
+        finished_before_cancel=kinds.count("finished"),
+        errors_seen=sum(errors for _, errors in outcomes),
+        counted=scrape(metrics_url)["llm_requests"] - baseline["llm_requests"],
+        settle_s=settle_s,
+        leftover=leftover,
+    )
+
+
+def markdown(result: StormResult, args: argparse.Namespace, command: str) -> str:
+    rows = [
+        ("requests", result.requests),
+        ("cancelled before their first piece", result.cancelled_before_first_piece),
+        ("cancelled mid-stream", result.cancelled_mid_stream),
+        ("ended before their cancel", result.finished_before_cancel),
+        ("error responses seen by clients", result.errors_seen),
+        ("counted in disagg_requests_total", f"{result.counted:g}"),
+        (
+            "seconds until every gauge was back",
+            "never" if result.settle_s is None else f"{result.settle_s:.1f}",
+        ),
+        ("left behind", ", ".join(f"{k}={v:g}" for k, v in result.leftover.items()) or "nothing"),
+    ]
+    lines = [
+        "# Cancel storm (RELIABILITY C6)",
+        "",
+        f"`{command}` on {machine()}: {args.concurrency} streams at once, each cancelled after "
+        f"U(0, {args.max_delay_s:g}) s, 30 % with a ~540-token prompt, max_tokens {args.max_tokens}.",
+        "",
+        "| | |",
+        "|---|---:|",
+        *(f"| {name} | {value} |" for name, value in rows),
+        "",
+        f"**{'Clean' if result.clean else 'NOT clean'}.**",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--start-triton", action="store_true", help="start a server on --repository")
+    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
+    parser.add_argument("--grpc-url", help="a running server's gRPC address (host:port)")
+    parser.add_argument("--metrics-url", help="its /metrics URL")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-delay-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "cancel_storm")
+    args = parser.parse_args(argv)
+    if not args.start_triton and not (args.grpc_url and args.metrics_url):
+        parser.error("give --start-triton, or --grpc-url and --metrics-url")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    knobs = (args.requests, args.concurrency, args.seed, args.max_delay_s, args.max_tokens)
+    if args.start_triton:
+        from benchlib.deploy import start_triton
+
+        with tempfile.TemporaryDirectory(prefix="cancel-storm-") as scratch:
+            server = start_triton(args.repository, Path(scratch), args.model_dir, exit_timeout_s=10)
+            try:
+                result = storm(server.config.grpc_url, server.config.metrics_url, *knobs)
+            finally:
+                server.stop(grace_s=5)
+    else:
+        result = storm(args.grpc_url, args.metrics_url, *knobs)
+    command = "python perf/cancel_storm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, **asdict(result)}
+    out["clean"] = result.clean
+    write_json(args.out_dir / "cancel_storm.json", out)
+    report = markdown(result, args, command)
+    (args.out_dir / "cancel_storm.md").write_text(report)
+    log(report)
+    return 0 if result.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
