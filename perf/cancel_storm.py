@@ -1,11 +1,13 @@
 """RELIABILITY C6: requests to `llm` cancelled at random moments, then a check that nothing stayed behind.
 
-Each request is a gRPC stream to `llm` (a short or a long prompt, seeded) that its client cancels after
-a random delay, from before its first token (queued, being prefilled) to mid-stream; `--concurrency`
-streams are open at once. Afterwards the server's `/metrics` must come back to where it was before:
+Each request is a gRPC stream to `llm` (a short or a long prompt, seeded) that its client cancels: a
+third as soon as sent, a third after a random delay (from before its first token, queued or being
+prefilled, to mid-stream), a third after 1 to 8 pieces; `--concurrency` streams are open at once.
+Afterwards the server's `/metrics` must come back to where it was before:
 the pools' queues, active sequences, prompt tokens waiting and KV blocks in use, and no call from an
-entry point to a pool left open (`disagg_pool_calls_open`); every request must be counted once in
-`disagg_requests_total{model="llm"}`. The report says how long that took and what the clients saw.
+entry point to a pool left open (`disagg_pool_calls_open`); `disagg_requests_total{model="llm"}` must
+count every request that got a response, and none twice (one cancelled as soon as it is sent may never
+reach the model). The report says how long that took and what the clients saw.
 
     .venv/bin/python perf/cancel_storm.py --start-triton --model-dir .models/tiny --requests 1000
 
@@ -52,13 +54,17 @@ class StormResult:
     cancelled_mid_stream: int
     finished_before_cancel: int  # the stream ended (final or error) before its client left
     errors_seen: int  # error responses the clients got before leaving (not CANCELLED)
-    counted: float  # disagg_requests_total{model="llm"} increase
+    counted: float  # disagg_requests_total{model="llm"} increase: the requests that reached `llm`
     settle_s: float | None  # from the last cancel to every gauge back at its baseline (None: never)
     leftover: dict[str, float]  # gauges still off their baseline at the end (empty when clean)
 
     @property
     def clean(self) -> bool:
-        return self.settle_s is not None and not self.leftover and self.counted == self.requests
+        """Everything back, and each request counted at most once; at least every one that got a
+        response counted (one cancelled as soon as sent may never have reached the model)."""
+        reached = self.cancelled_mid_stream + self.finished_before_cancel
+        counted_once = reached <= self.counted <= self.requests
+        return self.settle_s is not None and not self.leftover and counted_once
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
@@ -85,6 +91,7 @@ def _inputs(prompt: str, max_tokens: int) -> list[Any]:
     for name, value, kind in (
         ("text_input", np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
         ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ("min_length", np.array([[max_tokens]], dtype=np.int32), "INT32"),  # no early end token
         ("stream", np.array([[True]], dtype=bool), "BOOL"),
     ):
         tensor = grpcclient.InferInput(name, list(value.shape), kind)
@@ -93,8 +100,9 @@ def _inputs(prompt: str, max_tokens: int) -> list[Any]:
     return out
 
 
-def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float) -> tuple[str, int]:
-    """One stream cancelled after `delay_s`: (what happened first, error responses seen)."""
+def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float, after: int | None) -> tuple[str, int]:
+    """One stream cancelled after `delay_s` (0: right after it is sent), or after `after` pieces when
+    that is given: (what happened first, error responses seen)."""
     import tritonclient.grpc as grpcclient
 
     events: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -104,8 +112,8 @@ def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float) -> tuple[st
     try:
         client.start_stream(callback=lambda result, error: events.put((result, error)))
         client.async_stream_infer("llm", _inputs(prompt, max_tokens), enable_empty_final_response=True)
-        deadline = time.monotonic() + delay_s
-        while (left := deadline - time.monotonic()) > 0:
+        deadline = time.monotonic() + (60.0 if after is not None else delay_s)
+        while (left := deadline - time.monotonic()) > 0 and pieces != after:
             try:
                 result, error = events.get(timeout=left)
             except queue.Empty:
@@ -151,20 +159,17 @@ def storm(
     settle_timeout_s: float = 30.0,
 ) -> StormResult:
     rng = random.Random(seed)
-    plan = [
-        (LONG_PROMPT if rng.random() < 0.3 else SHORT_PROMPT, rng.uniform(0, max_delay_s))
-        for _ in range(requests)
-    ]
+    # a third each: cancelled as soon as sent (before dispatch or queued), after a random delay (any
+    # moment: queued, prefilling, mid-stream), after 1 to 8 pieces (mid-stream for certain)
+    plan = []
+    for i in range(requests):
+        prompt = LONG_PROMPT if rng.random() < 0.3 else SHORT_PROMPT
+        delay, after = rng.uniform(0, max_delay_s), rng.randint(1, 8)
+        plan.append((prompt, (0.0, None) if i % 3 == 0 else (delay, None) if i % 3 == 1 else (0.0, after)))
     baseline = scrape(metrics_url)
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outcomes = list(pool.map(lambda p: one(grpc_url, p[0], max_tokens, p[1]), plan))
-    # every request is counted once the server has ended it: wait for the count, then the gauges
-    deadline = time.monotonic() + settle_timeout_s
-    while scrape(metrics_url)["llm_requests"] - baseline["llm_requests"] < requests:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    settle_s, leftover = settle(metrics_url, baseline, max(deadline - time.monotonic(), 1.0))
+        outcomes = list(pool.map(lambda p: one(grpc_url, p[0], max_tokens, *p[1]), plan))
+    settle_s, leftover = settle(metrics_url, baseline, settle_timeout_s)
     kinds = [kind for kind, _ in outcomes]
     return StormResult(
         requests=requests,
@@ -185,7 +190,7 @@ def markdown(result: StormResult, args: argparse.Namespace, command: str) -> str
         ("cancelled mid-stream", result.cancelled_mid_stream),
         ("ended before their cancel", result.finished_before_cancel),
         ("error responses seen by clients", result.errors_seen),
-        ("counted in disagg_requests_total", f"{result.counted:g}"),
+        ("counted in disagg_requests_total (reached the model)", f"{result.counted:g}"),
         (
             "seconds until every gauge was back",
             "never" if result.settle_s is None else f"{result.settle_s:.1f}",
@@ -195,8 +200,9 @@ def markdown(result: StormResult, args: argparse.Namespace, command: str) -> str
     lines = [
         "# Cancel storm (RELIABILITY C6)",
         "",
-        f"`{command}` on {machine()}: {args.concurrency} streams at once, each cancelled after "
-        f"U(0, {args.max_delay_s:g}) s, 30 % with a ~540-token prompt, max_tokens {args.max_tokens}.",
+        f"`{command}` on {machine()}: {args.concurrency} streams at once, a third each cancelled as "
+        f"soon as sent, after U(0, {args.max_delay_s:g}) s, after 1 to 8 pieces; 30 % with a "
+        f"~540-token prompt, max_tokens (and min_length) {args.max_tokens}.",
         "",
         "| | |",
         "|---|---:|",

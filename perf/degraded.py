@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import log, machine, write_json
-from benchlib.deploy import start_triton
+from benchlib.deploy import start_triton, with_orchestrator_parameters
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo
 from benchlib.slo import SLO_FILE, load_frozen
@@ -104,18 +103,6 @@ class HealthWatch:
                 self.gone_seen = now
             if self.gone_seen is not None and self.healthy_again is None and views and not any(views):
                 self.healthy_again = now
-
-
-def without_recovery(repository: Path, scratch: Path) -> Path:
-    """A copy of `repository` whose orchestrators have `pool_recovery` false."""
-    copy = scratch / "repository"
-    shutil.copytree(repository, copy)
-    for config in copy.glob("*/config.pbtxt"):
-        text = config.read_text()
-        if 'key: "mode"' in text:  # an orchestrator (ensemble step or llm)
-            entry = '  { key: "pool_recovery", value: { string_value: "false" } },\n'
-            config.write_text(text.replace("parameters [\n", "parameters [\n" + entry, 1))
-    return copy
 
 
 def phase_of(arrival: float, kill_at: float, back_at: float | None) -> str:
@@ -272,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="degraded-") as scratch:
-        repository = without_recovery(args.repository, Path(scratch)) if args.no_recovery else args.repository
+        repository = (
+            with_orchestrator_parameters(args.repository, Path(scratch), {"pool_recovery": "false"})
+            if args.no_recovery
+            else args.repository
+        )
         server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:
             out = asyncio.run(run(args, server, frozen.slo))

@@ -48,6 +48,8 @@ class StreamOutcome:
     text: str
     reported_tokens: int | None
     error: str | None
+    ended: float | None = None
+    """When the request's last response (or its error) arrived."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,9 @@ class _Pieces:
 
     def outcome(self, error: str | None) -> StreamOutcome:
         return StreamOutcome(
-            self.sent, self.first, self.last, self.count, "".join(self.text), self.reported, error
-        )
+            self.sent, self.first, self.last, self.count, "".join(self.text), self.reported, error,
+            time.perf_counter(),
+        )  # fmt: skip
 
 
 class OpenAIClient:

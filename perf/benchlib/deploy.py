@@ -241,3 +241,23 @@ def start_triton(
     except ServerError as exc:
         raise DeployError(f"Triton did not become ready: {exc}") from None
     return server
+
+
+def with_orchestrator_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
+    """A copy of `repository` (under `scratch`) whose orchestrators (ensemble steps and `llm`) carry
+    `params`, replacing a parameter of the same name."""
+    import shutil
+
+    copy = Path(scratch) / "repository"
+    shutil.copytree(repository, copy)
+    for config in copy.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if 'key: "mode"' not in text:  # not an orchestrator
+            continue
+        for name, value in params.items():
+            entry = f'{{ key: "{name}", value: {{ string_value: "{value}" }} }}'
+            text, replaced = re.subn(rf'\{{ key: "{re.escape(name)}", value: \{{[^}}]*\}} \}}', entry, text)
+            if not replaced:
+                text = text.replace("parameters [\n", f"parameters [\n  {entry},\n", 1)
+        config.write_text(text)
+    return copy

@@ -69,6 +69,7 @@ def to_record(
         sent=rel(outcome.sent),
         first_token=rel(outcome.first_piece),
         last_token=rel(outcome.last_piece),
+        ended=rel(outcome.ended),
         n_pieces=outcome.n_pieces,
         n_tokens=output_tokens(outcome, count_mode, retokenize, spec.output_tokens),
         prompt_tokens=spec.prompt_tokens,

@@ -52,6 +52,8 @@ class RequestRecord:
     error: str | None = None
     kind: str = ""
     """Free label (e.g. "short" / "long" in the interference run)."""
+    ended: float | None = None
+    """When its last response or its error came back (None: never, or not recorded)."""
 
     @property
     def ok(self) -> bool:

@@ -16,6 +16,7 @@ DEADLINE = "DEADLINE_EXCEEDED"
 INTERNAL = "INTERNAL"
 CODES = (INVALID_ARG, UNAVAILABLE, CANCELLED, DEADLINE, INTERNAL)
 TRANSFER_FAILED = "KV transfer failed"  # the message of a KVError (the pools on both ends may be fine)
+PROBE_UNANSWERED = "did not answer a probe"  # a call's pool, probed while the call was overdue
 
 
 class ServingError(Exception):

@@ -27,8 +27,16 @@ from typing import Literal, Protocol, TypeVar
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
 from disagg.serving.admission import Admission, AdmissionConfig
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
-from disagg.serving.errors import CANCELLED, DEADLINE, TRANSFER_FAILED, UNAVAILABLE, ServingError, classify
-from disagg.serving.health import Change, HealthConfig, PoolHealth
+from disagg.serving.errors import (
+    CANCELLED,
+    DEADLINE,
+    PROBE_UNANSWERED,
+    TRANSFER_FAILED,
+    UNAVAILABLE,
+    ServingError,
+    classify,
+)
+from disagg.serving.health import Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.ladder import (
     COLOCATED,
     DISAGGREGATED,
@@ -245,12 +253,15 @@ class Orchestrator:
 
     def pool_failed(self, pool: str, error: ServingError) -> None:
         """A call to ``pool`` failed UNAVAILABLE: a pool that refused as full is saturated, a failed KV
-        transfer says nothing of the pool, and any other failure (no answer, its stub gone) is gone."""
+        transfer says nothing of the pool, and any other failure (no answer, its stub gone) is gone;
+        except an overdue call's unanswered probe to a pool the watcher already finds saturated (it
+        answers its own probes, slowly): that pool is overloaded, not gone, and stays saturated."""
         health = self.health.get(pool)
         if health is None or error.message == TRANSFER_FAILED:
             return
         full = "full" in error.message or "retry later" in error.message
-        self.observe(health.refused() if full else health.failed("call_failed"))
+        slow = PROBE_UNANSWERED in error.message and health.state is PoolState.SATURATED
+        self.observe(health.refused() if full or slow else health.failed("call_failed"))
 
     async def serve(
         self, prompt_ids: Sequence[int], text: TextRequest, out: Responder, arrival: float | None = None

@@ -31,7 +31,7 @@ import numpy as np
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import INTERNAL, UNAVAILABLE, ServingError
+from disagg.serving.errors import INTERNAL, PROBE_UNANSWERED, UNAVAILABLE, ServingError
 from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
@@ -141,7 +141,8 @@ class TritonPools:
             try:
                 await asyncio.wait_for(self.ping(pool), PROBE_TIMEOUT_S)
             except (ServingError, TimeoutError):
-                raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding") from None
+                message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
+                raise ServingError(UNAVAILABLE, message) from None
             overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
 
     def _tensor(self, response: Any, name: str) -> bytes | None:
@@ -165,11 +166,13 @@ class TritonPools:
         sending = asyncio.ensure_future(self._call(pool, inputs))
         try:
             call = await self._while_alive(pool, sending, epoch)
-        except ServingError:  # the pool was lost: the call may never be accepted
-            sending.cancel()
-            raise
-        except BaseException:  # the caller left (a cancel while queued): the call still needs its end
+        except BaseException:
+            # the pool was lost, or the caller left (a cancel while queued): a call that is (or will
+            # be) accepted still needs its end read; one that is not yet accepted from a lost pool is
+            # given up (a no-op once accepted, for instance while an overdue probe waited)
             sending.add_done_callback(self._drain_accepted)
+            if not sending.done() and self._epochs.get(pool, 0) != epoch:
+                sending.cancel()
             raise
         async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:

@@ -17,7 +17,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, ServingError
 from disagg.serving.health import PoolState
 from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.ladder import Route
@@ -383,3 +383,21 @@ def test_a_pool_being_unloaded_is_gone_but_never_restarted_and_a_dead_one_is():
         and orchestrator.health["decode"].reason == "dead"
     )
     assert restarted == ["decode"]
+
+
+def test_an_overloaded_pool_whose_call_goes_unanswered_stays_saturated_not_gone():
+    """Under overload a call's probe can time out on a pool the watcher hears (slowly): that pool is
+    saturated, not gone (gone sheds everything routed to it). The same failure on a pool the
+    watcher finds healthy still makes it gone: the watcher has not heard of trouble yet."""
+    orchestrator = Orchestrator(
+        OrchestratorConfig(), _ScriptedPools(), lambda ids: "", deployed=("prefill", "decode")
+    )
+    unanswered = ServingError(UNAVAILABLE, f"the prefill pool stopped responding ({PROBE_UNANSWERED})")
+    orchestrator.observe(orchestrator.health["prefill"].refused())  # saturated, as the watcher found
+    assert orchestrator.health["prefill"].state is PoolState.SATURATED
+    orchestrator.pool_failed("prefill", unanswered)
+    assert orchestrator.health["prefill"].state is PoolState.SATURATED
+    orchestrator.pool_failed(
+        "decode", ServingError(UNAVAILABLE, unanswered.message.replace("prefill", "decode"))
+    )
+    assert orchestrator.health["decode"].state is PoolState.GONE

@@ -18,7 +18,8 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
-from disagg.serving.messages import Event, Failed, Token
+from disagg.serving.messages import Event, Failed, PoolLoad, Token
+from disagg.triton import bls
 from disagg.triton.bls import TritonPools
 from disagg.triton.pool_model import TritonSink
 
@@ -243,6 +244,31 @@ def test_a_caller_that_leaves_before_its_call_is_accepted_leaves_it_drained(kind
             await task
         pb.gate.set()  # accepted only now
         await _until(lambda: pb.streams and pb.streams[0].ended)
+
+    asyncio.run(run())
+    assert _all_closed(pools)
+
+
+def test_a_call_accepted_while_its_overdue_probe_fails_is_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under overload a call can be accepted while the probe of its overdue pool is still out; when
+    that probe then fails, the call (given up by its caller) must still be read to its end."""
+    monkeypatch.setattr(bls, "PROBE_AFTER_S", 0.0)  # probe at once
+    monkeypatch.setattr(bls, "CHECK_S", 0.01)
+    pools, _ = _pools([(Token(1, False), False), (Token(2, True, "length"), True)])
+    pb = pools._pb
+
+    async def probe_that_fails(pool: str) -> PoolLoad:
+        pb.gate.set()  # the call is accepted while this probe waits
+        await _until(lambda: pb.streams)
+        raise ServingError(UNAVAILABLE, "the decode pool did not answer its probe")
+
+    pools.ping = probe_that_fails  # type: ignore[method-assign]
+
+    async def run() -> None:
+        pb.gate = asyncio.Event()
+        with pytest.raises(ServingError, match="stopped responding"):
+            await _read(pools.decode("h", STATE, b"descriptor"))
+        await _until(lambda: pb.streams[0].ended)
 
     asyncio.run(run())
     assert _all_closed(pools)

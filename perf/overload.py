@@ -1,0 +1,245 @@
+"""RELIABILITY E1 measured: arrivals far above the goodput, with admission by capacity on.
+
+One run against a fresh Triton on a copy of the project's repository whose orchestrators refuse a
+request when its predicted TTFT exceeds `--admission-margin` x the TTFT SLO (`admission_margin`;
+off in the shipped repository). An open-loop Poisson load of one workload at `--rate` (the issue asks
+for 10x the measured goodput) goes to `--model` for `--duration` seconds. Reported: how fast refusals
+come back (p50/p99 from send to the error), the admitted requests' TTFT and TPOT p99 against the
+frozen SLOs (`perf/slos.json`), their goodput, the server's resident memory (its process group) every
+second, and whether the pools' gauges and the open pool calls came back to their baseline afterwards.
+
+    .venv/bin/python perf/overload.py --model-dir .models/tiny --rate 37 --duration 60
+
+Writes `<out-dir>/overload.json` and `.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.arrivals import count_for
+from benchlib.clients import ClientConfig, make_client
+from benchlib.cliutil import log, machine, write_json
+from benchlib.deploy import start_triton, with_orchestrator_parameters
+from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.metrics import RequestRecord, Slo, percentile
+from benchlib.slo import SLO_FILE, load_frozen
+from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
+from cancel_storm import scrape, settle
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RSS_EVERY_S = 1.0
+
+
+class MemoryWatch:
+    """Samples the resident memory of the server's process group every second until stopped."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        from disagg.server import process_group_members
+
+        while True:
+            total = 0
+            for pid in process_group_members(self.pgid):
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            self.samples.append((time.perf_counter(), total))
+            if self._stop.wait(RSS_EVERY_S):
+                return
+
+
+CLIENT_SIDE = ("timeout", "not sent", "client crashed")  # errors of the load generator, not the server's
+
+
+def refused(record: RequestRecord) -> bool:
+    """Turned away by the server before any token (admission, a full queue, a shed rung): an error
+    the server sent with no piece before it. Through `ensemble` Triton 2.51 drops the code from the
+    message, so the code is not what tells."""
+    error = record.error
+    return error is not None and record.first_token is None and not error.startswith(CLIENT_SIDE)
+
+
+def summary(records: list[RequestRecord], slo: Slo, duration_s: float) -> dict[str, Any]:
+    admitted = [r for r in records if r.ok]
+    refusals = [r for r in records if refused(r)]
+    others = [r for r in records if not r.ok and not refused(r)]
+    waits = [r.ended - r.sent for r in refusals if r.ended is not None and r.sent is not None]
+    ttfts = [r.ttft for r in admitted if r.ttft is not None]
+    tpots = [r.tpot for r in admitted if r.tpot is not None]
+    good = [r for r in admitted if r.meets(slo)]
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else value * 1000
+
+    return {
+        "requests": len(records),
+        "admitted": len(admitted),
+        "refused": len(refusals),
+        "failed_otherwise": len(others),
+        "other_errors": dict(Counter((r.error or "")[:120] for r in others).most_common(5)),
+        "refusal_ms_p50": ms(percentile(waits, 50)),
+        "refusal_ms_p99": ms(percentile(waits, 99)),
+        "admitted_ttft_ms_p50": ms(percentile(ttfts, 50)),
+        "admitted_ttft_ms_p99": ms(percentile(ttfts, 99)),
+        "admitted_tpot_ms_p99": ms(percentile(tpots, 99)),
+        "admitted_attainment": len(good) / len(admitted) if admitted else None,
+        "goodput_rps": len(good) / duration_s,
+    }
+
+
+async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]:
+    workload = WORKLOADS[args.workload]
+    factory = PromptFactory.from_model_dir(args.model_dir)
+    count = count_for(args.rate, args.duration, max_requests=100000)
+    trace = [
+        s
+        for s in build_trace(workload, factory, args.rate, count, args.seed, new_salt())
+        if s.arrival < args.duration
+    ]
+    client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
+    await client.open()
+    baseline = scrape(server.config.metrics_url)
+    memory = MemoryWatch(server.pid).start()  # the server leads its own process group
+    started = time.perf_counter()
+    try:
+        records = await run_trace(
+            client, trace, LoadConfig(max_duration_s=args.duration), factory.count_output
+        )
+    finally:
+        memory.stop()
+        await client.close()
+    settle_s, leftover = settle(server.config.metrics_url, baseline, timeout_s=60)
+    rss = [(t - started, b) for t, b in memory.samples]
+    under_load = [b for t, b in rss if t <= args.duration]
+    third = max(1, len(under_load) // 3)
+    return {
+        "workload": args.workload,
+        "entry_point": args.model,
+        "rate_rps": args.rate,
+        "duration_s": args.duration,
+        "admission_margin": args.admission_margin,
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        **summary(records, slo, args.duration),
+        # memory flat: the last third of the run against the first third (after start-up)
+        "rss_mb_first_third": sum(under_load[:third]) / third / 2**20 if under_load else None,
+        "rss_mb_last_third": sum(under_load[-third:]) / third / 2**20 if under_load else None,
+        "rss_mb_max": max(under_load) / 2**20 if under_load else None,
+        "settle_s": settle_s,
+        "leftover": leftover,
+        "machine": machine(),
+    }
+
+
+def markdown(out: dict[str, Any], command: str) -> str:
+    slo = out["slo"]
+
+    def f(value: float | None, spec: str = ".0f") -> str:
+        return "–" if value is None else format(value, spec)
+
+    ttft_bound = 2 * slo["ttft_s"] * 1000
+    refusal = f"{f(out['refusal_ms_p50'], '.1f')} / {f(out['refusal_ms_p99'], '.1f')}"
+    ttft = f"{f(out['admitted_ttft_ms_p50'])} / {f(out['admitted_ttft_ms_p99'])}"
+    rss = " / ".join(f(out[k]) for k in ("rss_mb_first_third", "rss_mb_last_third", "rss_mb_max"))
+    settled = "never" if out["settle_s"] is None else f"{out['settle_s']:.1f}"
+    rows = [
+        ("requests sent", out["requests"]),
+        ("admitted (served)", out["admitted"]),
+        ("refused (UNAVAILABLE, no token)", out["refused"]),
+        ("failed otherwise", out["failed_otherwise"]),
+        ("refusal latency p50 / p99, ms (target p99 < 50)", refusal),
+        (f"admitted TTFT p50 / p99, ms (target p99 <= {ttft_bound:.0f})", ttft),
+        ("admitted TPOT p99, ms", f(out["admitted_tpot_ms_p99"], ".1f")),
+        ("admitted attainment of both SLOs", f(out["admitted_attainment"], ".2f")),
+        ("goodput, req/s", f(out["goodput_rps"], ".2f")),
+        ("server RSS, first / last third of the run / max, MB", rss),
+        ("seconds until the pools' gauges were back", settled),
+        ("left behind", ", ".join(f"{k}={v:g}" for k, v in out["leftover"].items()) or "nothing"),
+    ]
+    load = f"{out['workload']} at {out['rate_rps']:g} req/s (Poisson) for {out['duration_s']:g} s"
+    slos = f"{slo['ttft_s'] * 1000:.0f} ms TTFT / {slo['tpot_s'] * 1000:.1f} ms TPOT (frozen)"
+    lines = [
+        "# Overload with admission by capacity (RELIABILITY E1)",
+        "",
+        f"Written by `perf/overload.py`: `{command}`. {load} to `{out['entry_point']}`, "
+        f"`admission_margin` {out['admission_margin']:g}; SLOs {slos}. {out['machine']}.",
+        "",
+        "| | |",
+        "|---|---:|",
+        *(f"| {name} | {value} |" for name, value in rows),
+        "",
+    ]
+    for error, count in out["other_errors"].items():
+        lines.append(f"- {count} x `{error}`")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
+    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--workload", default="codegen", choices=sorted(WORKLOADS))
+    parser.add_argument("--rate", type=float, required=True, help="requests/s: 10x the measured goodput")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
+    parser.add_argument("--admission-margin", type=float, default=1.0, help="x the TTFT SLO; 0 turns it off")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "overload")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    frozen = load_frozen(SLO_FILE, args.model_dir.name).get(args.workload)
+    if frozen is None:
+        log(f"no frozen SLO for {args.model_dir.name}/{args.workload} in {SLO_FILE}: make bench-slos first")
+        return 2
+    slo = frozen.slo
+    with tempfile.TemporaryDirectory(prefix="overload-") as scratch:
+        params = {"admission_margin": f"{args.admission_margin:g}", "slo_ttft_s": f"{slo.ttft_s:g}"}
+        repository = with_orchestrator_parameters(args.repository, Path(scratch), params)
+        server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
+        try:
+            out = asyncio.run(run(args, server, slo))
+        finally:
+            server.stop(grace_s=5)
+    name = "overload" if args.admission_margin else "overload_no_admission"
+    write_json(args.out_dir / f"{name}.json", out)
+    command = "python perf/overload.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = markdown(out, command)
+    (args.out_dir / f"{name}.md").write_text(report)
+    log(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""perf/overload.py's accounting (refusals apart from failures, their latency from send to error, the
+admitted requests' percentiles and goodput) and the repository rewrite its run and perf/degraded.py's
+use (orchestrator parameters set, replacing any of the same name, pools untouched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import overload
+from benchlib.deploy import with_orchestrator_parameters
+from benchlib.metrics import RequestRecord, Slo
+
+SLO = Slo(ttft_s=0.5, tpot_s=0.02)
+REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
+
+
+def _served(arrival: float, ttft: float, tpot: float = 0.01) -> RequestRecord:
+    first = arrival + ttft
+    return RequestRecord(
+        0, arrival, arrival, first, first + tpot * 9, 10, 10, 300, 10, ended=first + tpot * 9
+    )
+
+
+def _refused(
+    arrival: float, wait_s: float, error: str = "triton: [StatusCode.UNAVAILABLE] full"
+) -> RequestRecord:
+    return RequestRecord(0, arrival, arrival, None, None, 0, 0, 300, 10, error, ended=arrival + wait_s)
+
+
+def test_refusals_are_counted_apart_and_timed_from_send_to_error():
+    records = [_served(0.0, 0.2), _served(1.0, 0.9), _refused(2.0, 0.004), _refused(3.0, 0.040)]
+    records.append(RequestRecord(0, 4.0, 4.0, 4.1, None, 1, 1, 300, 10, "triton: INTERNAL broken"))
+    records.append(RequestRecord(0, 5.0, 5.0, None, None, 0, 0, 300, 10, "timeout"))
+    out = overload.summary(records, SLO, duration_s=10.0)
+    assert (out["requests"], out["admitted"], out["refused"], out["failed_otherwise"]) == (6, 2, 2, 2)
+    assert 4.0 <= out["refusal_ms_p50"] <= 40.0 and abs(out["refusal_ms_p99"] - 40.0) < 1.0
+    assert abs(out["admitted_ttft_ms_p99"] - 900.0) < 10.0
+    assert out["admitted_attainment"] == 0.5 and out["goodput_rps"] == 0.1  # the 0.9 s TTFT misses
+
+
+def test_a_stream_that_failed_after_its_first_token_is_not_a_refusal():
+    broken = RequestRecord(0, 0.0, 0.0, 0.1, 0.1, 1, 1, 300, 10, "triton: UNAVAILABLE pool lost", ended=0.2)
+    assert not overload.refused(broken)
+    assert overload.refused(_refused(0.0, 0.01))
+    assert overload.refused(_refused(0.0, 0.01, "triton: in ensemble 'ensemble', server is over capacity"))
+
+
+def test_orchestrators_get_the_parameters_and_pools_keep_theirs(tmp_path: Path):
+    copy = with_orchestrator_parameters(REPOSITORY, tmp_path, {"admission_margin": "1", "mode": "colocated"})
+    llm = (copy / "llm" / "config.pbtxt").read_text()
+    assert '{ key: "admission_margin", value: { string_value: "1" } }' in llm
+    assert llm.count('key: "mode"') == 1 and '{ key: "mode", value: { string_value: "colocated" } }' in llm
+    assert "admission_margin" not in (copy / "decode" / "config.pbtxt").read_text()
+    assert (REPOSITORY / "llm" / "config.pbtxt").read_text() != llm, "the original is left as it was"
