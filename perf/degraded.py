@@ -23,7 +23,6 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import add_run_args, log, machine, write_json
 from benchlib.deploy import start_triton, with_orchestrator_parameters
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo
+from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
 
@@ -73,36 +73,26 @@ def pool_health(metrics_url: str, pool: str) -> list[float]:
     return [float(v) for v in pattern.findall(text)]
 
 
-class HealthWatch:
+class HealthWatch(Sampler):
     """Scrapes the pool's health until stopped; `healthy_again` is the first time after `gone_seen`
     that every view says healthy (seconds on `time.perf_counter()`)."""
 
     def __init__(self, metrics_url: str, pool: str) -> None:
+        super().__init__(SCRAPE_S)
         self.url, self.pool = metrics_url, pool
         self.gone_seen: float | None = None
         self.healthy_again: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(SCRAPE_S):
-            try:
-                views = pool_health(self.url, self.pool)
-            except OSError:
-                continue
-            now = time.perf_counter()
-            if views and max(views) >= 2 and self.gone_seen is None:
-                self.gone_seen = now
-            if self.gone_seen is not None and self.healthy_again is None and views and not any(views):
-                self.healthy_again = now
+    def sample(self) -> None:
+        try:
+            views = pool_health(self.url, self.pool)
+        except OSError:
+            return
+        now = time.perf_counter()
+        if views and max(views) >= 2 and self.gone_seen is None:
+            self.gone_seen = now
+        if self.gone_seen is not None and self.healthy_again is None and views and not any(views):
+            self.healthy_again = now
 
 
 def phase_of(arrival: float, kill_at: float, back_at: float | None) -> str:
@@ -133,10 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
-    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument("--workload", default="codegen", choices=sorted(WORKLOADS))
-    parser.add_argument("--rate", type=float, required=True, help="requests/s: 80 %% of the normal goodput")
+    add_run_args(parser, rate_help="requests/s: 80 %% of the normal goodput")
     parser.add_argument("--kill", default="decode", choices=("decode", "prefill"))
     parser.add_argument("--kill-after", type=float, default=40.0, help="seconds of normal load first")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals in all")

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import add_run_args, log, machine, write_json
 from benchlib.deploy import start_triton, with_orchestrator_parameters
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
+from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
 from cancel_storm import scrape, settle
@@ -41,39 +41,27 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RSS_EVERY_S = 1.0
 
 
-class MemoryWatch:
+class MemoryWatch(Sampler):
     """Samples the resident memory of the server's process group every second until stopped."""
 
     def __init__(self, pgid: int) -> None:
+        super().__init__(RSS_EVERY_S)
         self.pgid = pgid
         self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> MemoryWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
+    def sample(self) -> None:
         from disagg.server import process_group_members
 
-        while True:
-            total = 0
-            for pid in process_group_members(self.pgid):
-                try:
-                    status = Path(f"/proc/{pid}/status").read_text()
-                except OSError:
-                    continue
-                for line in status.splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-            self.samples.append((time.perf_counter(), total))
-            if self._stop.wait(RSS_EVERY_S):
-                return
+        total = 0
+        for pid in process_group_members(self.pgid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        self.samples.append((time.perf_counter(), total))
 
 
 CLIENT_SIDE = ("timeout", "not sent", "client crashed")  # errors of the load generator, not the server's
@@ -205,10 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
-    parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument("--workload", default="codegen", choices=sorted(WORKLOADS))
-    parser.add_argument("--rate", type=float, required=True, help="requests/s: 10x the measured goodput")
+    add_run_args(parser, rate_help="requests/s: 10x the measured goodput")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
     parser.add_argument("--admission-margin", type=float, default=1.0, help="x the TTFT SLO; 0 turns it off")
