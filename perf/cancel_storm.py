@@ -135,12 +135,15 @@ def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float, after: int 
 
 
 def settle(metrics_url: str, baseline: dict[str, float], timeout_s: float) -> tuple[float | None, dict]:
-    """Seconds until every idle gauge is back at its baseline (None if not within `timeout_s`), and
-    what is still off at the end."""
+    """Seconds until every idle gauge is back at its baseline (open pool calls: at 0; None if not within
+    `timeout_s`), and what is still off at the end."""
     started = time.monotonic()
     while True:
         now = scrape(metrics_url)
-        off = {k: now[k] for k in IDLE_GAUGES if now[k] != baseline[k]}
+        # open pool calls go back to 0, not to the baseline: a probe in flight when it was read
+        # counts as one for a moment
+        target = {**baseline, "disagg_pool_calls_open": 0.0}
+        off = {k: now[k] for k in IDLE_GAUGES if now[k] != target[k]}
         if not off:
             return time.monotonic() - started, {}
         if time.monotonic() - started > timeout_s:
