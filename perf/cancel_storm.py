@@ -24,7 +24,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,16 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.cliutil import log, machine, write_json
+from benchlib.gauges import scrape, settle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# the gauges that must return to their values before the storm (per pool instance, summed)
-IDLE_GAUGES = (
-    "disagg_prefill_queue_requests",
-    "disagg_prefill_pending_tokens",
-    "disagg_decode_active_sequences",
-    "disagg_kv_blocks_used",
-    "disagg_pool_calls_open",
-)
 SHORT_PROMPT = "Hello world"
 LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)  # ~540 tokens
 
@@ -65,22 +57,6 @@ class StormResult:
         reached = self.cancelled_mid_stream + self.finished_before_cancel
         counted_once = reached <= self.counted <= self.requests
         return self.settle_s is not None and not self.leftover and counted_once
-
-
-def scrape(metrics_url: str) -> dict[str, float]:
-    """Each family of interest summed over its series, and `llm`'s request count."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    out = dict.fromkeys((*IDLE_GAUGES, "llm_requests"), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in IDLE_GAUGES:
-                out[sample.name] += sample.value
-            elif sample.name == "disagg_requests_total" and sample.labels.get("model") == "llm":
-                out["llm_requests"] += sample.value
-    return out
 
 
 def _inputs(prompt: str, max_tokens: int) -> list[Any]:
@@ -132,23 +108,6 @@ def one(grpc_url: str, prompt: str, max_tokens: int, delay_s: float, after: int 
     if ended:
         return "finished", errors
     return ("mid_stream" if pieces else "before_first_piece"), errors
-
-
-def settle(metrics_url: str, baseline: dict[str, float], timeout_s: float) -> tuple[float | None, dict]:
-    """Seconds until every idle gauge is back at its baseline (open pool calls: at 0; None if not within
-    `timeout_s`), and what is still off at the end."""
-    started = time.monotonic()
-    while True:
-        now = scrape(metrics_url)
-        # open pool calls go back to 0, not to the baseline: a probe in flight when it was read
-        # counts as one for a moment
-        target = {**baseline, "disagg_pool_calls_open": 0.0}
-        off = {k: now[k] for k in IDLE_GAUGES if now[k] != target[k]}
-        if not off:
-            return time.monotonic() - started, {}
-        if time.monotonic() - started > timeout_s:
-            return None, off
-        time.sleep(0.2)  # polling a server-side effect with a deadline, not synchronising
 
 
 def storm(

@@ -30,12 +30,12 @@ from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import add_run_args, log, machine, write_json
 from benchlib.deploy import start_triton, with_orchestrator_parameters
+from benchlib.gauges import scrape, settle
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
-from cancel_storm import scrape, settle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RSS_EVERY_S = 1.0

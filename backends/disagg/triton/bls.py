@@ -162,18 +162,7 @@ class TritonPools:
     async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
         # aclosing: an early exit closes the inner generator now, not whenever it is collected
         epoch = self._epochs.get(pool, 0)
-        # the call itself is watched too: one sent to an instance as it dies may never be accepted
-        sending = asyncio.ensure_future(self._call(pool, inputs))
-        try:
-            call = await self._while_alive(pool, sending, epoch)
-        except BaseException:
-            # the pool was lost, or the caller left (a cancel while queued): a call that is (or will
-            # be) accepted still needs its end read; one that is not yet accepted from a lost pool is
-            # given up (a no-op once accepted, for instance while an overdue probe waited)
-            sending.add_done_callback(self._drain_accepted)
-            if not sending.done() and self._epochs.get(pool, 0) != epoch:
-                sending.cancel()
-            raise
+        call = await self._accepted(pool, inputs, epoch)
         async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:
                 raw = self._tensor(response, "event")
@@ -221,13 +210,22 @@ class TritonPools:
         if not sending.cancelled() and sending.exception() is None:
             self._executor.submit(_drain, sending.result(), self._bury)
 
-    async def _accepted(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
-        """Make a call; a caller that gives up first (a ping's timeout) leaves it to be drained."""
+    async def _accepted(self, pool: str, inputs: list[Any], epoch: int | None = None) -> Iterator[Any]:
+        """Make a call and wait until it is accepted; with ``epoch`` (a job's call) the wait is watched
+        like the call's responses, since one sent to an instance as it dies may never be accepted.
+
+        A caller that gives up first (a cancel while queued, a ping's timeout, the pool lost) leaves
+        the call, once it is accepted, to be read to its end in the background; a job's call from a
+        pool lost meanwhile that is not accepted yet is given up."""
         sending = asyncio.ensure_future(self._call(pool, inputs))
         try:
-            return await asyncio.shield(sending)
+            if epoch is None:
+                return await asyncio.shield(sending)
+            return await self._while_alive(pool, sending, epoch)
         except BaseException:
             sending.add_done_callback(self._drain_accepted)
+            if epoch is not None and not sending.done() and self._epochs.get(pool, 0) != epoch:
+                sending.cancel()
             raise
 
     async def _control(self, pool: str, control: Control) -> bytes | None:

@@ -140,11 +140,13 @@ class OrchestratorModel:
         self.degradation.changed(change)
         self.degradation.serving(self.orchestrator.ladder.mode)
 
+    def _pool_ready(self, pool: str) -> bool:
+        """Whether the server reports the pool's model ready (blocks: an HTTP round trip)."""
+        readiness = self.readiness
+        return readiness is not None and readiness.model_ready(self.config.pool_models[pool])
+
     async def _is_ready(self, pool: str) -> bool:
-        readiness, name = self.readiness, self.config.pool_models[pool]
-        if readiness is None:
-            return True
-        return await asyncio.get_running_loop().run_in_executor(None, readiness.model_ready, name)
+        return await asyncio.get_running_loop().run_in_executor(None, self._pool_ready, pool)
 
     async def _restart(self, pool: str) -> None:
         """Restart a gone pool's model through model control, on a thread (the calls block).
@@ -155,7 +157,7 @@ class OrchestratorModel:
         name = self.config.pool_models[pool]
 
         def restart() -> None:
-            if self.readiness is None or not self.readiness.model_ready(name):
+            if not self._pool_ready(pool):
                 return  # being unloaded (a shutdown, an operator, another watcher's restart)
             self._pb.unload_model(name)
             self._pb.load_model(name)
