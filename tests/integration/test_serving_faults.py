@@ -14,10 +14,12 @@ starts such a server again (`disagg.restart`, tested in test_server_startup.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from serving_support import REPOSITORY, engine_texts, generate, read_stream, stub_pids, text_inputs
 from triton_support import (
@@ -32,7 +34,11 @@ from triton_support import (
     wait_until,
 )
 
+from disagg.kv.secret import load_secret
 from disagg.server import TritonServer
+from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.messages import Prefilled
+from disagg.triton import wire
 
 ERROR_BOUND_S = 30.0  # probe after 5 s overdue, probe deadline 10 s, plus slack for a loaded CI machine
 
@@ -151,6 +157,42 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(s
 
 def test_server_with_a_dead_stub_still_stops_without_leftovers(server: TritonServer) -> None:
     server.stop(grace_s=5)  # SIGTERM to the group; SIGKILL after the exit timeout if it must
+    wait_until(lambda: not live_group_members(server.pid), 10, "no process of the server left")
+    assert not shm_entries(server.config.shm_prefix)
+
+
+def test_sigterm_with_an_unclaimed_kv_lease_exits_without_waiting_for_it(
+    triton_factory: TritonFactory,
+) -> None:
+    """A stream caught between its prefill and its decode call at SIGTERM: Triton refuses the decode
+    call ("Server not ready"), and the prefill pool holds a lease on KV that nothing can pull any more.
+    The exit must not wait for it (lease TTL 30 s; a drain waiting for it spent the 10 s exit timeout
+    and the server exited 1). Made deterministic by calling the prefill pool as the orchestrator does,
+    with a token minted from the deployment secret, and never calling decode."""
+    server = triton_factory.start(REPOSITORY, exit_timeout_s=10)
+    triton_factory.release(server)
+    token = TokenSigner(load_secret()).mint()
+    job = {
+        "input_ids": np.array([1, 42, 305, 7, 9], dtype=np.int32),
+        "sampling": np.array([json.dumps({"max_tokens": 8}).encode()], dtype=np.object_),
+        "handle": np.array([b"unclaimed-1"], dtype=np.object_),
+    }
+    try:
+        with GrpcStream(server.config.grpc_url) as stream:
+            stream.send("prefill", job, parameters={PARAMETER: token})
+            answers = [event for event in stream.until_final(30) if event.result is not None]
+        assert answers and all(event.error is None for event in answers), answers
+        first = answers[0].result
+        event = wire.decode_event(first.as_numpy("event")[0], first.as_numpy("descriptor")[0])
+        assert isinstance(event, Prefilled) and event.descriptor and event.lease_id, event
+        signalled = time.monotonic()
+        server.signal(signal.SIGTERM)
+        status = server.wait(server.config.exit_timeout_s + 20)
+        exited_after = time.monotonic() - signalled
+    finally:
+        server.stop(grace_s=5)
+    assert status == 0, server.log_tail()
+    assert exited_after < server.config.exit_timeout_s, f"the exit took {exited_after:.1f} s"
     wait_until(lambda: not live_group_members(server.pid), 10, "no process of the server left")
     assert not shm_entries(server.config.shm_prefix)
 

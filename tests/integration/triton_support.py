@@ -239,9 +239,19 @@ class GrpcStream:
             final = "triton_final_response" in params and params["triton_final_response"].bool_param
         self.events.put(StreamEvent(result, error, final))
 
-    def send(self, model: str, values: Mapping[str, np.ndarray], request_id: str = "") -> None:
+    def send(
+        self,
+        model: str,
+        values: Mapping[str, np.ndarray],
+        request_id: str = "",
+        parameters: Mapping[str, str] | None = None,
+    ) -> None:
         self.client.async_stream_infer(
-            model, grpc_inputs(values), request_id=request_id, enable_empty_final_response=True
+            model,
+            grpc_inputs(values),
+            request_id=request_id,
+            enable_empty_final_response=True,
+            parameters=dict(parameters) if parameters else None,
         )
 
     def next(self, timeout_s: float = 10.0) -> StreamEvent:

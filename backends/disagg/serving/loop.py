@@ -157,10 +157,12 @@ class EngineLoop:
             healthy=self.healthy,
         )
 
-    def drain(self, timeout_s: float) -> bool:
+    def drain(self, timeout_s: float, leases: bool = True) -> bool:
         """Stop taking jobs, then wait (bounded) until the ones taken have ended and, on a prefill
-        pool, until every exported KV lease has been acked or has expired: an instance removed by a
-        scale-in or a shutdown then strands no request and no importer. True when fully drained."""
+        pool with ``leases``, until every exported KV lease has been acked or has expired: an
+        instance removed by a scale-in then strands no request and no importer. Without ``leases``
+        (nothing can import any more: the server is exiting) held leases do not hold the drain.
+        True when fully drained."""
         with self._cond:
             self._draining = True
             self._cond.notify()
@@ -168,7 +170,8 @@ class EngineLoop:
         while time.monotonic() < deadline and self.healthy:
             with self._cond:
                 s = self._snapshot
-                if not self._inbox and not (s.queued or s.active_sequences or s.held_leases):
+                held = s.held_leases if leases else 0
+                if not self._inbox and not (s.queued or s.active_sequences or held):
                     return True
                 self._cond.wait(0.05)  # woken by each loop iteration; the deadline bounds the wait
         return False

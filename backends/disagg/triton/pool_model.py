@@ -13,6 +13,7 @@ from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.messages import AbortLease, Control, Event, PoolLoad, Stop
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
+from disagg.triton.readiness import ServerReadiness
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,14 @@ class PoolModel:
 
     def finalize(self) -> None:
         # Finish what Triton already handed over and let exported KV be pulled before the memory
-        # goes: bounded, since Triton's exit timeout bounds the whole unload.
-        if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S)):
+        # goes: bounded, since Triton's exit timeout bounds the whole unload. When the server is
+        # exiting, it unloads only once every in-flight inference has ended, and it refuses new ones,
+        # so no importer can come for a held lease (pools reach each other only inside this server):
+        # waiting for it would only spend the exit timeout (a stream caught between its prefill and
+        # its decode call at SIGTERM leaves one).
+        server = ServerReadiness.from_environment()
+        exiting = server is not None and server.server_exiting()
+        if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S), leases=not exiting):
             log.warning(
                 "%s pool instance unloads with work or KV leases still outstanding", self.config.role.value
             )

@@ -47,6 +47,13 @@ class ServerReadiness:
         except (OSError, urllib.error.URLError, ValueError):  # refused, 4xx/5xx, timed out, going away
             return False
 
+    def server_exiting(self) -> bool:
+        """The server is shutting down (or already gone): its liveness endpoint does not answer 200.
+
+        Triton answers liveness with an error only once it is exiting, and it unloads models at exit
+        only after every in-flight inference has ended (or its exit timeout forced the exit)."""
+        return not self._ok("/v2/health/live")
+
     def model_ready(self, model: str) -> bool:
         """The server answers and reports ``model`` ready."""
         return self._ok(f"/v2/models/{urllib.parse.quote(model)}/ready")

@@ -55,6 +55,8 @@ def test_drain_waits_for_exported_kv_to_be_pulled(pools):
     assert isinstance(first, Prefilled) and prefill.stats().held_leases == 1
 
     assert prefill.drain(0.2) is False, "a held lease keeps the instance from draining"
+    assert prefill.drain(0.2, leases=False) is True, "at exit nothing can import: leases do not count"
+    assert prefill.stats().held_leases == 1, "the lease stays until it is pulled, acked or expires"
     with pytest.raises(ServingError) as refused:
         prefill.submit(PrefillJob("r2", Sink(), Request((1, 2), SamplingParams(max_tokens=2))))
     assert refused.value.code == UNAVAILABLE

@@ -11,7 +11,7 @@ import pytest
 from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.triton.readiness import ServerReadiness
 
-READY = {"/v2/models/decode/ready"}  # what the stand-in reports ready
+READY = {"/v2/models/decode/ready", "/v2/health/live"}  # what the stand-in answers with 200
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -44,6 +44,17 @@ def test_a_model_is_ready_only_when_the_server_says_so(server: str) -> None:
 def test_a_server_that_does_not_answer_reads_not_ready() -> None:
     closed = ServerReadiness("127.0.0.1:1", timeout_s=1.0)  # nothing listens on port 1
     assert not closed.model_ready("decode")
+    assert closed.server_exiting(), "an endpoint gone reads as a server gone"
+
+
+def test_a_server_is_exiting_once_its_liveness_fails(server: str) -> None:
+    readiness = ServerReadiness(server)
+    assert not readiness.server_exiting()
+    READY.discard("/v2/health/live")  # Triton answers liveness with an error once it is exiting
+    try:
+        assert readiness.server_exiting()
+    finally:
+        READY.add("/v2/health/live")
 
 
 def test_the_endpoint_comes_from_the_environment_or_there_is_none() -> None:
