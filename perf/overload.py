@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
+import re
 import sys
 import tempfile
 import time
@@ -30,7 +33,7 @@ from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import add_run_args, log, machine, write_json
 from benchlib.deploy import start_triton, with_orchestrator_parameters
-from benchlib.gauges import scrape, settle
+from benchlib.gauges import IDLE_GAUGES, scrape, settle
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.sampler import Sampler
@@ -75,6 +78,24 @@ def refused(record: RequestRecord) -> bool:
     return error is not None and record.first_token is None and not error.startswith(CLIENT_SIDE)
 
 
+def refusal_kind(error: str) -> str:
+    """A refusal's message with its figures taken out, so refusals group by their cause."""
+    return re.sub(r"\d+(\.\d+)?", "N", error)[:140]
+
+
+def refusal_kinds(refusals: list[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Each cause of refusal: how many, and how long they waited for it (p50 / p99, ms)."""
+    waits: dict[str, list[float]] = {}
+    for record in refusals:
+        if record.ended is not None and record.sent is not None:
+            waits.setdefault(refusal_kind(record.error or ""), []).append(record.ended - record.sent)
+    kinds = sorted(waits.items(), key=lambda item: -len(item[1]))[:6]
+    return {
+        kind: {"count": len(w), "ms_p50": percentile(w, 50) * 1000, "ms_p99": percentile(w, 99) * 1000}
+        for kind, w in kinds
+    }
+
+
 def summary(records: list[RequestRecord], slo: Slo, duration_s: float) -> dict[str, Any]:
     admitted = [r for r in records if r.ok]
     refusals = [r for r in records if refused(r)]
@@ -95,6 +116,7 @@ def summary(records: list[RequestRecord], slo: Slo, duration_s: float) -> dict[s
         "other_errors": dict(Counter((r.error or "")[:120] for r in others).most_common(5)),
         "refusal_ms_p50": ms(percentile(waits, 50)),
         "refusal_ms_p99": ms(percentile(waits, 99)),
+        "refusal_kinds": refusal_kinds(refusals),
         "admitted_ttft_ms_p50": ms(percentile(ttfts, 50)),
         "admitted_ttft_ms_p99": ms(percentile(ttfts, 99)),
         "admitted_tpot_ms_p99": ms(percentile(tpots, 99)),
@@ -114,6 +136,11 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     ]
     client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
     await client.open()
+    # one request first, not counted: the client's channel and lazy set-up (seen: its loop stalled
+    # 0.6 s on the first responses, which showed as 120 ms refusals) happen before the clock starts
+    warm = build_trace(workload, factory, 1.0, 1, args.seed + 1, new_salt())
+    await run_trace(client, warm, LoadConfig(max_duration_s=60), factory.count_output)
+    settle(server.config.metrics_url, dict.fromkeys(IDLE_GAUGES, 0.0), timeout_s=30)  # idle again
     baseline = scrape(server.config.metrics_url)
     memory = MemoryWatch(server.pid).start()  # the server leads its own process group
     started = time.perf_counter()
@@ -124,6 +151,10 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     finally:
         memory.stop()
         await client.close()
+    if args.records is not None:  # every request, one JSON object a line, for a closer look
+        with args.records.open("w") as f:
+            for record in records:
+                f.write(json.dumps(dataclasses.asdict(record)) + "\n")
     settle_s, leftover = settle(server.config.metrics_url, baseline, timeout_s=60)
     rss = [(t - started, b) for t, b in memory.samples]
     under_load = [b for t, b in rss if t <= args.duration]
@@ -184,6 +215,12 @@ def markdown(out: dict[str, Any], command: str) -> str:
         *(f"| {name} | {value} |" for name, value in rows),
         "",
     ]
+    if out.get("refusal_kinds"):
+        lines += ["Refusals by cause (figures replaced by N):", ""]
+        lines += ["| cause | count | wait p50 / p99, ms |", "|---|---:|---:|"]
+        for kind, k in out["refusal_kinds"].items():
+            lines.append(f"| `{kind}` | {k['count']} | {k['ms_p50']:.1f} / {k['ms_p99']:.1f} |")
+        lines.append("")
     for error, count in out["other_errors"].items():
         lines.append(f"- {count} x `{error}`")
     return "\n".join(lines) + "\n"
@@ -198,6 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
     parser.add_argument("--admission-margin", type=float, default=1.0, help="x the TTFT SLO; 0 turns it off")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--records", type=Path, help="write every request's record here (JSON lines)")
+    parser.add_argument("--keep-log", type=Path, help="copy the server's log here after the run")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "overload")
     return parser.parse_args(argv)
 
@@ -217,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             out = asyncio.run(run(args, server, slo))
         finally:
             server.stop(grace_s=5)
+            if args.keep_log is not None:  # the server's log, for what the pools' states did
+                args.keep_log.write_bytes((Path(scratch) / "tritonserver.log").read_bytes())
     name = "overload" if args.admission_margin else "overload_no_admission"
     write_json(args.out_dir / f"{name}.json", out)
     command = "python perf/overload.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -38,6 +38,10 @@ class PoolConfig:
     nice: int = 0
     # Names the deployment's KV regions; exporter and importer must agree (one per deployment).
     prefix: str = "disagg"
+    # One prompt of this many tokens prefilled (and dropped) before the instance serves: the first
+    # call's costs are paid before any request's, and the pool's prefill speed is in its first load
+    # report, so admission by capacity has an estimate before traffic comes (0: off)
+    warm_up_tokens: int = 256
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -48,6 +52,8 @@ class PoolConfig:
             raise ValueError("local_generate is a prefill pool's setting")
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ValueError("nice must be an integer in [0, 19]")
+        if not isinstance(self.warm_up_tokens, int) or not 0 <= self.warm_up_tokens <= 8192:
+            raise ValueError("warm_up_tokens must be an integer in [0, 8192]")
 
     def scheduling(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -111,6 +117,8 @@ def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Trans
             transport.close()
         raise
     relay.append(loop)
+    if config.warm_up_tokens and config.role is not Role.DECODE:
+        loop.warm_up(config.warm_up_tokens)
     if transport is not None and config.role.exports_kv:
         transport.start_reaper(0.01)  # takes in native acks and expires leases
     return loop, transport

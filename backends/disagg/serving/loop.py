@@ -100,6 +100,11 @@ class EngineLoop:
 
     # ------------------------------------------------------------- other threads
 
+    def warm_up(self, prompt_tokens: int) -> None:
+        """Before ``start``: one prompt prefilled and dropped (``Runner.warm_up``), in the stats."""
+        self.runner.warm_up(prompt_tokens)
+        self._snapshot = self._measure()
+
     def start(self) -> EngineLoop:
         self._thread.start()
         self.dispatcher.start()

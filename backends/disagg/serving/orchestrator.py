@@ -140,6 +140,8 @@ class OrchestratorConfig:
     """Refuse a request whose predicted TTFT exceeds this x ``slo_ttft_s`` (0: off; see admission)."""
     admission_sheddable_margin: float = 0.5
     """The same for requests of negative ``priority``, which are so refused first."""
+    admission_cold_backlog_tokens: int = 2048
+    """While a pool's prefill speed is not measured yet, the most prompt tokens admitted to wait on it."""
     cancel_poll_s: float = 0.1
     """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
     decode blocks) checks whether its client left; after that, every token checks."""
@@ -187,7 +189,12 @@ class OrchestratorConfig:
 
     @property
     def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(self.admission_margin, self.admission_sheddable_margin, self.slo_ttft_s)
+        return AdmissionConfig(
+            self.admission_margin,
+            self.admission_sheddable_margin,
+            self.slo_ttft_s,
+            self.admission_cold_backlog_tokens,
+        )
 
 
 @dataclass

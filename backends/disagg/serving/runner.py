@@ -7,6 +7,7 @@ propagates (the loop then fails every job).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,12 +15,14 @@ from typing import Any, TypeVar
 
 from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import SequenceFailed
-from disagg.engine.sequence import StepOutput
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request, StepOutput
 from disagg.scheduling.plan import Chunk, Handed, Joined, Plan, Progressed, Refused, Result, Started, Stepped
 from disagg.serving.errors import INTERNAL, ServingError, classify
 from disagg.serving.messages import DecodeJob, PrefillJob
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Runner:
@@ -112,6 +115,22 @@ class Runner:
             return Refused(job, classify(exc))
         self.transfer_times.append(imported.transfer_s)
         return Joined(job, imported.seq_id, imported.transfer_s)
+
+    def warm_up(self, tokens: int) -> None:
+        """Prefill one prompt of ``tokens`` and drop it, counted like any call (its time is the
+        engine's). Before the loop starts; a prompt this engine cannot take is logged and skipped."""
+        request = Request((1,) * tokens, SamplingParams(max_tokens=1))
+        try:
+            seq_id = self.backend.start(request, decode=False)
+        except Exception as exc:
+            log.warning("no warm-up: a %d-token prompt does not fit this engine (%s)", tokens, exc)
+            return
+        try:
+            while self._timed(self.backend.prefill_chunk, seq_id, tokens) is None:
+                pass  # an engine that prefills in smaller chunks than asked
+            self.prompt_tokens += tokens
+        finally:
+            self.backend.free(seq_id)
 
     def _timed(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
         started = time.perf_counter()

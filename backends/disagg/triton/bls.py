@@ -13,6 +13,12 @@ the new instance answers for it. So each call also remembers the pool's *epoch* 
 was found gone, ``pool_lost``): a call whose pool was lost since it began ends UNAVAILABLE too, at its
 next check (every ``CHECK_S``).
 
+Probes are shared, and never queued behind work. A pool that answered any ping (the watcher's, every
+second, or another call's) within ``PROBE_AFTER_S`` is known alive, so an overdue call sends none;
+otherwise the overdue calls of one pool share one probe in flight. Control calls (pings, stops) read
+their answers on threads of their own: under overload every job thread can be blocked waiting for
+its pool, and a probe queued behind them would go unanswered and get a live pool declared gone.
+
 A finished iterator is never simply dropped: it goes to the ``Graveyard``, which releases it once the
 stub has dropped its own reference (Triton 2.51 would otherwise free its responses without the GIL;
 see ``graveyard``).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +58,7 @@ def _drain(responses: Iterator[Any], bury: Callable[[Iterator[Any]], None]) -> N
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
 CHECK_S = 1.0  # how often a waiting call looks whether its pool was lost meanwhile
+CONTROL_WORKERS = 32  # threads reading control answers (a ping to a dead pool may hold one for good)
 
 
 class TritonPools:
@@ -59,6 +67,9 @@ class TritonPools:
         self._signer = signer
         self.models = models  # pool -> Triton model name
         self._executor = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="bls")
+        self._control_executor = ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="bls-ctl")
+        self._answered: dict[str, float] = {}  # pool -> loop time of its last answered ping
+        self._probes: dict[str, asyncio.Future[PoolLoad]] = {}  # pool -> the overdue calls' probe
         self.graveyard = Graveyard()
         self._epochs: dict[str, int] = {}  # pool -> times it was found gone
         self._lock = threading.Lock()
@@ -82,6 +93,7 @@ class TritonPools:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._control_executor.shutdown(wait=False, cancel_futures=True)
         self.graveyard.release_all()
 
     async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
@@ -98,7 +110,7 @@ class TritonPools:
         return responses
 
     async def _responses(
-        self, responses: Iterator[Any], pool: str | None = None, epoch: int = 0
+        self, responses: Iterator[Any], pool: str | None = None, epoch: int = 0, control: bool = False
     ) -> AsyncIterator[Any]:
         """Responses of one BLS call; with ``pool``, a pool that stops answering raises UNAVAILABLE.
 
@@ -107,11 +119,12 @@ class TritonPools:
         model keeps a request in flight and cannot unload.
         """
         loop = asyncio.get_running_loop()
+        executor = self._control_executor if control else self._executor
         pending: asyncio.Future[Any] | None = None
         finished = False
         try:
             while True:
-                pending = loop.run_in_executor(self._executor, next, responses, _END)
+                pending = loop.run_in_executor(executor, next, responses, _END)
                 response = await (pending if pool is None else self._while_alive(pool, pending, epoch))
                 pending = None
                 if response is _END:
@@ -123,9 +136,9 @@ class TritonPools:
                 yield response
         finally:
             if pending is not None and not pending.done():  # a thread is inside next(): drain after it
-                pending.add_done_callback(lambda _: self._executor.submit(_drain, responses, self._bury))
+                pending.add_done_callback(lambda _: executor.submit(_drain, responses, self._bury))
             elif not finished:
-                self._executor.submit(_drain, responses, self._bury)
+                executor.submit(_drain, responses, self._bury)
 
     async def _while_alive(self, pool: str, pending: asyncio.Future[Any], epoch: int) -> Any:
         overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
@@ -136,14 +149,25 @@ class TritonPools:
             if self._epochs.get(pool, 0) != epoch:
                 # the thread blocked in next() stays blocked: the iterator has no cancel() here
                 raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding (it was lost)")
-            if asyncio.get_running_loop().time() < overdue_at:
-                continue
+            now = asyncio.get_running_loop().time()
+            overdue_at = max(overdue_at, self._answered.get(pool, -PROBE_AFTER_S) + PROBE_AFTER_S)
+            if now < overdue_at:
+                continue  # the pool answered a ping lately: it is alive, only slow
             try:
-                await asyncio.wait_for(self.ping(pool), PROBE_TIMEOUT_S)
+                await asyncio.shield(self._probe(pool))
             except (ServingError, TimeoutError):
                 message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
                 raise ServingError(UNAVAILABLE, message) from None
             overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
+
+    def _probe(self, pool: str) -> asyncio.Future[PoolLoad]:
+        """The probe of ``pool`` its overdue calls share: the one in flight, or a new one."""
+        probe = self._probes.get(pool)
+        if probe is None or probe.done():
+            probe = asyncio.ensure_future(asyncio.wait_for(self.ping(pool), PROBE_TIMEOUT_S))
+            probe.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen
+            self._probes[pool] = probe
+        return probe
 
     def _tensor(self, response: Any, name: str) -> bytes | None:
         tensor = self._pb.get_output_tensor_by_name(response, name)
@@ -204,11 +228,12 @@ class TritonPools:
         state = SequenceState(request.prompt_token_ids, request.generated_token_ids, request.params)
         return self._tokens(pool, self._job_inputs(handle, state=wire.encode_state(state)))
 
-    def _drain_accepted(self, sending: asyncio.Future[Iterator[Any]]) -> None:
+    def _drain_accepted(self, sending: asyncio.Future[Iterator[Any]], control: bool) -> None:
         """A call its caller stopped waiting for before it was accepted: once it is, read it to its
         final response in the background (else the call, and the stub's reference to it, stay)."""
         if not sending.cancelled() and sending.exception() is None:
-            self._executor.submit(_drain, sending.result(), self._bury)
+            executor = self._control_executor if control else self._executor
+            executor.submit(_drain, sending.result(), self._bury)
 
     async def _accepted(self, pool: str, inputs: list[Any], epoch: int | None = None) -> Iterator[Any]:
         """Make a call and wait until it is accepted; with ``epoch`` (a job's call) the wait is watched
@@ -223,7 +248,7 @@ class TritonPools:
                 return await asyncio.shield(sending)
             return await self._while_alive(pool, sending, epoch)
         except BaseException:
-            sending.add_done_callback(self._drain_accepted)
+            sending.add_done_callback(functools.partial(self._drain_accepted, control=epoch is None))
             if epoch is not None and not sending.done() and self._epochs.get(pool, 0) != epoch:
                 sending.cancel()
             raise
@@ -232,7 +257,8 @@ class TritonPools:
         """Send a control request; the event of its answer, if it had one."""
         inputs = [glue.bytes_tensor(self._pb, "control", wire.encode_control(control))]
         event = None
-        async with contextlib.aclosing(self._responses(await self._accepted(pool, inputs))) as responses:
+        call = await self._accepted(pool, inputs)
+        async with contextlib.aclosing(self._responses(call, control=True)) as responses:
             async for response in responses:
                 event = self._tensor(response, "event") or event
         return event
@@ -247,6 +273,8 @@ class TritonPools:
         """The pool's load; raises ServingError when it does not answer as live."""
         raw = await self._control(pool, Ping())
         try:
-            return wire.decode_load(raw or b"")
+            load = wire.decode_load(raw or b"")
         except (ValueError, KeyError, TypeError):
             raise ServingError(INTERNAL, f"the {pool} pool answered a ping out of protocol") from None
+        self._answered[pool] = asyncio.get_running_loop().time()
+        return load

@@ -41,6 +41,15 @@ def test_a_request_that_would_miss_is_refused_with_a_retry_hint_and_others_pass(
     admission.admit("prefill", 300)
 
 
+def test_a_prompt_too_long_for_the_target_alone_is_admitted_to_an_empty_pool():
+    admission = Admission(AdmissionConfig(margin=1.0, ttft_slo_s=1.0))
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(0, 1000, 1.0))  # 1,000 tokens/s, nothing waiting
+    admission.admit("prefill", 5000)  # 5 s alone: refusing it would leave it no way to be served
+    with pytest.raises(ServingError):
+        admission.admit("prefill", 10)  # behind it: 5.01 s
+
+
 def test_sheddable_requests_are_refused_first():
     admission = _measured(AdmissionConfig(margin=2.0, sheddable_margin=1.0, ttft_slo_s=1.0))
     with pytest.raises(ServingError):
@@ -49,13 +58,30 @@ def test_sheddable_requests_are_refused_first():
     admission.admit("prefill", 100, priority=5)
 
 
-def test_off_without_a_margin_and_open_until_measured():
+def test_off_without_a_margin():
     off = _measured(AdmissionConfig(margin=0.0))
     for _ in range(100):
         off.admit("prefill", 10_000)
-    fresh = Admission(AdmissionConfig(margin=1.0))
-    fresh.observe("prefill", _load(10**6, 0, 0.0))
-    fresh.admit("prefill", 300)  # one probe: no throughput yet
+
+
+def test_a_pool_of_unknown_speed_gets_a_bounded_backlog():
+    """Before any throughput estimate a flood is not admitted whole: the backlog is held to the cold
+    budget (a prompt alone always fits an empty pool), and the first probe showing engine time
+    gives the estimate from the counters since the instance started."""
+    cold = Admission(AdmissionConfig(margin=1.0, cold_backlog_tokens=1000))
+    cold.admit("prefill", 5000)  # never probed, nothing waiting: a prompt alone is admitted
+    with pytest.raises(ServingError) as refused:
+        cold.admit("prefill", 10)
+    assert refused.value.code == UNAVAILABLE and "warming up" in refused.value.message
+    assert "retry after 1 s" in refused.value.message
+    cold.observe("prefill", _load(0, 0, 0.0))  # probed, idle, nothing computed yet: still cold
+    for _ in range(3):
+        cold.admit("prefill", 300)
+    with pytest.raises(ServingError):
+        cold.admit("prefill", 300)  # 900 + 300 > 1000
+    assert cold.predict_ttft("prefill", 0) is None
+    cold.observe("prefill", _load(600, 900, 0.5))  # first computed: 1,800 tokens/s since start
+    assert cold.predict_ttft("prefill", 300) == pytest.approx(0.5)
 
 
 def test_throughput_ignores_idle_intervals_and_restarted_counters():

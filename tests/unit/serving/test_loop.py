@@ -76,7 +76,10 @@ def test_engine_calls_are_counted_with_their_time(pools):
     """The counters behind `disagg_engine_steps_total` / `disagg_engine_busy_seconds_total`: one call
     per prompt prefilled, one per decode batch step, and the seconds spent inside them."""
     prefill, decode = pools["prefill"], pools["decode"]
-    assert (prefill.stats().engine_steps, decode.stats().engine_steps) == (0, 0)
+    warmed = prefill.stats()  # the prefill pool's warm-up: one prompt prefilled before serving
+    assert (warmed.engine_steps, warmed.prompt_tokens_done) == (1, 256) and warmed.engine_busy_s > 0
+    assert decode.stats().engine_steps == 0, "a decode pool has no prompt to warm up with"
+    assert prefill.engine.kv.free_blocks == prefill.engine.kv.num_blocks, "the warm-up's KV is back"
     sink = Sink()
     params = SamplingParams(max_tokens=5, min_length=5)
     prefill.submit(PrefillJob("r1", sink, Request((1, 5, 6, 7), params)))
@@ -86,9 +89,9 @@ def test_engine_calls_are_counted_with_their_time(pools):
     decode.submit(DecodeJob("r1", out, first.state, first.descriptor))
     assert out.done.wait(30) and out.events[-1].finished
     prefilled, decoded = prefill.stats(), decode.stats()
-    assert prefilled.engine_steps == 1
+    assert prefilled.engine_steps == warmed.engine_steps + 1
     assert decoded.engine_steps == 4, "tokens 2..5, one decode step each"
-    assert prefilled.engine_busy_s > 0 and decoded.engine_busy_s > 0
+    assert prefilled.engine_busy_s > warmed.engine_busy_s and decoded.engine_busy_s > 0
 
 
 def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):

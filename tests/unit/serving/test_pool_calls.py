@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
 from disagg.serving.messages import Event, Failed, PoolLoad, Token
-from disagg.triton import bls
+from disagg.triton import bls, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.pool_model import TritonSink
 
@@ -154,6 +155,7 @@ def _all_closed(pools: TritonPools) -> bool:
     """Once every drain has run (the executor joined): every call read to its final response, and
     none counted open."""
     pools._executor.shutdown(wait=True)
+    pools._control_executor.shutdown(wait=True)
     return all(stream.ended for stream in pools._pb.streams) and pools.open_calls == 0
 
 
@@ -269,6 +271,69 @@ def test_a_call_accepted_while_its_overdue_probe_fails_is_drained(monkeypatch: p
         with pytest.raises(ServingError, match="stopped responding"):
             await _read(pools.decode("h", STATE, b"descriptor"))
         await _until(lambda: pb.streams[0].ended)
+
+    asyncio.run(run())
+    assert _all_closed(pools)
+
+
+def _held_pools(max_inflight: int) -> tuple[TritonPools, list[_Stream], list[float]]:
+    """Pools that hold every job unanswered (the test ends them) and answer each ping at once with a
+    load; the times of the pings are recorded."""
+    held: list[_Stream] = []
+    pings: list[float] = []
+    load = wire.encode_load(
+        PoolLoad(queued=0, queued_prompt_tokens=0, active_sequences=0, blocks_used=0, blocks_free=8)
+    )
+
+    def pool(inputs: dict[str, np.ndarray], stream: _Stream) -> None:
+        if "control" in inputs:
+            pings.append(time.monotonic())
+            stream.send(_Response([_Tensor("event", np.array([load], dtype=np.object_))]), flags=FINAL)
+        else:
+            held.append(stream)
+
+    pb = _FakePb(pool)
+    models = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+    return TritonPools(pb, TokenSigner(b"k" * 32), models, max_inflight=max_inflight), held, pings
+
+
+def _end(pools: TritonPools, held: list[_Stream]) -> None:
+    for stream in held:
+        TritonSink(pools._pb, stream, descriptor_output=False).emit(Token(1, True, "length"), True)
+
+
+def test_overdue_calls_of_one_pool_share_their_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty calls overdue at once send one ping per round between them, not one each: under
+    overload a probe per waiting call flooded the pool (and the threads reading answers)."""
+    monkeypatch.setattr(bls, "PROBE_AFTER_S", 0.05)
+    monkeypatch.setattr(bls, "CHECK_S", 0.01)
+    pools, held, pings = _held_pools(max_inflight=32)
+
+    async def run() -> None:
+        readers = [asyncio.ensure_future(_read(pools.decode(f"h{i}", STATE, b"d"))) for i in range(20)]
+        await _until(lambda: len(held) == 20)
+        await _until(lambda: len(pings) >= 3)  # three probe rounds with every call overdue
+        assert len(pings) <= 5, f"{len(pings)} pings for 20 overdue calls in three rounds"
+        _end(pools, held)
+        assert [await reader for reader in readers] == [[1]] * 20
+
+    asyncio.run(run())
+    assert _all_closed(pools)
+
+
+def test_a_probe_is_answered_while_every_job_thread_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every thread that reads job answers is blocked on a pool that is slow to answer: a ping still
+    gets its answer read at once, on threads of its own, instead of queueing behind them and timing
+    out (which had a live, busy pool declared gone)."""
+    pools, held, pings = _held_pools(max_inflight=4)
+
+    async def run() -> None:
+        readers = [asyncio.ensure_future(_read(pools.decode(f"h{i}", STATE, b"d"))) for i in range(4)]
+        await _until(lambda: len(held) == 4)
+        load = await asyncio.wait_for(pools.ping("decode"), 1.0)
+        assert load.blocks_free == 8 and len(pings) == 1
+        _end(pools, held)
+        assert [await reader for reader in readers] == [[1]] * 4
 
     asyncio.run(run())
     assert _all_closed(pools)
