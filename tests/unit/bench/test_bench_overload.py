@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import overload
+import pytest
 from benchlib.deploy import with_orchestrator_parameters
 from benchlib.metrics import RequestRecord, Slo
 
@@ -52,3 +53,23 @@ def test_orchestrators_get_the_parameters_and_pools_keep_theirs(tmp_path: Path):
     assert llm.count('key: "mode"') == 1 and '{ key: "mode", value: { string_value: "colocated" } }' in llm
     assert "admission_margin" not in (copy / "decode" / "config.pbtxt").read_text()
     assert (REPOSITORY / "llm" / "config.pbtxt").read_text() != llm, "the original is left as it was"
+
+
+def test_machine_stalls_are_counted_from_the_probe_output():
+    assert overload.stall_summary(b"[0.03, 0.07, 0.2]") == {"stalls_over_50ms": 2, "stall_max_ms": 200.0}
+    assert overload.stall_summary(b"[]") == {"stalls_over_50ms": 0, "stall_max_ms": 0.0}
+
+
+def test_refusals_group_by_cause_with_their_wait():
+    records = [
+        _refused(0.0, 0.010, "over capacity: predicted 1.2 s; retry after 2 s"),
+        _refused(1.0, 0.030, "over capacity: predicted 3.4 s; retry after 4 s"),
+        _refused(2.0, 0.005, "warming up: 900 tokens wait; retry after 1 s"),
+    ]
+    kinds = overload.refusal_kinds(records)
+    assert list(kinds) == [
+        "over capacity: predicted N s; retry after N s",
+        "warming up: N tokens wait; retry after N s",
+    ]
+    assert kinds["over capacity: predicted N s; retry after N s"]["count"] == 2
+    assert kinds["over capacity: predicted N s; retry after N s"]["ms_p99"] == pytest.approx(29.8)
