@@ -54,6 +54,11 @@ class Layout:
     local_decode: bool = True
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
+    # conditional disaggregation: prompts of at most this many tokens are served whole by the decode
+    # pool while the prefill pool is backlogged, prefilled there in chunks of conditional_chunk_tokens
+    # between decode steps (0: off)
+    conditional_prefill_tokens: int = 0
+    conditional_chunk_tokens: int = 128
     # GPU ids ("0" or "0,1"); set: the pool is a KIND_GPU group with one instance per GPU
     prefill_gpus: str = ""
     decode_gpus: str = ""
@@ -66,6 +71,10 @@ class Layout:
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}; got {value!r}")
         if not isinstance(self.colocated_chunk_tokens, int) or self.colocated_chunk_tokens < 0:
             raise ValueError("colocated_chunk_tokens must be an integer >= 0 (0: whole prompts)")
+        if not isinstance(self.conditional_prefill_tokens, int) or self.conditional_prefill_tokens < 0:
+            raise ValueError("conditional_prefill_tokens must be an integer >= 0 (0: off)")
+        if not isinstance(self.conditional_chunk_tokens, int) or self.conditional_chunk_tokens < 1:
+            raise ValueError("conditional_chunk_tokens must be a positive integer")
         ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
         if bool(ids["prefill"]) != bool(ids["decode"]):
             raise ValueError("prefill_gpus and decode_gpus go together (the KV hand-off is GPU to GPU)")
@@ -164,6 +173,10 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["nice"] = str(layout.prefill_nice)
     if role == "prefill" and layout.local_decode:
         params["local_generate"] = "true"
+    if role == "decode" and layout.conditional_prefill_tokens:
+        params["local_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["chunked_prefill"] = "true"
+        params["max_prefill_tokens"] = str(layout.conditional_chunk_tokens)
     if role == "colocated" and layout.colocated_chunk_tokens:
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
@@ -182,6 +195,8 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
         "cores": layout.frontend_cores,
         "request_timeout_s": str(layout.request_timeout_s),
     }
+    if mode == "disaggregated" and layout.conditional_prefill_tokens:
+        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
     return _model(
         name, "orchestrator", inputs, TEXT_OUTPUT, max_batch=MAX_BATCH, decoupled=True, params=params
     )
@@ -192,6 +207,8 @@ def _llm(layout: Layout) -> str:
     reason and coded errors of ``text_api.EXTRA_OUTPUTS`` (sent only to requests that ask for them)."""
     params = {"mode": "disaggregated", "cores": layout.frontend_cores}
     params["request_timeout_s"] = str(layout.request_timeout_s)
+    if layout.conditional_prefill_tokens:
+        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
     inputs = _text_inputs() + [_tensor(s.name, s.triton_type, s.dims, s.optional) for s in LLM_ONLY_INPUTS]
     outputs = TEXT_OUTPUT + [_tensor(name, dtype, (1,)) for _, name, dtype in EXTRA_OUTPUTS]
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)
@@ -301,6 +318,18 @@ def main(argv: list[str] | None = None) -> int:
         help="colocated pool: prompt tokens per step, in chunks (0: whole prompts)",
     )
     parser.add_argument(
+        "--conditional-prefill-tokens",
+        type=int,
+        default=defaults.conditional_prefill_tokens,
+        help="prompts of at most this many tokens go whole to the decode pool while prefill is backlogged",
+    )
+    parser.add_argument(
+        "--conditional-chunk-tokens",
+        type=int,
+        default=defaults.conditional_chunk_tokens,
+        help="decode pool: prompt tokens of such requests prefilled per step",
+    )
+    parser.add_argument(
         "--no-local-decode",
         action="store_true",
         help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
@@ -329,6 +358,8 @@ def _layout(args: argparse.Namespace) -> Layout:
         lease_ttl_s=args.lease_ttl_s,
         request_timeout_s=args.request_timeout_s,
         colocated_chunk_tokens=args.colocated_chunk_tokens,
+        conditional_prefill_tokens=args.conditional_prefill_tokens,
+        conditional_chunk_tokens=args.conditional_chunk_tokens,
         local_decode=not args.no_local_decode,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,

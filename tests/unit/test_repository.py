@@ -137,3 +137,28 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
         'key: "kv_dtype", value: { string_value: "float32" }'
         in (tmp_path / "decode" / "config.pbtxt").read_text()
     )
+
+
+def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_model_dir):
+    """`--conditional-prefill-tokens N`: the decode pool prefills prompts of up to N tokens itself, in
+    chunks, and the disaggregated entry points route them there (parsed as the adapters parse them)."""
+    import re
+
+    from disagg.config import build
+    from disagg.serving.orchestrator import OrchestratorConfig
+    from disagg.triton.pool_model import pool_config
+
+    rendered = render(Layout(conditional_prefill_tokens=512, conditional_chunk_tokens=64))
+
+    def params(name: str) -> dict[str, str]:
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', rendered[name]))
+
+    decode = pool_config({**params("decode"), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "d"})
+    scheduling = decode.scheduling()
+    assert (scheduling.local_prefill_tokens, scheduling.max_prefill_tokens) == (512, 64)
+    assert scheduling.chunked_prefill
+    for name in ("orchestrator", "llm"):
+        assert build(OrchestratorConfig, params(name), strings=True).conditional_prefill_tokens == 512
+    assert "conditional_prefill_tokens" not in rendered["orchestrator_colocated"]
+    assert "local_prefill_tokens" not in rendered["prefill"] + rendered["colocated"]
+    assert "conditional" not in render(Layout())["llm"], "off by default"

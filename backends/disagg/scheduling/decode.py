@@ -1,23 +1,53 @@
 """The decode role: prefilled sequences join the continuous batch as slots and blocks allow (FIFO);
-one decode step per iteration over the whole batch."""
+one decode step per iteration over the whole batch.
+
+With ``local_prefill_tokens`` the pool also runs generate jobs of short prompts (conditional
+disaggregation: the orchestrator keeps them off a backlogged prefill pool). They take their turn in
+the same FIFO queue: an import at the head joins the batch, a generate job at the head is prefilled
+within the per-step token budget (``max_prefill_tokens``, in chunks when the engine and the config
+allow), then decoded with the rest of the batch."""
 
 from __future__ import annotations
 
-from disagg.role import Role
+from disagg.engine.backend import EngineLimits
+from disagg.role import Operation, Role
 from disagg.scheduling.plan import Plan
-from disagg.scheduling.scheduler import Scheduler
-from disagg.serving.messages import DecodeJob
+from disagg.scheduling.scheduler import Scheduler, SchedulerConfig
+from disagg.serving.errors import INVALID_ARG, ServingError
+from disagg.serving.messages import DecodeJob, GenerateJob, Job, prompt_tokens
 
 
-class DecodeScheduler(Scheduler[DecodeJob]):
+class DecodeScheduler(Scheduler[DecodeJob | GenerateJob]):
     job_type = DecodeJob
     role = Role.DECODE
+
+    def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
+        super().__init__(limits, config)
+        if self.config.local_prefill_tokens:
+            self.operations = self.operations | {Operation.GENERATE}
+            self.job_type = (DecodeJob, GenerateJob)  # type: ignore[assignment]
+
+    def check(self, job: Job) -> None:
+        super().check(job)
+        limit = self.config.local_prefill_tokens
+        if isinstance(job, GenerateJob) and prompt_tokens(job) > limit:
+            raise ServingError(
+                INVALID_ARG, f"a decode pool prefills prompts of at most {limit} tokens itself"
+            )
 
     def schedule(self) -> Plan:
         imports: list[DecodeJob] = []
         slots = self._free_slots()
-        while slots > 0 and (head := self._head()) is not None:
+        while slots > 0 and (head := self._head(DecodeJob)) is not None:
             self._admit(head)
             imports.append(head)
             slots -= 1
-        return Plan(imports=tuple(imports), decode=bool(imports or self._running))
+        chunks = []
+        if self.config.local_prefill_tokens:
+            chunks = self._prefill_chunks(slots=slots, kind=GenerateJob)
+        return Plan(
+            imports=tuple(imports),
+            prefill=tuple(chunks),
+            decode=bool(imports or chunks or self._running),
+            fused=bool(chunks) and self.config.chunked_prefill and self.limits.fused_steps,
+        )

@@ -43,12 +43,19 @@ class SchedulerConfig:
     # True: a prefill pool also runs generate jobs (both phases here, no KV hand-off): the fallback
     # that keeps requests served while the decode pool is gone or saturated ("local decode")
     local_generate: bool = False
+    # > 0: a decode pool also runs generate jobs whose prompt has at most this many tokens, prefilled
+    # here within ``max_prefill_tokens`` per step between decode steps: conditional disaggregation,
+    # short prompts kept off a backlogged prefill pool (0: off)
+    local_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer")
+        value = self.local_prefill_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError("local_prefill_tokens must be an integer >= 0")
         for name in ("chunked_prefill", "local_generate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")
@@ -155,11 +162,14 @@ class Scheduler(ABC, Generic[J]):
     def schedule(self) -> Plan:
         """Take what runs next off the queue, reserving its blocks and slots."""
 
-    def _head(self) -> J | None:
-        """The head of the queue when its blocks fit now (FIFO: nothing overtakes a waiting job)."""
+    def _head(self, kind: type | tuple[type, ...] | None = None) -> J | None:
+        """The head of the queue when its blocks fit now (FIFO: nothing overtakes a waiting job), and
+        with ``kind``, when it is a job of that kind."""
         if not self._waiting:
             return None
         head = self._waiting[0]
+        if kind is not None and not isinstance(head, kind):
+            return None
         return head if self.ledger.fits(self.blocks_needed(head)) else None
 
     def _admit(self, job: J) -> None:
@@ -169,10 +179,12 @@ class Scheduler(ABC, Generic[J]):
     def _free_slots(self) -> int:
         return self.limits.max_batch_size - len(self._running) - len(self._prefilling)
 
-    def _prefill_chunks(self, max_jobs: int | None = None, slots: int | None = None) -> list[Chunk]:
+    def _prefill_chunks(
+        self, max_jobs: int | None = None, slots: int | None = None, kind: type | None = None
+    ) -> list[Chunk]:
         """Prompt work for one step within the token budget: prompts already started first (oldest
-        first), then new ones off the queue (FIFO, while ``slots`` and blocks allow), at most
-        ``max_jobs`` prompts."""
+        first), then new ones off the queue (FIFO, while ``slots`` and blocks allow, and with
+        ``kind`` while the head is of that kind), at most ``max_jobs`` prompts."""
         budget = self.config.max_prefill_tokens
         chunks: list[Chunk] = []
 
@@ -190,7 +202,7 @@ class Scheduler(ABC, Generic[J]):
             chunks.append(Chunk(part.job, part.seq_id, count))  # type: ignore[arg-type]
             part.left -= count
             budget -= count
-        while room() and (slots is None or slots > 0) and (head := self._head()) is not None:
+        while room() and (slots is None or slots > 0) and (head := self._head(kind)) is not None:
             if not (count := now(prompt_tokens(head))):
                 break
             self._admit(head)

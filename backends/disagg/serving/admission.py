@@ -93,10 +93,10 @@ class Admission:
 
     def admit(self, pool: str, prompt_tokens: int, priority: int = 0) -> None:
         """Count the request into ``pool``'s backlog, or raise UNAVAILABLE when it would miss its TTFT."""
-        config = self.config
-        if config.margin <= 0:
-            return
         with self._lock:
+            if self.config.margin <= 0:  # off: never refused, but the backlog stays current for
+                self._pools.setdefault(pool, _Pool()).admitted += prompt_tokens  # predict_ttft's users
+                return
             self._admit(pool, prompt_tokens, priority)
 
     def _admit(self, pool: str, prompt_tokens: int, priority: int) -> None:

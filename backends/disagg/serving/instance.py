@@ -32,6 +32,9 @@ class PoolConfig:
     # A prefill pool that also decodes what it prefilled, when the orchestrator sends it whole requests
     # (its fallback while the decode pool is gone or saturated); prefill pools only
     local_generate: bool = False
+    # A decode pool that also prefills prompts of at most this many tokens itself, when the
+    # orchestrator keeps them off a backlogged prefill pool (conditional disaggregation); 0: off
+    local_prefill_tokens: int = 0
     # Scheduling niceness of the whole instance process (0..19). A prefill pool sharing its cores with
     # the token relay (orchestrator, text steps, Triton's own threads) runs nicer, so relaying a
     # token preempts a long prefill at once instead of waiting out its time slice.
@@ -50,6 +53,8 @@ class PoolConfig:
         self.scheduling()  # validates the scheduler's settings
         if self.local_generate and self.role is not Role.PREFILL:
             raise ValueError("local_generate is a prefill pool's setting")
+        if self.local_prefill_tokens and self.role is not Role.DECODE:
+            raise ValueError("local_prefill_tokens is a decode pool's setting")
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ValueError("nice must be an integer in [0, 19]")
         if not isinstance(self.warm_up_tokens, int) or not 0 <= self.warm_up_tokens <= 8192:
@@ -57,7 +62,11 @@ class PoolConfig:
 
     def scheduling(self) -> SchedulerConfig:
         return SchedulerConfig(
-            self.max_queue, self.max_prefill_tokens, self.chunked_prefill, self.local_generate
+            self.max_queue,
+            self.max_prefill_tokens,
+            self.chunked_prefill,
+            self.local_generate,
+            self.local_prefill_tokens,
         )
 
     @classmethod

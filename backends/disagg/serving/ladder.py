@@ -23,11 +23,21 @@ from disagg.serving.health import PoolHealth, PoolState
 
 DISAGGREGATED, LOCAL, COLOCATED, SHED = "disaggregated", "local", "colocated", "shed"
 RUNGS = (DISAGGREGATED, LOCAL, COLOCATED, SHED)
+CONDITIONAL = "conditional"
+"""Not a rung: the route the disaggregated rung takes for a short prompt while the prefill pool is
+backlogged (conditional disaggregation, ``OrchestratorConfig.conditional_prefill_tokens``): the decode
+pool serves it whole. Counted in ``disagg_fallbacks_total{from="disaggregated",to="conditional"}``."""
 DEFAULT_LADDERS = {
     DISAGGREGATED: (DISAGGREGATED, LOCAL, COLOCATED, SHED),
     COLOCATED: (COLOCATED, DISAGGREGATED, LOCAL, SHED),
 }
-POOLS = {DISAGGREGATED: ("prefill", "decode"), LOCAL: ("prefill",), COLOCATED: ("colocated",), SHED: ()}
+POOLS = {
+    DISAGGREGATED: ("prefill", "decode"),
+    LOCAL: ("prefill",),
+    COLOCATED: ("colocated",),
+    SHED: (),
+    CONDITIONAL: ("decode",),
+}
 """The pools each rung runs on."""
 
 

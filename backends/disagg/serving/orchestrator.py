@@ -39,6 +39,7 @@ from disagg.serving.errors import (
 from disagg.serving.health import Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.ladder import (
     COLOCATED,
+    CONDITIONAL,
     DISAGGREGATED,
     LOCAL,
     SHED,
@@ -142,6 +143,11 @@ class OrchestratorConfig:
     """The same for requests of negative ``priority``, which are so refused first."""
     admission_cold_backlog_tokens: int = 2048
     """While a pool's prefill speed is not measured yet, the most prompt tokens admitted to wait on it."""
+    conditional_prefill_tokens: int = 0
+    """Conditional disaggregation: a new request of at most this many prompt tokens is served whole by
+    the decode pool (deployed with ``local_prefill_tokens``) while the prefill pool's predicted time to
+    first token for it exceeds ``conditional_backlog_s`` and the decode pool is healthy (0: off)."""
+    conditional_backlog_s: float = 0.25
     cancel_poll_s: float = 0.1
     """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
     decode blocks) checks whether its client left; after that, every token checks."""
@@ -150,12 +156,21 @@ class OrchestratorConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         parse_ladder(self.fallback_ladder, self.mode)
-        for name, top in (("local_max_tokens", 1 << 20), ("migration_limit", 100)):
+        for name, top in (
+            ("local_max_tokens", 1 << 20),
+            ("migration_limit", 100),
+            ("conditional_prefill_tokens", 1 << 20),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
                 raise ValueError(f"{name} must be an integer in [0, {top}]")
         if not isinstance(self.cancel_poll_s, int | float) or not 0 < self.cancel_poll_s <= 10:
             raise ValueError("cancel_poll_s must be a number of seconds in (0, 10]")
+        if (
+            not isinstance(self.conditional_backlog_s, int | float)
+            or not 0 <= self.conditional_backlog_s < 1e6
+        ):
+            raise ValueError("conditional_backlog_s must be a number of seconds >= 0")
         for name in ("retry_after_s", "probe_interval_s", "probe_timeout_s", "recovery_backoff_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
@@ -366,6 +381,9 @@ class _Run:
             raise ServingError(
                 UNAVAILABLE, f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s"
             )
+        if route.rung == DISAGGREGATED and not self.tokens and not self.admitted and self._conditional():
+            await self._on_decode_pool()
+            return
         if not self.tokens and not self.admitted:  # a new request: is there capacity for its TTFT?
             self._check_cancelled()  # a client already gone is never dispatched (C1)
             self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
@@ -387,6 +405,30 @@ class _Run:
         pool = "prefill" if route.rung == LOCAL else COLOCATED
         self.running_on = pool
         await self._relay(self.pools.generate(self.handle, request, pool))
+
+    def _conditional(self) -> bool:
+        """Conditional disaggregation's rule: a short prompt, a healthy decode pool that prefills
+        short prompts, and a prefill pool whose backlog would delay this one past the threshold."""
+        owner = self.owner
+        config = owner.config
+        if not config.conditional_prefill_tokens or len(self.prompt) > config.conditional_prefill_tokens:
+            return False
+        decode = owner.health.get("decode")
+        if decode is None or decode.state is not PoolState.HEALTHY:
+            return False
+        predicted = owner.admission.predict_ttft("prefill", len(self.prompt))
+        return predicted is not None and predicted > config.conditional_backlog_s
+
+    async def _on_decode_pool(self) -> None:
+        """The whole request on the decode pool: prefilled there, no KV moves (counted as the route
+        ``disaggregated -> conditional``). A failure of the decode pool moves it down the ladder as
+        any disaggregated stream's would."""
+        self._check_cancelled()
+        self.admitted = True  # kept off the prefill pool's admission: it does not wait there
+        self.outcome.fallbacks.append(Route(CONDITIONAL, DISAGGREGATED, "prefill_backlog"))
+        self.running_on = "decode"
+        request = Request(tuple(self.prompt), self.text.params)
+        await self._relay(self.pools.generate(self.handle, request, "decode"))
 
     async def _disaggregated(self) -> None:
         request = Request(tuple(self.prompt), self.text.params)

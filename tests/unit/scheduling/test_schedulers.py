@@ -435,3 +435,47 @@ def test_a_prefill_pool_without_local_generate_refuses_generate_jobs():
     with pytest.raises(ServingError) as refused:
         scheduler.check(generate_job("g"))
     assert refused.value.code == INVALID_ARG and "does not run generate jobs" in refused.value.message
+
+
+# ----------------------------------------------------------------------------------- conditional
+
+
+def test_a_decode_pool_with_local_prefill_prefills_short_prompts_beside_its_batch():
+    """Conditional disaggregation: a short prompt sent whole to the decode pool is prefilled there in
+    its FIFO turn and decoded with the imported sequences, its blocks and slot accounted like theirs."""
+    backend = FakeBackend(num_blocks=16, block_size=4)
+    scheduler = DecodeScheduler(backend.limits, SchedulerConfig(local_prefill_tokens=8))
+    local = generate_job("g", prompt_len=4, max_tokens=3)
+    scheduler.check(local)
+    scheduler.add(decode_job("d", max_tokens=3))
+    scheduler.add(local)
+    emitted = _drive(scheduler, backend, steps=3)
+    assert [e.event.token_id for e in emitted if e.job.handle == "g"] == [100, 101, 102]
+    assert sorted(_finals(emitted)) == ["d", "g"]
+    assert backend.calls[:2] == ["import", "chunk 4"], "the import at the head first, then the prompt"
+    assert scheduler.idle and backend.usage().used == 0
+
+
+def test_a_decode_pool_refuses_prompts_longer_than_its_local_prefill_and_all_without_it():
+    limited = DecodeScheduler(FakeBackend().limits, SchedulerConfig(local_prefill_tokens=8))
+    with pytest.raises(ServingError) as refused:
+        limited.check(generate_job("long", prompt_len=9))
+    assert refused.value.code == INVALID_ARG and "at most 8 tokens" in refused.value.message
+    with pytest.raises(ServingError) as off:
+        DecodeScheduler(FakeBackend().limits).check(generate_job("g", prompt_len=4))
+    assert off.value.code == INVALID_ARG and "does not run generate jobs" in off.value.message
+
+
+def test_an_import_waits_behind_a_local_prompt_at_the_head():
+    """One FIFO queue for both kinds: a generate job at the head that cannot get a slot yet is not
+    overtaken by the import behind it."""
+    backend = FakeBackend(num_blocks=16, block_size=4, max_batch_size=1)
+    scheduler = DecodeScheduler(backend.limits, SchedulerConfig(local_prefill_tokens=8))
+    for job in (
+        decode_job("a", max_tokens=2),
+        generate_job("g", max_tokens=2),
+        decode_job("b", max_tokens=2),
+    ):
+        scheduler.add(job)
+    assert _finals(_drive(scheduler, backend, steps=6)) == ["a", "g", "b"], "one slot, in FIFO order"
+    assert backend.calls.index("chunk 4") < backend.calls.index("import", 1), "g prefilled before b"
