@@ -1,6 +1,10 @@
 """The decode role: prefilled sequences join the continuous batch as slots and blocks allow (FIFO);
 one decode step per iteration over the whole batch.
 
+A head import that waits for KV blocks (a long one, with the cache full of running sequences) lets
+imports behind it that fit now go first, at most ``max_overtakes`` times for that head; after that
+nothing overtakes it until it is admitted, so it gets the blocks the running sequences give back.
+
 With ``local_prefill_tokens`` the pool also runs generate jobs of short prompts (conditional
 disaggregation: the orchestrator keeps them off a backlogged prefill pool). They take their turn in
 the same FIFO queue: an import at the head joins the batch, a generate job at the head is prefilled
@@ -23,6 +27,7 @@ class DecodeScheduler(Scheduler[DecodeJob | GenerateJob]):
 
     def __init__(self, limits: EngineLimits, config: SchedulerConfig | None = None) -> None:
         super().__init__(limits, config)
+        self._blocked: tuple[str, int] | None = None  # (handle of the head waiting for blocks, overtakes)
         if self.config.local_prefill_tokens:
             self.operations = self.operations | {Operation.GENERATE}
             self.job_type = (DecodeJob, GenerateJob)  # type: ignore[assignment]
@@ -35,12 +40,29 @@ class DecodeScheduler(Scheduler[DecodeJob | GenerateJob]):
                 INVALID_ARG, f"a decode pool prefills prompts of at most {limit} tokens itself"
             )
 
+    def _overtaker(self) -> DecodeJob | None:
+        """An import behind a head import that waits for blocks, that fits now, while that head has
+        been overtaken fewer than ``max_overtakes`` times."""
+        head = self._waiting[0] if self._waiting else None
+        if not isinstance(head, DecodeJob):  # none waits, or a local prompt (it needs a slot, not blocks)
+            return None
+        handle, count = (
+            self._blocked if self._blocked and self._blocked[0] == head.handle else (head.handle, 0)
+        )
+        if count >= self.config.max_overtakes:
+            return None
+        for job in list(self._waiting)[1:]:
+            if isinstance(job, DecodeJob) and self.ledger.fits(self.blocks_needed(job)):
+                self._blocked = (handle, count + 1)
+                return job
+        return None
+
     def schedule(self) -> Plan:
         imports: list[DecodeJob] = []
         slots = self._free_slots()
-        while slots > 0 and (head := self._head(DecodeJob)) is not None:
-            self._admit(head)
-            imports.append(head)
+        while slots > 0 and (job := self._head(DecodeJob) or self._overtaker()) is not None:
+            self._admit(job)
+            imports.append(job)
             slots -= 1
         chunks = []
         if self.config.local_prefill_tokens:

@@ -47,15 +47,20 @@ class SchedulerConfig:
     # here within ``max_prefill_tokens`` per step between decode steps: conditional disaggregation,
     # short prompts kept off a backlogged prefill pool (0: off)
     local_prefill_tokens: int = 0
+    # a decode pool whose head job waits for KV blocks lets smaller imports behind it that fit go
+    # first, at most this many times per head; then it is strict FIFO until the head is admitted, so
+    # small requests keep flowing past a big one and the big one still gets its blocks (0: FIFO)
+    max_overtakes: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer")
-        value = self.local_prefill_tokens
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError("local_prefill_tokens must be an integer >= 0")
+        for name in ("local_prefill_tokens", "max_overtakes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0")
         for name in ("chunked_prefill", "local_generate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false")

@@ -35,6 +35,9 @@ class PoolConfig:
     # A decode pool that also prefills prompts of at most this many tokens itself, when the
     # orchestrator keeps them off a backlogged prefill pool (conditional disaggregation); 0: off
     local_prefill_tokens: int = 0
+    # A decode pool's head import waiting for KV blocks is passed by smaller ones that fit at most
+    # this many times (see disagg.scheduling.decode; 0: strict FIFO)
+    max_overtakes: int = 16
     # Scheduling niceness of the whole instance process (0..19). A prefill pool sharing its cores with
     # the token relay (orchestrator, text steps, Triton's own threads) runs nicer, so relaying a
     # token preempts a long prefill at once instead of waiting out its time slice.
@@ -67,6 +70,7 @@ class PoolConfig:
             self.chunked_prefill,
             self.local_generate,
             self.local_prefill_tokens,
+            self.max_overtakes,
         )
 
     @classmethod

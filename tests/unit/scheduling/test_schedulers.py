@@ -79,15 +79,35 @@ def test_decode_waits_on_full_kv_in_fifo_order():
     assert [j.handle for j in plan.imports] == ["c", "d"]
 
 
-def test_a_small_job_does_not_overtake_the_head():
-    backend = FakeBackend(num_blocks=6, block_size=4)
-    scheduler = DecodeScheduler(backend.limits)
-    scheduler.add(decode_job("big", prompt_len=12, max_tokens=4))  # 4 blocks
+def test_small_jobs_pass_a_head_that_waits_for_blocks_a_bounded_number_of_times():
+    """RELIABILITY E2: the head waits for KV blocks; small imports behind it that fit go first, at
+    most ``max_overtakes`` times, then nothing passes it until it is admitted; 0 keeps strict FIFO."""
+    backend = FakeBackend(num_blocks=8, block_size=4)
+    scheduler = DecodeScheduler(backend.limits, SchedulerConfig(max_overtakes=2))
+    scheduler.add(decode_job("big", prompt_len=12, max_tokens=8))  # 5 blocks, for 7 more steps
     _drive(scheduler, backend)
     scheduler.add(decode_job("huge", prompt_len=16, max_tokens=4))  # 5 blocks: waits for "big"
-    scheduler.add(decode_job("small", prompt_len=1, max_tokens=3))  # 1 block would fit
+    for name in ("s1", "s2", "s3"):
+        scheduler.add(decode_job(name, prompt_len=1, max_tokens=2))  # 1 block each
     plan = scheduler.schedule()
-    assert plan.imports == () and plan.decode, "FIFO: the head waits and nothing overtakes it"
+    assert [j.handle for j in plan.imports] == ["s1", "s2"], "two pass the waiting head, no more"
+    scheduler.postprocess(Runner(backend).run(plan))
+    assert scheduler.schedule().imports == (), "s3 fits but waits behind huge now"
+    admitted = []
+    for _ in range(12):
+        plan = scheduler.schedule()
+        admitted += [j.handle for j in plan.imports]
+        scheduler.postprocess(Runner(backend).run(plan))
+    assert admitted == ["huge", "s3"], "huge gets big's blocks first, then s3 goes"
+    assert scheduler.idle and backend.usage().used == 0
+
+    fifo = DecodeScheduler(FakeBackend(num_blocks=6, block_size=4).limits, SchedulerConfig(max_overtakes=0))
+    fifo.add(decode_job("big", prompt_len=12, max_tokens=4))
+    fifo.ledger.reserve("big", 4)  # as if admitted and running
+    fifo._waiting.popleft()
+    fifo.add(decode_job("huge", prompt_len=16, max_tokens=4))  # 5 blocks: waits
+    fifo.add(decode_job("small", prompt_len=1, max_tokens=3))  # 1 block would fit
+    assert fifo.schedule().imports == (), "max_overtakes 0: FIFO, nothing overtakes the head"
 
 
 def test_check_refuses_what_could_never_fit_and_foreign_operations():
