@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from disagg.kv.runs import Run, check_block_ids, from_runs, to_runs
 VERSION = 1
 PURPOSE = "disagg.kv.descriptor"
 ACK_PURPOSE = "disagg.kv.ack"
+RENEW_PURPOSE = "disagg.kv.renew"
 CHECKSUM_ALGS = ("blake2b-128",)
 _LEASE_RE = re.compile(r"^[0-9a-f]{32}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -131,12 +133,18 @@ def _int(value: Any, what: str, lo: int, hi: int) -> int:
 
 
 def parse_descriptor(
-    token: bytes | str, secret: bytes, limits: DescriptorLimits, now: float, transport: str | None = None
+    token: bytes | str,
+    secret: bytes,
+    limits: DescriptorLimits,
+    now: float,
+    transport: str | None = None,
+    renewed: Mapping[str, float] | None = None,
 ) -> Descriptor:
     """Verify and decode a signed descriptor. Pure: maps no memory, opens no file or socket.
 
     Order: size, signature, version, field set, types and limits, layout consistency,
-    transport, expiry. ``now`` is wall-clock seconds (descriptors cross hosts).
+    transport, expiry. ``now`` is wall-clock seconds (descriptors cross hosts). ``renewed`` maps
+    a lease id to the later expiry its importer asked the exporter for (``Transport.renew``).
     """
     body = open_sealed(token, secret, PURPOSE, limits.max_token_bytes)
     if body.get("version") != VERSION:
@@ -194,7 +202,7 @@ def parse_descriptor(
     expires = _num(body["expires_at"], "expiry")
     if expires <= issued or expires - issued > limits.max_ttl_s or issued > now + limits.clock_skew_s:
         raise DescriptorError("descriptor lifetime is out of range")
-    if now >= expires:
+    if now >= max(expires, (renewed or {}).get(body["lease_id"], expires)):
         raise LeaseExpired("descriptor lease has expired")
     return Descriptor(
         transport=body["transport"],
@@ -227,3 +235,30 @@ def parse_ack(token: bytes | str, secret: bytes) -> tuple[str, str]:
     if not isinstance(origin, str) or not _NAME_RE.match(origin):
         raise DescriptorError("ack origin is invalid")
     return lease_id, origin
+
+
+def sign_renewal(lease_id: str, origin: str, seq: int, secret: bytes) -> bytes:
+    """The importer's "still waiting for my blocks, keep yours" message, the ``seq``-th for this lease."""
+    return seal(
+        {"version": VERSION, "lease_id": lease_id, "origin": origin, "seq": seq}, secret, RENEW_PURPOSE
+    )
+
+
+def parse_signal(token: bytes | str, secret: bytes) -> tuple[str, str, str]:
+    """Return ``(purpose, lease_id, origin)`` of a signed ack or renewal (the messages an importer
+    sends its exporter); DescriptorError when it is neither."""
+    try:
+        return (ACK_PURPOSE, *parse_ack(token, secret))
+    except DescriptorError:
+        pass
+    body = open_sealed(token, secret, RENEW_PURPOSE, 4096)
+    if body.get("version") != VERSION or set(body) != {"version", "lease_id", "origin", "seq"}:
+        raise DescriptorError("renewal has an unknown version or fields")
+    lease_id, origin, seq = body["lease_id"], body["origin"], body["seq"]
+    if not isinstance(lease_id, str) or not _LEASE_RE.match(lease_id):
+        raise DescriptorError("renewal lease id is invalid")
+    if not isinstance(origin, str) or not _NAME_RE.match(origin):
+        raise DescriptorError("renewal origin is invalid")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        raise DescriptorError("renewal sequence number is invalid")
+    return RENEW_PURPOSE, lease_id, origin

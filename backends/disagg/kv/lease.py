@@ -46,6 +46,7 @@ class Lease:
     expires_at: float
     nbytes: int
     context: Any = field(default=None, repr=False)
+    granted_at: float = 0.0
 
 
 class LeaseTable:
@@ -79,7 +80,7 @@ class LeaseTable:
         context: Any = None,
     ) -> Lease:
         """Hold ``block_ids`` of ``region`` under a new lease. A block is in one live lease at most."""
-        lease = Lease(lease_id, region, block_ids, now + self.config.ttl_s, nbytes, context)
+        lease = Lease(lease_id, region, block_ids, now + self.config.ttl_s, nbytes, context, now)
         with self._lock:
             if len(self._leases) >= self.config.max_leases:
                 raise RuntimeError("too many live KV leases")
@@ -116,6 +117,19 @@ class LeaseTable:
                 self._held_blocks.pop((lease.region, b), None)
         self._notify(lease, reason)
         return True
+
+    def extend(self, lease_id: str, until: float, max_life_s: float) -> bool:
+        """Keep a live lease until ``until`` at least (its importer still waits for blocks to copy
+        into), never past ``max_life_s`` after its grant. True when its expiry moved."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return False
+            target = min(until, lease.granted_at + max_life_s)
+            if target <= lease.expires_at:
+                return False
+            lease.expires_at = target
+            return True
 
     def expire(self, now: float) -> list[str]:
         """Release every lease whose expiry is at or before ``now``; return their ids."""

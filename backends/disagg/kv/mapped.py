@@ -1,21 +1,24 @@
 """Transports whose importer maps the exporter's region and copies with the CPU/GPU itself.
 
 ``shm`` (a file in /dev/shm), ``fake`` (an in-process table) and ``cuda_ipc`` (CUDA IPC
-handles) differ only in how a region is reached; the copy, tag checks and the ack through
-the region's ``acks`` words are shared here.
+handles) differ only in how a region is reached; the copy, tag checks, and the ack and renewals
+through the ``acks`` word of a lease's first block are shared here: the importer writes the lease's
+tag (ack) or a new negative number (renewal); only the exporter's export clears the word.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from disagg.kv.descriptor import Descriptor, lease_tag
 from disagg.kv.errors import LeaseGone
-from disagg.kv.region import runs_hold_tag
+from disagg.kv.region import Region, runs_hold_tag
 from disagg.kv.runs import paired_runs
 from disagg.kv.transport import Transport
 
@@ -30,6 +33,10 @@ class RemoteView:
 
 
 class MappedTransport(Transport):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._renewal_seen: dict[str, int] = {}  # exporter: the last renewal word taken in per lease
+
     @abstractmethod
     def _open_remote(self, desc: Descriptor) -> RemoteView:
         """Map (or fetch from cache) the exporter region named by a verified descriptor."""
@@ -65,8 +72,19 @@ class MappedTransport(Transport):
         self._open_remote(desc).acks[desc.block_ids[0]] = desc.tag
         self._sync()
 
-    def _native_acks(self) -> list[str]:
-        done = []
+    def _send_renewal(self, desc: Descriptor, seq: int) -> None:
+        # A renewal is a negative word (tags are positive), a new one each time.
+        self._open_remote(desc).acks[desc.block_ids[0]] = -seq
+        self._sync()
+
+    def _set_tags(self, region: Region, ids: Sequence[int], tag: int) -> None:
+        super()._set_tags(region, ids, tag)
+        if tag and region.acks is not None:  # an export: no word left from the block's last lease
+            region.acks[ids[0]] = 0
+
+    def _native_signals(self) -> tuple[list[str], list[str]]:
+        acked, renewed = [], []
+        live = set()
         for lease_id in self._leases.live_ids():
             lease = self._leases.get(lease_id)
             if lease is None:
@@ -75,7 +93,13 @@ class MappedTransport(Transport):
                 region = self._regions.get(str(lease.region))
             if region is None or region.acks is None:
                 continue
-            first = lease.block_ids[0]
-            if int(region.acks[first]) == lease_tag(lease_id):
-                done.append(lease_id)
-        return done
+            live.add(lease_id)
+            word = int(region.acks[lease.block_ids[0]])
+            if word == lease_tag(lease_id):
+                acked.append(lease_id)
+            elif word < 0 and self._renewal_seen.get(lease_id) != word:
+                self._renewal_seen[lease_id] = word
+                renewed.append(lease_id)
+        for lease_id in set(self._renewal_seen) - live:
+            del self._renewal_seen[lease_id]
+        return acked, renewed

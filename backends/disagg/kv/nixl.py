@@ -14,7 +14,7 @@
 - Block tags live in DRAM next to the pool. The importer READs them before and after the
   data; once the bytes (and checksum) are good it sends the signed ack as a NIXL
   notification, which the exporter's ``poll`` takes in, so no relay is needed (the ack in
-  ImportResult works too).
+  ImportResult works too). A renewal (``Transport.renew``) is a signed notification too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from disagg.config import build
-from disagg.kv.descriptor import Descriptor, parse_ack
+from disagg.kv.descriptor import ACK_PURPOSE, Descriptor, parse_signal, sign_renewal
 from disagg.kv.errors import DescriptorError, LeaseGone, TransferError
 from disagg.kv.lease import ReleaseCallback
 from disagg.kv.region import Region
@@ -153,20 +153,20 @@ class NixlTransport(Transport):
             "tags": region.tags.data_ptr(),
         }
 
-    def _native_acks(self) -> list[str]:
+    def _native_signals(self) -> tuple[list[str], list[str]]:
         with self._agent_lock:
             notifs = self._agent.get_new_notifs()
-        done = []
+        acked, renewed = [], []
         for messages in notifs.values():
             for msg in messages:
                 try:
-                    lease_id, origin = parse_ack(msg, self.config.secret)
+                    purpose, lease_id, origin = parse_signal(msg, self.config.secret)
                 except DescriptorError:
                     self.stats.add(refused=1)
                     continue
                 if origin == self.origin:
-                    done.append(lease_id)
-        return done
+                    (acked if purpose == ACK_PURPOSE else renewed).append(lease_id)
+        return acked, renewed
 
     # ---- importer ---------------------------------------------------------------------
 
@@ -306,6 +306,12 @@ class NixlTransport(Transport):
     def _send_ack(self, desc: Descriptor, ack: bytes) -> None:
         with self._agent_lock:
             self._agent.send_notif(desc.location["agent"], ack)
+
+    def _send_renewal(self, desc: Descriptor, seq: int) -> None:
+        self._connect(desc.location)  # a renewal may come before the first read from this exporter
+        message = sign_renewal(desc.lease_id, desc.origin, seq, self.config.secret)
+        with self._agent_lock:
+            self._agent.send_notif(desc.location["agent"], message)
 
     def _deregister_scratch(self, scratch: torch.Tensor) -> None:
         with self._agent_lock:

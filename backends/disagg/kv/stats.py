@@ -20,6 +20,8 @@ class StatsSnapshot:
     stale_acks: int = 0
     aborts: int = 0
     lease_expiries: int = 0
+    lease_renewals: int = 0  # exporter: leases extended because their importer was still waiting
+    renewals_sent: int = 0  # importer: renewals asked for
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

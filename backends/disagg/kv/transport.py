@@ -7,7 +7,8 @@ exporter (prefill)                              importer (decode)
   token = t.export_blocks(pool, ids, layout) ──▶  res = t.import_blocks(token, pool, my_ids)
   (blocks held under a lease)                     (one copy: exporter blocks -> my blocks)
   t.ack(res.ack)  ◀── relayed, or native ────────  res.ack
-  t.poll() / reaper: native acks + expiry
+  t.poll() / reaper: native acks, renewals, expiry
+  (lease extended)  ◀── native ──────────────────  t.renew(token)  (still waiting for blocks)
 
 Everything except moving bytes lives here: signing, verification, leases, block tags,
 staging, checksums, counters, replay protection. A subclass supplies memory
@@ -138,6 +139,7 @@ class Transport(ABC):
         self._regions: dict[str, Region] = {}
         self._staging: Staging | None = None
         self._consumed: OrderedDict[str, float] = OrderedDict()
+        self._renewed: dict[str, tuple[int, float]] = {}  # importer: lease id -> (renewals, until)
         self._leases = LeaseTable(
             LeaseConfig(config.ttl_s, config.max_leases),
             on_release=self._on_lease_end,
@@ -241,10 +243,18 @@ class Transport(ABC):
         return done
 
     def poll(self, now: float | None = None) -> int:
-        """Take in native acks and expire overdue leases; returns how many leases expired."""
-        for lease_id in self._native_acks():
-            self.release(lease_id, "ack")
+        """Take in native acks and renewals, then expire overdue leases; returns how many expired.
+
+        A renewal keeps its lease for one more ``ttl_s`` from now (at most ``limits.max_ttl_s``
+        after the export); it is taken in before expiry, so one that arrived in time always counts.
+        """
         now = self._clock() if now is None else now
+        acked, renewed = self._native_signals()
+        for lease_id in acked:
+            self.release(lease_id, "ack")
+        for lease_id in renewed:
+            if self._leases.extend(lease_id, now + self.config.ttl_s, self.config.limits.max_ttl_s):
+                self.stats.add(lease_renewals=1)
         expired = self._leases.expire(now)
         if expired:
             self.stats.add(lease_expiries=len(expired))
@@ -278,7 +288,9 @@ class Transport(ABC):
         """Check a descriptor without touching memory: signature, schema, limits, expiry, replay."""
         now = self._clock()
         try:
-            desc = parse_descriptor(token, self.config.secret, self.config.limits, now, self.kind)
+            with self._lock:
+                renewed = {lid: until for lid, (_, until) in self._renewed.items()}
+            desc = parse_descriptor(token, self.config.secret, self.config.limits, now, self.kind, renewed)
             self._check_location(desc)
             with self._lock:
                 if desc.lease_id in self._consumed:
@@ -287,6 +299,23 @@ class Transport(ABC):
             self.stats.add(refused=1)
             raise
         return desc
+
+    def renew(self, token: bytes) -> float:
+        """Ask the exporter to keep this descriptor's blocks for one more lifetime: the request
+        still waits for destination blocks to copy into. Returns the expiry this side now assumes
+        (``verify`` and ``import_blocks`` accept the descriptor until then). Raises like ``verify``
+        when the descriptor is refused, used or already expired; an exporter that did not take
+        the renewal in time has dropped its tags, so a late import still fails cleanly (LeaseGone).
+        """
+        self._check_open()
+        desc = self.verify(token)
+        until = self._clock() + (desc.expires_at - desc.issued_at)
+        with self._lock:
+            seq = self._renewed.get(desc.lease_id, (0, 0.0))[0] + 1
+            self._renewed[desc.lease_id] = (seq, until)
+        self._send_renewal(desc, seq)
+        self.stats.add(renewals_sent=1)
+        return until
 
     def import_blocks(self, token: bytes, pool: torch.Tensor, block_ids: Sequence[int]) -> ImportResult:
         """Verify ``token`` and copy its blocks into ``block_ids`` of ``pool`` (one copy).
@@ -309,7 +338,8 @@ class Transport(ABC):
             if desc.lease_id in self._consumed:
                 self.stats.add(refused=1)
                 raise LeaseGone("descriptor was already used")
-            self._consumed[desc.lease_id] = desc.expires_at + self.config.limits.clock_skew_s
+            until = max(desc.expires_at, self._renewed.get(desc.lease_id, (0, 0.0))[1])
+            self._consumed[desc.lease_id] = until + self.config.limits.clock_skew_s
         ack = sign_ack(desc.lease_id, desc.origin, self.config.secret)
         send_ack = self.hooks.deliver_ack(desc)
         try:
@@ -332,6 +362,8 @@ class Transport(ABC):
             except Exception:
                 # The bytes are in place; the relayed ack in the result (or the TTL) still frees them.
                 log.warning("native KV ack could not be delivered", exc_info=True)
+        with self._lock:
+            self._renewed.pop(desc.lease_id, None)
         seconds = time.perf_counter() - start
         self.stats.add(imported=1, bytes_imported=desc.byte_size, transfer_seconds=seconds)
         return ImportResult(desc.lease_id, desc.byte_size, seconds, ack if send_ack else None)
@@ -384,9 +416,13 @@ class Transport(ABC):
     def _send_ack(self, desc: Descriptor, ack: bytes) -> None:  # noqa: B027 - optional hook
         """Deliver ``ack`` to the exporter through the transport itself, if it can."""
 
-    def _native_acks(self) -> list[str]:
-        """Lease ids acked through the transport itself since the last call."""
-        return []
+    def _native_signals(self) -> tuple[list[str], list[str]]:
+        """Lease ids acked, and lease ids renewed, through the transport itself since the last call."""
+        return [], []
+
+    def _send_renewal(self, desc: Descriptor, seq: int) -> None:
+        """Deliver the ``seq``-th renewal of ``desc``'s lease to its exporter (``renew``)."""
+        raise TransferError(f"the {self.kind} transport cannot renew KV leases")
 
     def _close_transport(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Free importer-side resources (mappings, connections)."""
@@ -449,6 +485,8 @@ class Transport(ABC):
                 if until > now and len(self._consumed) <= self.config.replay_window:
                     break
                 self._consumed.popitem(last=False)
+            for lease_id in [lid for lid, (_, until) in self._renewed.items() if until <= now]:
+                del self._renewed[lease_id]
 
 
 def _digest(pool: torch.Tensor, runs: list[tuple[int, int]]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from disagg.engine.errors import BatchFull, CheckpointError, InvalidRequest, OutOfBlocks
-from disagg.kv.errors import DescriptorError, KVError
+from disagg.kv.errors import DescriptorError, KVError, LeaseExpired, LeaseGone
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +16,7 @@ DEADLINE = "DEADLINE_EXCEEDED"
 INTERNAL = "INTERNAL"
 CODES = (INVALID_ARG, UNAVAILABLE, CANCELLED, DEADLINE, INTERNAL)
 TRANSFER_FAILED = "KV transfer failed"  # the message of a KVError (the pools on both ends may be fine)
+LEASE_LOST = "KV lease is gone"  # its prefill pool no longer holds the KV: re-prefill, not the pool's fault
 PROBE_UNANSWERED = "did not answer a probe"  # a call's pool, probed while the call was overdue
 
 
@@ -49,6 +50,8 @@ def classify(exc: BaseException) -> ServingError:
         return ServingError(UNAVAILABLE, "KV cache is full, retry later")
     if isinstance(exc, BatchFull):
         return ServingError(UNAVAILABLE, "decode batch is full, retry later")
+    if isinstance(exc, LeaseExpired | LeaseGone):
+        return ServingError(UNAVAILABLE, LEASE_LOST)
     if isinstance(exc, DescriptorError):
         return ServingError(INVALID_ARG, f"KV descriptor refused: {exc}")
     if isinstance(exc, KVError):

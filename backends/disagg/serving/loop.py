@@ -17,16 +17,19 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg.engine.backend import EngineBackend
+from disagg.kv.errors import KVError
 from disagg.scheduling import Scheduler
 from disagg.scheduling.plan import Emission
 from disagg.serving.dispatcher import Dispatcher
 from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
 from disagg.serving.messages import (
     Cancelled,
+    DecodeJob,
     Failed,
     Job,
     Message,
@@ -37,6 +40,7 @@ from disagg.serving.messages import (
     Submit,
     prompt_tokens,
 )
+from disagg.serving.renewal import Renewals
 from disagg.serving.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class EngineLoop:
         transport: Any = None,
         *,
         idle_wait_s: float = 0.05,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.role = scheduler.role
         if self.role.needs_transport and transport is None:
@@ -89,6 +94,8 @@ class EngineLoop:
         self.runner = Runner(backend, transport)
         self.transfer_times = self.runner.transfer_times  # drained by the metrics reporter
         self.idle_wait_s = idle_wait_s
+        self._clock = clock  # wall clock, as KV descriptors' expiry times are
+        self._renewals = Renewals()  # imports waiting for decode blocks, and their leases
         self._cond = threading.Condition()
         self._inbox: deque[Message] = deque()
         self._stopping = False
@@ -206,6 +213,9 @@ class EngineLoop:
                 for message in inbox:
                     self._take(message)
                 plan = self.scheduler.schedule()
+                for job in (*plan.imports, *(job for job, _ in plan.refused)):
+                    self._renewals.forget(job.handle)
+                self._renew_waiting()
                 emissions = self.scheduler.postprocess(self.runner.run(plan)) if not plan.empty else []
                 self._snapshot = self._measure()
                 for emission in emissions:
@@ -229,7 +239,9 @@ class EngineLoop:
                 self._send(refusal)
             else:
                 self.dispatcher.watch(message.job)
+                self._watch_lease(message.job)
         elif isinstance(message, (Stop, Cancelled)):
+            self._renewals.forget(message.handle)
             removal = self.scheduler.remove(message.handle)
             if removal is None:
                 return
@@ -245,6 +257,26 @@ class EngineLoop:
             if seq_id is not None:
                 self.engine.free(seq_id)
 
+    def _watch_lease(self, job: Job) -> None:
+        if not isinstance(job, DecodeJob) or self.transport is None:
+            return
+        try:
+            desc = self.transport.verify(job.descriptor)
+        except KVError:
+            return  # refused when its import is tried, with the transport's own error
+        self._renewals.watch(job.handle, job.descriptor, desc.issued_at, desc.expires_at)
+
+    def _renew_waiting(self) -> None:
+        """Keep the KV of imports still waiting for blocks: a lease never ends because of the wait."""
+        if not self._renewals:
+            return
+        for handle, descriptor in self._renewals.due(self._clock()):
+            try:
+                self._renewals.renewed(handle, self.transport.renew(descriptor))
+            except KVError as exc:  # gone already: its import fails cleanly at its turn
+                log.warning("renewing the KV lease of a waiting import failed: %s", exc)
+                self._renewals.forget(handle)
+
     def _send(self, emission: Emission) -> None:
         event = emission.event
         undelivered = None
@@ -254,6 +286,7 @@ class EngineLoop:
         self.dispatcher.send(emission.job, event, emission.final, undelivered)
 
     def _fail_all(self, error: ServingError) -> None:
+        self._renewals.clear()
         for job in self.scheduler.drop_all():
             self.dispatcher.send(job, Failed(error), True)
         for lease_id in self.scheduler.lease_ids():

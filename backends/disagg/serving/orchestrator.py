@@ -30,6 +30,7 @@ from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import (
     CANCELLED,
     DEADLINE,
+    LEASE_LOST,
     PROBE_UNANSWERED,
     TRANSFER_FAILED,
     UNAVAILABLE,
@@ -279,7 +280,7 @@ class Orchestrator:
         except an overdue call's unanswered probe to a pool the watcher already finds saturated (it
         answers its own probes, slowly): that pool is overloaded, not gone, and stays saturated."""
         health = self.health.get(pool)
-        if health is None or error.message == TRANSFER_FAILED:
+        if health is None or error.message in (TRANSFER_FAILED, LEASE_LOST):
             return
         full = "full" in error.message or "retry later" in error.message
         slow = PROBE_UNANSWERED in error.message and health.state is PoolState.SATURATED
@@ -372,7 +373,10 @@ class _Run:
                 self._check_cancelled()
                 self.outcome.migrations += 1
                 log.info("request %s migrates off %s (%s)", self.handle, route.rung, error.message)
-                route = self.owner.ladder.route(after=route.rung, reason=f"{pool}_failed")
+                lost = error.message == LEASE_LOST  # the decode pool is fine; the KV must be made again
+                route = self.owner.ladder.route(
+                    after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"
+                )
 
     async def _serve_on(self, route: Route) -> None:
         if route.rung == SHED:

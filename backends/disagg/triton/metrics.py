@@ -50,6 +50,10 @@ DESCRIPTIONS = {
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
     "disagg_kv_lease_expired_total": ("COUNTER", "KV leases that expired before the importer acked"),
+    "disagg_kv_lease_renewals_total": (
+        "COUNTER",
+        "KV leases kept past their TTL: the importer still waited for blocks (counted by the exporter)",
+    ),
     "disagg_fallbacks_total": (
         "COUNTER",
         "Requests that fell below a ladder rung; labels from, to and reason (the pool and its state)",
@@ -301,12 +305,20 @@ class PoolReporter:
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
         self.expired = fam.metric("disagg_kv_lease_expired_total", labels)
+        self.renewals = fam.metric("disagg_kv_lease_renewals_total", labels)
         self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
         self.steps = fam.metric("disagg_engine_steps_total", labels)
         self.busy = fam.metric("disagg_engine_busy_seconds_total", labels)
         self.info = fam.gauge("disagg_engine_info", {**labels, **loop.engine.describe()})
         self.info.set(1)
-        self._seen = {"bytes": 0.0, "failures": 0.0, "expired": 0.0, "steps": 0.0, "busy": 0.0}
+        self._seen = {
+            "bytes": 0.0,
+            "failures": 0.0,
+            "expired": 0.0,
+            "renewals": 0.0,
+            "steps": 0.0,
+            "busy": 0.0,
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
 
@@ -357,6 +369,7 @@ class PoolReporter:
         self._add(self.bytes, "bytes", snap.bytes_imported)
         self._add(self.failures, "failures", snap.failures + snap.refused + snap.checksum_failures)
         self._add(self.expired, "expired", snap.lease_expiries)
+        self._add(self.renewals, "renewals", snap.lease_renewals)
         while self._loop.transfer_times:
             self.transfer.observe(self._loop.transfer_times.popleft())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -129,6 +130,69 @@ def test_lease_expiry_frees_blocks_and_refuses_late_reads(make, kind, clock):
     with pytest.raises(LeaseGone):
         imp.import_blocks(token, dst, [0])
     assert torch.equal(dst, before)
+
+
+def _polled(exp, counter: str, value: int, timeout_s: float = 10.0) -> None:
+    """Poll the exporter (its driven clock stands still) until a native signal has been taken in:
+    NIXL delivers notifications asynchronously, the mapped transports at once."""
+    deadline = time.monotonic() + timeout_s
+    while getattr(exp.stats.snapshot(), counter) < value:
+        assert time.monotonic() < deadline, f"{counter} never reached {value}"
+        exp.poll()
+        threading.Event().wait(0.002)
+
+
+def test_a_renewed_lease_outlives_its_ttl_and_is_still_read(make, kind, clock):
+    exp, imp, src, dst, released = pair(make, kind, ttl_s=2.0)
+    token = exp.export_blocks(src, [3, 4], small_layout(16))
+    clock.advance(1.5)
+    assert imp.renew(token) == pytest.approx(clock() + 2.0)
+    _polled(exp, "lease_renewals", 1)
+    clock.advance(1.0)  # past the signed expiry, within the renewed one
+    assert exp.poll() == 0 and exp.held_leases() == 1
+    imp.verify(token)  # the importer accepts it until its renewed expiry
+    clock.advance(0.4)
+    assert imp.renew(token) == pytest.approx(clock() + 2.0)  # a second renewal, while still waiting
+    _polled(exp, "lease_renewals", 2)
+    clock.advance(1.5)
+    res = imp.import_blocks(token, dst, [0, 1])
+    assert torch.equal(dst[[0, 1]], src[[3, 4]])
+    exp.ack(res.ack)
+    exp.poll()
+    assert [w for _, w in released] == ["ack"] and exp.stats.snapshot().lease_expiries == 0
+    assert imp.stats.snapshot().renewals_sent == 2
+    with pytest.raises(DescriptorError):  # used (and past its signed expiry): nothing left to keep
+        imp.renew(token)
+
+
+def test_an_unrenewed_lease_still_expires_and_a_late_renewal_cannot_revive_it(make, kind, clock):
+    exp, imp, src, dst, released = pair(make, kind, ttl_s=2.0)
+    token = exp.export_blocks(src, [1], small_layout(8))
+    clock.advance(2.0)
+    assert exp.poll() == 1 and [w for _, w in released] == ["expired"]
+    with pytest.raises(LeaseExpired):
+        imp.renew(token)
+    clock.advance(-0.5)  # an importer whose clock lags renews; the exporter's blocks are gone
+    imp.renew(token)
+    exp.poll()
+    with pytest.raises(LeaseGone):
+        imp.import_blocks(token, dst, [0])
+    assert exp.stats.snapshot().lease_renewals == 0
+
+
+def test_renewals_stop_at_the_longest_lifetime(make, kind, clock):
+    from disagg.kv.descriptor import DescriptorLimits
+
+    exp, imp, src, _, _ = pair(make, kind, ttl_s=2.0, limits=DescriptorLimits(max_ttl_s=3.0))
+    exp.export_blocks(src, [2], small_layout(8))
+    token = exp.export_blocks(src, [5], small_layout(8))
+    clock.advance(1.5)
+    imp.renew(token)
+    _polled(exp, "lease_renewals", 1)  # kept until 3.0 s after the export, not 3.5 s
+    clock.advance(1.4)
+    assert exp.poll() == 1  # the other lease, never renewed
+    clock.advance(0.1)
+    assert exp.poll() == 1 and exp.held_leases() == 0
 
 
 def test_dropped_ack_is_recovered_at_ttl(make, kind, clock):

@@ -167,3 +167,28 @@ def test_long_run_leaves_no_regions_or_leases(make, kind, prefix, clock):
     imp.close()
     # Only this run's own prefix is counted: other processes on the host may create /dev/shm entries.
     assert list_regions("/dev/shm", prefix) == [] and fake_regions() == fake_before
+
+
+def test_signals_name_their_purpose_and_refuse_forgeries():
+    from disagg.kv.descriptor import ACK_PURPOSE, RENEW_PURPOSE, parse_signal, sign_ack, sign_renewal
+
+    secret, lease, origin = b"s" * 32, "ab" * 16, "disagg.shm.1.cafe"
+    assert parse_signal(sign_ack(lease, origin, secret), secret) == (ACK_PURPOSE, lease, origin)
+    assert parse_signal(sign_renewal(lease, origin, 3, secret), secret) == (RENEW_PURPOSE, lease, origin)
+    with pytest.raises(DescriptorError):  # another deployment's secret
+        parse_signal(sign_renewal(lease, origin, 1, b"t" * 32), secret)
+    with pytest.raises(DescriptorError):  # a renewal must count from 1
+        parse_signal(sign_renewal(lease, origin, 0, secret), secret)
+    with pytest.raises(DescriptorError):  # any other sealed body
+        parse_signal(seal({"lease_id": lease}, secret, RENEW_PURPOSE), secret)
+
+
+def test_a_lease_is_extended_only_forward_and_never_past_its_longest_life():
+    table = LeaseTable(LeaseConfig(ttl_s=2.0))
+    table.grant("a", "r", (0,), now=100.0, nbytes=8)
+    assert not table.extend("a", 101.0, max_life_s=10.0)  # earlier than its expiry: unchanged
+    assert table.extend("a", 105.0, max_life_s=10.0) and table.get("a").expires_at == 105.0
+    assert table.extend("a", 200.0, max_life_s=10.0) and table.get("a").expires_at == 110.0
+    assert not table.extend("a", 300.0, max_life_s=10.0)
+    assert not table.extend("missing", 300.0, max_life_s=10.0)
+    assert table.expire(109.9) == [] and table.expire(110.0) == ["a"]

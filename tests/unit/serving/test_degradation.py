@@ -401,3 +401,34 @@ def test_an_overloaded_pool_whose_call_goes_unanswered_stays_saturated_not_gone(
         "decode", ServingError(UNAVAILABLE, unanswered.message.replace("prefill", "decode"))
     )
     assert orchestrator.health["decode"].state is PoolState.GONE
+
+
+class LeaseLosingPools(LocalPools):
+    """In-process pools where the prefill pool has let go of a sequence's KV (its lease expired)
+    before the decode pool imports it."""
+
+    def __init__(self, loops) -> None:
+        super().__init__(**loops)
+        self.prefill_loop = loops["prefill"]
+
+    def decode(self, handle, state, descriptor):
+        lease_id = self.prefill_loop.transport.verify(descriptor).lease_id
+        assert self.prefill_loop.abort_lease(lease_id)
+        return super().decode(handle, state, descriptor)
+
+
+def test_a_lost_kv_lease_is_re_prefilled_and_counted_without_blaming_the_decode_pool(
+    loops, tokenizer, reference
+):
+    params = SamplingParams(max_tokens=12)
+    orchestrator = _orchestrator(LeaseLosingPools(loops), tokenizer)
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, stream=True))
+
+    assert recorder.error is None and recorder.finals == 1
+    assert recorder.text == reference(PROMPT, params), "one stream: nothing repeated, nothing lost"
+    assert outcome.migrations == 1 and outcome.rung == "local"
+    assert outcome.fallbacks == [Route("local", "disaggregated", "kv_lease_lost")]
+    assert orchestrator.health["decode"].state is PoolState.HEALTHY, "the decode pool did nothing wrong"
+    assert orchestrator.ladder.mode == "disaggregated"
+    assert _clean(loops)

@@ -8,6 +8,7 @@ import weakref
 import pytest
 
 from disagg.engine.errors import InvalidRequest, OutOfBlocks
+from disagg.kv.errors import DescriptorError, LeaseExpired, LeaseGone
 from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError, classify, invalid
 
 
@@ -18,6 +19,13 @@ from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingErr
         (InvalidRequest("max_tokens must be positive"), INVALID_ARG, "max_tokens must be positive"),
         (OutOfBlocks(needed=9, free=2), UNAVAILABLE, "KV cache is full, retry later"),
         (RuntimeError("/dev/shm/secret-path exploded"), INTERNAL, "internal error"),
+        (LeaseExpired("descriptor lease has expired"), UNAVAILABLE, "KV lease is gone"),
+        (LeaseGone("KV lease is no longer held by the exporter"), UNAVAILABLE, "KV lease is gone"),
+        (
+            DescriptorError("descriptor signature is invalid"),
+            INVALID_ARG,
+            "KV descriptor refused: descriptor signature is invalid",
+        ),
     ],
 )
 def test_classify_maps_codes_without_leaking_internals(exc: Exception, code: str, message: str) -> None:

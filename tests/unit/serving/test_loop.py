@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 import pytest
 
@@ -168,6 +169,56 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
         assert prefill.stats().held_leases == 0
     finally:
         for loop in loops.values():
+            loop.shutdown()
+        for _, transport in built.values():
+            transport.close()
+
+
+def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_model_dir):
+    """RELIABILITY E2: the decode pool's blocks are all taken by a long sequence, so the next import
+    waits past its 4 s lease. The decode loop renews the lease, the prefill pool keeps the KV,
+    and once the long sequence ends the waiting import is pulled and decoded: nothing expired."""
+    secret, prefix = secrets.token_bytes(32), f"renew{secrets.token_hex(3)}"
+    built = {
+        role: build_instance(
+            PoolConfig(
+                role=role,
+                engine=EngineConfig(model_dir=tiny_model_dir, num_blocks=blocks, block_size=16),
+                prefix=prefix,
+                lease_ttl_s=4.0,
+            ),
+            secret,
+        )
+        for role, blocks in (("prefill", 32), ("decode", 16))
+    }
+    prefill, decode = (built[role][0].start() for role in ("prefill", "decode"))
+    exporter, importer = built["prefill"][1], built["decode"][1]
+    try:
+        handed = {}
+        for handle, max_tokens in (("long", 240), ("waits", 8)):  # 16 blocks for the first, 1 more
+            sink = Sink()
+            prefill.submit(
+                PrefillJob(handle, sink, Request((1, 5, 6, 7), SamplingParams(max_tokens=max_tokens)))
+            )
+            assert sink.done.wait(30) and isinstance(sink.events[-1], Prefilled)
+            handed[handle] = sink.events[-1]
+        long_out, waiting_out = Sink(), Sink()
+        decode.submit(DecodeJob("long", long_out, handed["long"].state, handed["long"].descriptor))
+        decode.submit(DecodeJob("waits", waiting_out, handed["waits"].state, handed["waits"].descriptor))
+
+        deadline = time.monotonic() + 30
+        while exporter.stats.snapshot().lease_renewals < 2:  # renewed at about 2 s and 4 s of waiting
+            assert time.monotonic() < deadline and not waiting_out.done.is_set(), "no renewal, or no wait"
+            long_out.done.wait(0.05)
+        assert not waiting_out.events and decode.stats().queued == 1, "still waiting for blocks"
+        decode.stop("long")  # its blocks come back; the waiting import takes them
+        assert waiting_out.done.wait(30)
+        assert isinstance(waiting_out.events[-1], Token) and waiting_out.events[-1].finished
+        snap = exporter.stats.snapshot()
+        assert snap.lease_expiries == 0 and snap.acks == 2, "both leases ended by their importer's ack"
+        assert importer.stats.snapshot().renewals_sent == snap.lease_renewals
+    finally:
+        for loop in (prefill, decode):
             loop.shutdown()
         for _, transport in built.values():
             transport.close()
