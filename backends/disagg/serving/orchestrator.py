@@ -130,6 +130,9 @@ class OrchestratorConfig:
     """Times one stream may move to another rung after its pool failed."""
     retry_after_s: float = 5.0
     """The retry hint of a shed request ("retry after N s")."""
+    shed_sheddable_when_degraded: bool = True
+    """A new request of negative ``priority`` is shed (fast UNAVAILABLE with the retry hint) while new
+    requests cannot take the ladder's first rung: the degraded capacity is kept for the rest."""
     probe_interval_s: float = 1.0
     """How often each pool is pinged for its health and load."""
     probe_timeout_s: float = 10.0
@@ -345,7 +348,7 @@ class _Run:
     async def go(self) -> None:
         """Serve on the ladder's rung; when the rung's pool fails, move down and resume there."""
         config = self.owner.config
-        route = self.owner.ladder.route()
+        route = self._shed_if_sheddable(self.owner.ladder.route())
         while True:
             if route.rung == DISAGGREGATED and self.tokens:  # a resumed stream is re-prefilled in one pool
                 route = self.owner.ladder.route(after=DISAGGREGATED, reason=route.reason or "resumed")
@@ -377,6 +380,15 @@ class _Run:
                 route = self.owner.ladder.route(
                     after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"
                 )
+
+    def _shed_if_sheddable(self, route: Route) -> Route:
+        """A sheddable request (negative priority) goes no lower than the first rung: lower-priority
+        traffic is shed first while the server is degraded."""
+        if route.fell_from is None or route.rung == SHED or self.text.priority >= 0:
+            return route
+        if not self.owner.config.shed_sheddable_when_degraded:
+            return route
+        return Route(SHED, route.fell_from, "sheddable_while_degraded")
 
     async def _serve_on(self, route: Route) -> None:
         if route.rung == SHED:

@@ -432,3 +432,33 @@ def test_a_lost_kv_lease_is_re_prefilled_and_counted_without_blaming_the_decode_
     assert orchestrator.health["decode"].state is PoolState.HEALTHY, "the decode pool did nothing wrong"
     assert orchestrator.ladder.mode == "disaggregated"
     assert _clean(loops)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_while_degraded_sheddable_requests_are_shed_first(loops, tokenizer, reference, enabled):
+    """Decode is gone, so new requests take the capped local rung: a request of negative priority is
+    refused at once with the retry hint instead (unless the setting is off), a normal one is served."""
+    pools = FlakyPools(loops)
+    pools.dead.add("decode")
+    orchestrator = _orchestrator(pools, tokenizer, retry_after_s=3, shed_sheddable_when_degraded=enabled)
+    orchestrator.observe(orchestrator.health["decode"].failed("probe_failed"))
+    params = SamplingParams(max_tokens=8)
+
+    shed, refused = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, priority=-1))
+    served, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, stream=True, priority=0))
+
+    assert recorder.error is None and served.rung == "local" and recorder.text == reference(PROMPT, params)
+    if enabled:
+        assert refused.error.code == UNAVAILABLE and "retry after 3 s" in refused.error.message
+        assert shed.rung == "shed" and shed.first_token_at is None
+        assert shed.fallbacks == [Route("shed", "disaggregated", "sheddable_while_degraded")]
+    else:
+        assert refused.error is None and shed.rung == "local"
+    assert _clean(loops)
+
+
+def test_a_healthy_server_serves_sheddable_requests_on_the_first_rung(loops, tokenizer):
+    orchestrator = _orchestrator(FlakyPools(loops), tokenizer)
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(4), priority=-5))
+    assert recorder.error is None and outcome.rung == "disaggregated" and outcome.fallbacks == []
+    assert _clean(loops)
