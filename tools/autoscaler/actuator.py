@@ -6,7 +6,9 @@
   `instance_group` count and posts it back through the model repository API
   (`POST /v2/repository/models/<name>/load` with `{"parameters": {"config": "<json>"}}`), which needs
   `--model-control-mode=explicit` and, where the server restricts the `model-repository` API, the
-  configured header. The key is read from an environment variable, never a flag.
+  configured header. The key is read from an environment variable, never a flag. Each load is made
+  as the server's model-control owner (`disagg.control`), so it never lands in the middle of a pool
+  restart by an entry point's watcher, and a restart keeps the count it set.
 - `kubernetes`: patches a Deployment's `scale` subresource with the official client.
 
 Scale-in safety (RELIABILITY F3). Triton 2.51's model management guide says: a load whose config
@@ -37,6 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from disagg.control import ModelControl, loadable_config
 from disagg_tools.autoscaler.clock import Clock
 from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, PoolConfig
 
@@ -79,28 +82,16 @@ def instance_count(model_config: Any) -> int:
         raise ActuatorError("model config has a malformed instance_group") from None
 
 
-PYTHON_BASED_RUNTIME = "model.py"
-"""What Triton writes into `runtime` of a model served by a Python-based backend (e.g. `disagg`)."""
-
-
 def with_instance_count(model_config: dict[str, Any], desired: int) -> dict[str, Any]:
-    """A copy of `model_config` with `desired` instances in total; the change goes to the last group
-    (a config with several groups, e.g. one per GPU, grows and shrinks its last one, never below 1).
-
-    `runtime: "model.py"` is left out. Triton fills it in when it creates a model of a Python-based
-    backend, so the live config (`GET .../config`) carries it while the config the model was loaded
-    from does not; posted back, that one field makes Triton 2.51 (`ConfigChangeRequiresReload`, which
-    ignores only `instance_group` and `version_policy`) *reload* the whole model, every instance
-    replaced, instead of updating the instance count in place. Left out, Triton fills it in again."""
+    """A copy of `model_config` with `desired` instances in total, ready to post as a load's config
+    override (`disagg.control.loadable_config`); the change goes to the last group (a config with
+    several groups, e.g. one per GPU, grows and shrinks its last one, never below 1)."""
     groups = [dict(g) for g in (model_config.get("instance_group") or [{"count": 1}])]
     others = sum(int(g.get("count", 1)) for g in groups[:-1])
     if desired - others < 1:
         raise ActuatorError("cannot reach that size by changing the last instance group")
     groups[-1]["count"] = desired - others
-    updated = {**model_config, "instance_group": groups}
-    if updated.get("runtime") == PYTHON_BASED_RUNTIME:
-        del updated["runtime"]
-    return updated
+    return loadable_config({**model_config, "instance_group": groups})
 
 
 class TritonActuator:
@@ -112,6 +103,7 @@ class TritonActuator:
         clock: Clock,
         inflight: Callable[[PoolConfig], float | None],
         environ: dict[str, str] | None = None,
+        control: ModelControl | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
         key = env.get(config.admin_key_env, "")
@@ -123,6 +115,8 @@ class TritonActuator:
         self._key = key
         self._clock = clock
         self._inflight = inflight
+        # the server's model-control owner, shared with its pool watchers' restarts (same host)
+        self._control = control if control is not None else ModelControl(config.url)
 
     def _request(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
         url = self._config.url.rstrip("/") + path
@@ -171,14 +165,18 @@ class TritonActuator:
     def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
         if desired < current:
             self._drain(pool)
-        # Re-read right before the load: the config may have changed since current() was read.
-        updated = with_instance_count(self._model_config(pool), desired)
-        self._request(
-            "POST",
-            f"/v2/repository/models/{pool.name}/load",
-            {"parameters": {"config": json.dumps(updated)}},
-            admin=True,
-        )
+        try:
+            with self._control.owner():
+                # Re-read right before the load: the config may have changed since current() was read.
+                updated = with_instance_count(self._model_config(pool), desired)
+                self._request(
+                    "POST",
+                    f"/v2/repository/models/{pool.name}/load",
+                    {"parameters": {"config": json.dumps(updated)}},
+                    admin=True,
+                )
+        except TimeoutError as exc:  # a restart or another actuator held model control
+            raise ActuatorError(str(exc)) from None
 
 
 class KubernetesActuator:

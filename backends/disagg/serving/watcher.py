@@ -41,15 +41,16 @@ class PoolWatcher:
     def __init__(
         self,
         orchestrator: Orchestrator,
-        restart: Callable[[str], Awaitable[None]] | None = None,
+        restart: Callable[[str], Awaitable[bool | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_restart: Callable[[str], None] | None = None,
         on_recovered: Callable[[str, float], None] | None = None,
         is_ready: Callable[[str], Awaitable[bool]] | None = None,
         restart_delay_s: float | None = None,
     ) -> None:
-        """``restart(pool)`` reloads a pool's model (None: this watcher only probes); ``on_restart`` and
-        ``on_recovered(pool, seconds)`` are told of each attempt and each recovery (metrics);
+        """``restart(pool)`` reloads a pool's model (None: this watcher only probes), and returns False
+        when it left the pool alone (another entry point restarted it first); ``on_restart`` and
+        ``on_recovered(pool, seconds)`` are told of each restart and each recovery (metrics);
         ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does);
         ``restart_delay_s``: this watcher's delay before a first restart, beyond one probe round (None:
         random, under one probe interval)."""
@@ -118,6 +119,11 @@ class PoolWatcher:
         if missed >= DEAD_AFTER:
             self._note(self.orchestrator.health[pool].failed(reason))
 
+    def gone_for(self, pool: str) -> float | None:
+        """Seconds since this watcher found ``pool`` dead, while it is; else None."""
+        gone_at = self._gone_at.get(pool)
+        return None if gone_at is None else self._clock() - gone_at
+
     async def _ready(self, pool: str) -> bool:
         if self._is_ready is None:
             return True
@@ -173,9 +179,10 @@ class PoolWatcher:
             return
         self.restarts += 1
         log.warning("restarting the %s pool (attempt %d)", pool, self.restarts)
-        if self._on_restart is not None:
-            self._on_restart(pool)
         try:
-            await restart(pool)
+            done = await restart(pool)
         except Exception:
             log.warning("restart of the %s pool failed", pool, exc_info=True)
+            done = True  # it was attempted: a load that failed half-way may still have dropped work
+        if done is not False and self._on_restart is not None:
+            self._on_restart(pool)

@@ -7,6 +7,7 @@ its event loop, so many requests are in flight at once on one instance.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 
 from disagg.affinity import pin_process
 from disagg.config import build
+from disagg.control import ModelControl, loadable_config
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serverconfig import ENV_SERVER_HTTP
@@ -104,6 +106,8 @@ class OrchestratorModel:
         # be told from one being unloaded, so it is routed around but never restarted
         self.readiness = ServerReadiness.from_environment()
         recovery = self.config.pool_recovery and self.readiness is not None
+        # restarts share the server's one model-control owner with the autoscaler's actuator
+        self.control = ModelControl(self.readiness.base) if self.readiness is not None else None
         if self.config.pool_recovery and self.readiness is None:
             log.warning("%s not set: pools that die are routed around, not restarted", ENV_SERVER_HTTP)
         self.degradation = DegradationMetrics(
@@ -148,21 +152,43 @@ class OrchestratorModel:
     async def _is_ready(self, pool: str) -> bool:
         return await asyncio.get_running_loop().run_in_executor(None, self._pool_ready, pool)
 
-    async def _restart(self, pool: str) -> None:
+    async def _restart(self, pool: str) -> bool:
         """Restart a gone pool's model through model control, on a thread (the calls block).
 
         On Triton 2.51 a load of a loaded model whose files did not change is a no-op, even when its
         stub is dead (it stays READY): the model is unloaded first (that returns at once; the dead
-        instance is dropped in the background), then loaded, which starts a new stub."""
+        instance is dropped in the background), then loaded, which starts a new stub. The load carries
+        the model's live config, so an instance count set by the autoscaler survives the restart. It
+        runs as the server's one model-control owner (``disagg.control``): a restart that another
+        entry point's watcher made since this one found the pool dead is not made again."""
         name = self.config.pool_models[pool]
+        gone_for = self.watcher.gone_for(pool) or 0.0
+        found_dead_at = time.time() - gone_for
 
-        def restart() -> None:
+        control, readiness = self.control, self.readiness
+        if control is None or readiness is None:
+            return False  # no recovery without the server's endpoint (see initialize)
+
+        def restart() -> bool:
             if not self._pool_ready(pool):
-                return  # being unloaded (a shutdown, an operator, another watcher's restart)
+                return False  # being unloaded (a shutdown, an operator)
+            live = readiness.model_config(name)
             self._pb.unload_model(name)
-            self._pb.load_model(name)
+            if live is None:
+                self._pb.load_model(name)  # the repository's files, as at start-up
+            else:
+                self._pb.load_model(name, config=json.dumps(loadable_config(live)))
+            return True
 
-        await asyncio.get_running_loop().run_in_executor(None, restart)
+        def restart_once() -> bool:
+            done = control.restart_once(name, found_dead_at, restart)
+            if not done:
+                log.info(
+                    "pool %s: not restarted here (restarted since it was found dead, or unloading)", pool
+                )
+            return done
+
+        return await asyncio.get_running_loop().run_in_executor(None, restart_once)
 
     def _watch(self) -> None:
         """Start the pool watcher on the backend's event loop (it exists once requests arrive)."""

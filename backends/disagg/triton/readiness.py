@@ -16,11 +16,13 @@ and every launcher of the project set (``disagg.serverconfig.build_environment``
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from typing import Any
 
 from disagg.serverconfig import ENV_SERVER_HTTP
 
@@ -57,3 +59,14 @@ class ServerReadiness:
     def model_ready(self, model: str) -> bool:
         """The server answers and reports ``model`` ready."""
         return self._ok(f"/v2/models/{urllib.parse.quote(model)}/ready")
+
+    def model_config(self, model: str) -> dict[str, Any] | None:
+        """``model``'s live config as the server reports it (what it runs now, an autoscaler's
+        instance count included), or None when the server does not answer with one."""
+        url = f"{self.base}/v2/models/{urllib.parse.quote(model)}/config"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
+                found = json.loads(reply.read())
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from autoscale_factory import FakeClock, config, decode_pool, http_fake, json_body, prefill_pool
 
+from disagg.control import ModelControl
 from disagg_tools.autoscaler.actuator import (
     ActuatorError,
     DrainTimeout,
@@ -44,12 +45,30 @@ def triton_handler(state: dict[str, Any]):
     return handle
 
 
+@pytest.fixture(autouse=True)
+def own_state_folder(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model-control lock and journal go to this test's own folder, not the user's state."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
 def triton_actuator(
-    url: str, inflight: Any = lambda pool: 0.0, **over: Any
+    url: str, inflight: Any = lambda pool: 0.0, control: ModelControl | None = None, **over: Any
 ) -> tuple[TritonActuator, FakeClock]:
     clock = FakeClock()
     cfg = ActuatorConfig(kind="triton", url=url, drain_timeout_s=10.0, drain_poll_s=1.0, **over)
-    return TritonActuator(cfg, clock, inflight, environ={"DISAGG_ADMIN_KEY": KEY}), clock
+    return TritonActuator(cfg, clock, inflight, environ={"DISAGG_ADMIN_KEY": KEY}, control=control), clock
+
+
+def test_triton_actuator_waits_for_model_control_and_gives_up_cleanly_when_it_stays_held(tmp_path) -> None:
+    state = {"config": MODEL_CONFIG}
+    with http_fake(triton_handler(state)) as (url, records):
+        held = ModelControl(url, tmp_path, timeout_s=0.2)
+        act, _ = triton_actuator(url, control=ModelControl(url, tmp_path, timeout_s=0.2))
+        with held.owner(), pytest.raises(ActuatorError, match="model control busy"):  # a restart under way
+            act.apply(POOL, 1, 2)
+        assert not [r for r in records if r.method == "POST"], "nothing was loaded while it was held"
+        act.apply(POOL, 1, 2)
+        assert act.current(POOL) == 2
 
 
 def test_triton_actuator_posts_the_config_with_the_new_count_and_the_restricted_api_header() -> None:

@@ -462,3 +462,33 @@ def test_a_healthy_server_serves_sheddable_requests_on_the_first_rung(loops, tok
     outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(4), priority=-5))
     assert recorder.error is None and outcome.rung == "disaggregated" and outcome.fallbacks == []
     assert _clean(loops)
+
+
+def test_a_restart_left_to_another_entry_point_is_not_counted_and_the_death_is_dated():
+    """`restart` answers False when another entry point's watcher restarted the pool since this one
+    found it dead (`disagg.control`): no restart is counted here. `gone_for` dates the death."""
+    now = [100.0]
+    pools = _ScriptedPools()
+    counted: list[str] = []
+    seen: list[float | None] = []
+
+    async def restart(pool: str) -> bool:
+        seen.append(watcher.gone_for(pool))
+        return False
+
+    orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
+    watcher = PoolWatcher(
+        orchestrator, restart, clock=lambda: now[0], on_restart=counted.append, restart_delay_s=0
+    )
+
+    async def rounds() -> None:
+        pools.answers["decode"] = ServingError(UNAVAILABLE, DEAD)
+        for t in (99.0, 100.0, 101.5):
+            now[0] = t
+            await watcher.probe_all()
+            await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert seen == [1.5], "found dead at 100.0, restarted at 101.5"
+    assert counted == [] and watcher.restarts == 1
+    assert watcher.gone_for("prefill") is None
