@@ -35,7 +35,7 @@ from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import add_run_args, log, machine, write_json
 from benchlib.deploy import start_triton, with_orchestrator_parameters
 from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo
+from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
@@ -108,7 +108,16 @@ def figures(records: list[RequestRecord], slo: Slo, span_s: float) -> dict[str, 
     good = [r for r in records if r.ok and r.ttft is not None and r.meets(slo)]
     served = [r for r in records if r.ok]
     errors = Counter((r.error or "no answer")[:120] for r in records if not r.ok)
+    ttfts = [r.ttft for r in served if r.ttft is not None]
+    tpots = [r.tpot for r in served if r.tpot is not None]
     return {
+        # which target the misses missed: the answer to what limits the degraded goodput
+        "ttft_met": sum(t <= slo.ttft_s for t in ttfts) / len(served) if served else None,
+        "tpot_met": sum(t <= slo.tpot_s for t in tpots) / len(tpots) if tpots else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p90_s": percentile(tpots, 90),
         "errors": dict(errors.most_common(5)),
         "requests": len(records),
         "served": len(served),
@@ -210,14 +219,24 @@ def markdown(out: dict[str, Any], command: str) -> str:
             else "never."
         ),
         "",
-        "| phase | span, s | requests | served | failed | served, req/s | attainment | goodput, req/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| phase | span, s | requests | served | failed | served, req/s | attainment | goodput, req/s "
+        "| TTFT met | TPOT met | TTFT p50 / p90, ms | TPOT p50 / p90, ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def share(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    def ms(value: float | None, digits: int = 0) -> str:
+        return "–" if value is None else f"{value * 1000:.{digits}f}"
+
     for phase, f in out["phases"].items():
-        attainment = "–" if f["attainment"] is None else f"{f['attainment']:.2f}"
         lines.append(
             f"| {phase} | {f['span_s']:.1f} | {f['requests']} | {f['served']} | {f['failed']} | "
-            f"{f['served_rps']:.2f} | {attainment} | {f['goodput_rps']:.2f} |"
+            f"{f['served_rps']:.2f} | {share(f['attainment'])} | {f['goodput_rps']:.2f} | "
+            f"{share(f.get('ttft_met'))} | {share(f.get('tpot_met'))} | "
+            f"{ms(f.get('ttft_p50_s'))} / {ms(f.get('ttft_p90_s'))} | "
+            f"{ms(f.get('tpot_p50_s'), 1)} / {ms(f.get('tpot_p90_s'), 1)} |"
         )
     for phase, f in out["phases"].items():
         for error, count in f["errors"].items():

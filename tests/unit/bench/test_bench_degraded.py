@@ -32,7 +32,11 @@ def test_figures_count_good_requests_only_toward_goodput():
         _record(4.0, None, error="UNAVAILABLE"),  # failed
     ]
     got = degraded.figures(records, SLO, span_s=10.0)
+    latencies = {k: got.pop(k) for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")}
+    assert abs(latencies["ttft_p50_s"] - 0.2) < 1e-9 and abs(latencies["tpot_p90_s"] - 0.042) < 1e-9
     assert got == {
+        "ttft_met": 2 / 3,  # of the served: which target the misses missed
+        "tpot_met": 2 / 3,
         "errors": {"UNAVAILABLE": 1},
         "requests": 4,
         "served": 3,
