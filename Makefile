@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 TINY := $(CURDIR)/.models/tiny
 SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 VLLM_VENV := $(CURDIR)/.venv-vllm
+AIPERF_VENV := $(CURDIR)/.venv-aiperf
 
-.PHONY: install model test-models test lint format bench-engine bench bench-quick bench-slos serve
+.PHONY: install model test-models test lint format bench-engine bench bench-quick bench-slos bench-aiperf serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -63,13 +64,26 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# AIPerf (the field's OpenAI benchmark client, successor of genai-perf), in a venv of its own.
+$(AIPERF_VENV)/.installed:
+	test -x $(AIPERF_VENV)/bin/python || python3 -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q --disable-pip-version-check aiperf==0.13.0
+	touch $@
+
 # Serving benchmarks: disaggregated vs colocated vs vLLM CPU on this machine; writes perf/RESULTS.md.
 # bench-quick runs on the tiny model (MODEL_DIR overrides), bench on the default model, SmolLM2.
 bench-quick: test-models $(VLLM_VENV)/.installed
 	$(PY) perf/run_all.py --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}"
 
-bench: model $(VLLM_VENV)/.installed
+bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
 	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"
+	$(MAKE) bench-aiperf
+
+# AIPerf's figures beside the harness's on codegen (disaggregated, colocated, vLLM at the best of its
+# grid, at the disaggregated goodput from the last `make bench`), as a section of perf/RESULTS.md.
+bench-aiperf: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
+	$(PY) perf/aiperf_compare.py --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" \
+		--from-bench perf/results/bench/bench.json --append-to perf/RESULTS.md
 
 # Derive the serving benchmarks' SLOs by the rule and freeze them in perf/slos.json (commit the file):
 # once per model, and again only as a deliberate, recorded step.

@@ -6,8 +6,10 @@ What is accepted, besides ``model`` (required, the served model's id):
   (0, 1]), ``seed``, ``stop`` (a string or up to 4), ``n`` (1 only), ``stream``, ``stream_options``
   (``include_usage`` only, and only with ``stream``), ``user`` (accepted and not used: it labels the
   caller in OpenAI's own service), and vLLM's ``min_tokens`` (the fewest tokens before an end token may
-  end the output) and ``priority`` (an integer in [-100, 100], 0 by default; negative is refused
-  first when the server is over capacity);
+  end the output), ``ignore_eos`` (true: the end token never ends the output, so it runs to
+  ``max_tokens`` unless a stop string ends it; the same as ``min_tokens`` = ``max_tokens``) and
+  ``priority`` (an integer in [-100, 100], 0 by default; negative is refused first when the server is
+  over capacity);
 - completions: ``prompt`` (a string, or a list holding one string; token ids are refused);
 - chat: ``messages`` (roles system, developer, user, assistant; content a string or text parts) and
   ``max_completion_tokens`` (the newer name of ``max_tokens``).
@@ -35,7 +37,7 @@ ROLES = ("system", "developer", "user", "assistant")
 
 _COMMON = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"}
-    | {"user", "min_tokens", "priority"}
+    | {"user", "min_tokens", "ignore_eos", "priority"}
 )
 _COMPLETION = _COMMON | {"prompt"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
@@ -168,6 +170,11 @@ def _sampling(
 ) -> dict[str, Any]:
     max_tokens = _integer(body, "max_tokens", 1, MAX_TOKENS, default_max_tokens, shown=max_name)
     min_tokens = _integer(body, "min_tokens", 0, max_tokens, 0)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
+    if ignore_eos:
+        min_tokens = max_tokens
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise bad_request(f"'temperature' must be in [0, 2], got {temperature}", "temperature")

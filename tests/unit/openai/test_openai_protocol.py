@@ -62,6 +62,13 @@ def test_completion_takes_every_implemented_parameter() -> None:
     assert (gen.stop, gen.stream, gen.include_usage) == (("\n",), True, True)
 
 
+def test_ignore_eos_runs_the_output_to_max_tokens() -> None:
+    assert parse_completion(completion(max_tokens=9, ignore_eos=True), 16).min_tokens == 9
+    assert parse_chat(chat(max_completion_tokens=5, ignore_eos=True), 16).min_tokens == 5
+    assert parse_completion(completion(max_tokens=9, min_tokens=2, ignore_eos=False), 16).min_tokens == 2
+    assert parse_completion(completion(ignore_eos=None), 16).min_tokens == 0
+
+
 def test_chat_messages_and_max_completion_tokens() -> None:
     body = chat(
         messages=[
@@ -150,6 +157,8 @@ def test_unknown_fields_are_refused_by_name() -> None:
         ({"seed": -1}, "seed"),
         ({"seed": MAX_SEED + 1}, "seed"),
         ({"n": 2}, "n"),
+        ({"ignore_eos": "true"}, "ignore_eos"),
+        ({"ignore_eos": 1}, "ignore_eos"),
         ({"priority": 101}, "priority"),
         ({"priority": 1.5}, "priority"),
         ({"stream": "yes"}, "stream"),
