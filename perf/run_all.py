@@ -38,7 +38,7 @@ from benchlib import plots, report
 from benchlib.clients import ClientConfig, TritonClient, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
 from benchlib.cpuprobe import CpuProbe, group_members
-from benchlib.deploy import VllmConfig, VllmServer, free_port, start_triton
+from benchlib.deploy import VllmConfig, VllmServer, free_port, start_triton, with_pool_parameters
 from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
 from benchlib.slo import (
@@ -147,6 +147,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="vLLM configurations tried, dtype:VLLM_CPU_OMP_THREADS_BIND; each is tuned on the first "
         "workload and the best is measured in full as 'vllm' (default: bf16 and fp32 crossed with both "
         "cores and vLLM's own auto, which reserves one core for its front end)",
+    )
+    parser.add_argument(
+        "--colocated-grid",
+        default="0,1@4096;0,1@512+chunked;0@4096",
+        help="our colocated baseline's configurations tried (with --start-triton), CORES@TOKENS[+chunked]: "
+        "the colocated pool's cores and prompt tokens per step, chunked prefill with +chunked; each is "
+        "tuned on the first workload and the best is measured in full as 'colocated' (default: the "
+        "repository's own, both cores with chunks of 512 as vLLM does, and one core)",
     )
     parser.add_argument("--vllm-omp-bind", default="", help="one configuration only: this bind")
     parser.add_argument("--vllm-dtype", default="", help="one configuration only: this --dtype")
@@ -281,6 +289,59 @@ def vllm_pd_running(
         yield ClientConfig("openai", url, args.vllm_served_name), command
 
 
+async def tune_grid(
+    kind: str,
+    grid: list[Any],
+    running: Callable[..., Any],
+    args: argparse.Namespace,
+    workdir: Path,
+    profile: Profile,
+    factory: PromptFactory,
+    results: dict[str, Any],
+    deadline: float,
+    frozen: dict[str, FrozenSlo] | None,
+    search: Callable[..., Awaitable[None]] | None = None,
+) -> Any:
+    """A deployment at its best: every configuration of `grid` (choices with a `label`) searched for
+    goodput on the profile's first workload with the quick plan, each recorded (with its exact command
+    line) in results[f"{kind}_grid"]; returns the best, which is then measured in full as `kind`.
+    `running(args, workdir, notes, choice)` starts one configuration and yields (client config,
+    process group, command line); `search` stands in for measure (tests)."""
+    search = search or measure
+    workload = profile.workloads[0]
+    if len(grid) == 1:
+        results[f"{kind}_grid"] = {"workload": None, "tried": [], "best": grid[0].label}
+        return grid[0]
+    tuning = Profile(**{**PROFILES["quick"].__dict__, "workloads": (workload,)})
+    tried = []
+    for choice in grid:
+        entry: dict[str, Any] = {"config": choice.label, "command": "", "goodput_rps": None, "error": ""}
+        scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
+        try:
+            with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
+                entry["command"] = command
+                dep = Deployment(
+                    f"{kind} ({choice.label})", config, args.cores, "", pgid=pgid, available=True
+                )
+                records: dict[str, Any] = {"goodput": {}, "interference": {}}
+                await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
+            entry["goodput_rps"] = scratch["goodput"][workload][dep.name]["goodput_rps"]
+        except Exception as exc:  # a configuration that cannot run is reported, the others still are
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        measured = entry["goodput_rps"]
+        log(
+            f"{kind} grid, {choice.label}: "
+            + (f"{measured:.3f} req/s" if measured is not None else entry["error"])
+        )
+        tried.append(entry)
+    measured = [e for e in tried if e["goodput_rps"] is not None]
+    if not measured:
+        raise RuntimeError(f"no configuration of the {kind} grid could be measured")
+    best = max(measured, key=lambda e: e["goodput_rps"])
+    results[f"{kind}_grid"] = {"workload": workload, "plan": "quick", "tried": tried, "best": best["config"]}
+    return next(c for c in grid if c.label == best["config"])
+
+
 async def tune_vllm(
     args: argparse.Namespace,
     workdir: Path,
@@ -292,42 +353,99 @@ async def tune_vllm(
     running: Callable[..., Any] | None = None,
     search: Callable[..., Awaitable[None]] | None = None,
 ) -> VllmChoice:
-    """The peer at its best: every configuration of the grid searched for goodput on the profile's first
-    workload with the quick plan, each recorded (with its exact command line) in results["vllm_grid"];
-    returns the best, which is then measured in full as "vllm". `running` / `search` stand in for
-    vllm_running / measure (tests)."""
-    running, search = running or vllm_running, search or measure
+    """The peer at its best over `--vllm-grid` (see tune_grid); a running vLLM (--vllm-url) is taken
+    as it is."""
     grid = vllm_grid(args)
-    workload = profile.workloads[0]
-    if len(grid) == 1 or args.vllm_url:
-        results["vllm_grid"] = {"workload": None, "tried": [], "best": grid[0].label}
-        return grid[0]
-    tuning = Profile(**{**PROFILES["quick"].__dict__, "workloads": (workload,)})
-    tried = []
-    for choice in grid:
-        entry: dict[str, Any] = {"config": choice.label, "command": "", "goodput_rps": None, "error": ""}
-        scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
+    if args.vllm_url:
+        grid = grid[:1]
+    return await tune_grid(
+        "vllm",
+        grid,
+        running or vllm_running,
+        args,
+        workdir,
+        profile,
+        factory,
+        results,
+        deadline,
+        frozen,
+        search,
+    )
+
+
+@dataclass(frozen=True)
+class ColocatedChoice:
+    """One configuration of our colocated baseline: the colocated pool's cores and its prompt tokens
+    per engine step, whole prompts or cut into chunks (vLLM's chunked prefill)."""
+
+    cores: str
+    max_prefill_tokens: int
+    chunked: bool
+
+    @property
+    def label(self) -> str:
+        unit = "chunks" if self.chunked else "whole prompts"
+        return f"cores {self.cores}, {unit}, {self.max_prefill_tokens} tokens per step"
+
+    def parameters(self) -> dict[str, str]:
+        """The colocated pool's config.pbtxt parameters for this choice."""
+        return {
+            "cores": self.cores,
+            "max_prefill_tokens": str(self.max_prefill_tokens),
+            "chunked_prefill": "true" if self.chunked else "false",
+        }
+
+
+def colocated_grid(text: str) -> list[ColocatedChoice]:
+    """`--colocated-grid`: configurations separated by ';', each CORES@TOKENS, '+chunked' to chunk."""
+    choices = []
+    for item in (part.strip() for part in text.split(";") if part.strip()):
+        cores, sep, budget = item.partition("@")
+        budget, plus, suffix = budget.partition("+")
         try:
-            with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
-                entry["command"] = command
-                dep = Deployment(f"vllm ({choice.label})", config, args.cores, "", pgid=pgid, available=True)
-                records: dict[str, Any] = {"goodput": {}, "interference": {}}
-                await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
-            entry["goodput_rps"] = scratch["goodput"][workload][dep.name]["goodput_rps"]
-        except Exception as exc:  # a configuration that cannot run is reported, the others still are
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        measured = entry["goodput_rps"]
-        log(
-            f"vLLM grid, {choice.label}: "
-            + (f"{measured:.3f} req/s" if measured is not None else entry["error"])
+            parse_cpus(cores)
+            tokens = int(budget)
+        except ValueError:
+            tokens = 0
+        if not sep or not cores or not 16 <= tokens <= 65536 or (plus and suffix != "chunked"):
+            raise SystemExit(
+                f"--colocated-grid: {item!r} is not CORES@TOKENS[+chunked] (e.g. 0,1@512+chunked)"
+            )
+        choices.append(ColocatedChoice(cores, tokens, bool(plus)))
+    if not choices:
+        raise SystemExit("--colocated-grid is empty")
+    return choices
+
+
+def fresh(folder: Path) -> Path:
+    """`folder`, emptied (a scratch folder of this run under perf/out)."""
+    import shutil
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+@contextlib.contextmanager
+def colocated_running(
+    args: argparse.Namespace, workdir: Path, notes: list[str], choice: ColocatedChoice
+) -> Iterator[tuple[ClientConfig, int | None, str]]:
+    """Triton on a copy of the repository whose colocated pool takes `choice` (its own server, so
+    nothing else shares the cores while it is measured)."""
+    scratch = fresh(workdir / "colocated-grid" / choice.label.replace(" ", "_").replace(",", ""))
+    repository = with_pool_parameters(args.start_triton, scratch, "colocated", choice.parameters())
+    log(f"starting Triton for the colocated grid ({choice.label}) ...")
+    server = start_triton(repository, scratch, args.model_dir, cpus=parse_cpus(args.server_cpus))
+    try:
+        params = " ".join(f"{k}={v}" for k, v in choice.parameters().items())
+        yield (
+            ClientConfig("triton", server.config.grpc_url, TRITON_MODELS["colocated"]),
+            server.pid,
+            f"disagg repository's colocated pool with {params}",
         )
-        tried.append(entry)
-    measured = [e for e in tried if e["goodput_rps"] is not None]
-    if not measured:
-        raise RuntimeError("no configuration of the vLLM grid could be measured")
-    best = max(measured, key=lambda e: e["goodput_rps"])
-    results["vllm_grid"] = {"workload": workload, "plan": "quick", "tried": tried, "best": best["config"]}
-    return next(c for c in grid if c.label == best["config"])
+    finally:
+        server.stop()
 
 
 async def triton_ready(config: ClientConfig) -> bool:
@@ -359,9 +477,8 @@ async def measure(
     try:
         cals = results["calibrations"]
         if not cals:
-            reference = (
-                dep.name if dep.name == "colocated" else f"{dep.name} (stand-in for {REFERENCE_DEPLOYMENT})"
-            )
+            is_reference = dep.name.partition(" (")[0] == REFERENCE_DEPLOYMENT  # or one of its grid's
+            reference = dep.name if is_reference else f"{dep.name} (stand-in for {REFERENCE_DEPLOYMENT})"
             for name in (*profile.workloads, "decode"):
                 cal = await calibrate(
                     client, WORKLOADS[name], factory, reference, reps=profile.calibration_reps
@@ -526,14 +643,49 @@ async def main_async(args: argparse.Namespace) -> int:
     triton_server = None
     triton_url = args.triton_url
     deployments: dict[str, Deployment] = {}
+    results: dict[str, Any] = {
+        "meta": {
+            "command": f"python perf/run_all.py --{profile.name}",
+            "mode": profile.name,
+            "started": started_wall.isoformat(timespec="seconds"),
+            "machine": machine(),
+            "model": str(args.model_dir),
+            "loadgen_affinity": sorted(os.sched_getaffinity(0)),
+            "server_cpus": None,
+            "token_counting": "vLLM: its reported usage.completion_tokens; Triton: the requested "
+            "count (min_length = max_tokens forces it; the pipeline's pieces can merge tokens)",
+            "profile": {k: str(v) for k, v in profile.__dict__.items()},
+            "notes": list(args.note),
+        },
+        "slo_rule": SLO_RULE,
+        "target_attainment": 0.9,
+        "calibrations": {},
+        "deployments": {},
+        "goodput": {},
+        "interference": {},
+    }
     try:
-        if any(n in TRITON_MODELS for n in names) and not triton_url and args.start_triton is not None:
-            log(f"starting Triton on {args.start_triton} ...")
+        repository = args.start_triton
+        if "colocated" in names and not triton_url and repository is not None and not args.derive_slos:
+            # our colocated baseline at its best, each configuration on its own server, before the
+            # server every Triton deployment is measured on starts with the best one
+            try:
+                best = await tune_grid(
+                    "colocated", colocated_grid(args.colocated_grid), colocated_running, args, workdir,
+                    profile, factory, results, deadline, frozen,
+                )  # fmt: skip
+                scratch = fresh(workdir / "colocated-best")
+                repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
+            except RuntimeError as exc:
+                results["meta"]["notes"].append(f"colocated grid: {exc}; the repository's own is measured")
+        if any(n in TRITON_MODELS for n in names) and not triton_url and repository is not None:
+            log(f"starting Triton on {repository} ...")
             try:
                 triton_server = start_triton(
-                    args.start_triton, workdir, args.model_dir, cpus=parse_cpus(args.server_cpus)
+                    repository, workdir, args.model_dir, cpus=parse_cpus(args.server_cpus)
                 )
                 triton_url = triton_server.config.grpc_url
+                results["meta"]["server_cpus"] = list(parse_cpus(args.server_cpus))
             except Exception as exc:  # a broken repository must not cost the vLLM measurement
                 log(f"Triton did not start: {exc}")
         for name in names:
@@ -551,6 +703,8 @@ async def main_async(args: argparse.Namespace) -> int:
             else:
                 endpoint = f"{triton_url or '?'} model {TRITON_MODELS[name]}"
                 dep = Deployment(name, None, args.cores, NOTES[name])
+                if name == "colocated" and results.get("colocated_grid"):
+                    dep.note += f"; {results['colocated_grid']['best']}, the best of its grid"
                 if not triton_url:
                     dep.reason = "no Triton server (--triton-url or --start-triton)"
                 else:
@@ -561,27 +715,6 @@ async def main_async(args: argparse.Namespace) -> int:
             dep.endpoint = endpoint
             deployments[name] = dep
 
-        results: dict[str, Any] = {
-            "meta": {
-                "command": f"python perf/run_all.py --{profile.name}",
-                "mode": profile.name,
-                "started": started_wall.isoformat(timespec="seconds"),
-                "machine": machine(),
-                "model": str(args.model_dir),
-                "loadgen_affinity": sorted(os.sched_getaffinity(0)),
-                "server_cpus": list(parse_cpus(args.server_cpus)) if triton_server is not None else None,
-                "token_counting": "vLLM: its reported usage.completion_tokens; Triton: the requested "
-                "count (min_length = max_tokens forces it; the pipeline's pieces can merge tokens)",
-                "profile": {k: str(v) for k, v in profile.__dict__.items()},
-                "notes": list(args.note),
-            },
-            "slo_rule": SLO_RULE,
-            "target_attainment": 0.9,
-            "calibrations": {},
-            "deployments": {},
-            "goodput": {},
-            "interference": {},
-        }
         records: dict[str, Any] = {"goodput": {}, "interference": {}}
         # The SLO reference is measured first; without it, the first available deployment stands in
         # (and the report says so).

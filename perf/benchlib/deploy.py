@@ -22,6 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,13 +247,27 @@ def start_triton(
 def with_orchestrator_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
     """A copy of `repository` (under `scratch`) whose orchestrators (ensemble steps and `llm`) carry
     `params`, replacing a parameter of the same name."""
+    return _with_parameters(repository, scratch, params, lambda name, text: 'key: "mode"' in text)
+
+
+def with_pool_parameters(repository: Path, scratch: Path, pool: str, params: dict[str, str]) -> Path:
+    """A copy of `repository` (under `scratch`) whose model `pool` carries `params`, replacing a
+    parameter of the same name (its engine and scheduling settings: cores, max_prefill_tokens, ...)."""
+    if not (Path(repository) / pool / "config.pbtxt").is_file():
+        raise DeployError(f"{repository} has no model {pool!r}")
+    return _with_parameters(repository, scratch, params, lambda name, text: name == pool)
+
+
+def _with_parameters(
+    repository: Path, scratch: Path, params: dict[str, str], chosen: Callable[[str, str], bool]
+) -> Path:
     import shutil
 
     copy = Path(scratch) / "repository"
     shutil.copytree(repository, copy)
     for config in copy.glob("*/config.pbtxt"):
         text = config.read_text()
-        if 'key: "mode"' not in text:  # not an orchestrator
+        if not chosen(config.parent.name, text):
             continue
         for name, value in params.items():
             entry = f'{{ key: "{name}", value: {{ string_value: "{value}" }} }}'

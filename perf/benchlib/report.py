@@ -203,13 +203,15 @@ def render(
     )  # fmt: skip
     out.append("")
 
-    grid = results.get("vllm_grid")
-    if grid and grid.get("tried"):
+    for kind, title in (("colocated", "Our colocated baseline"), ("vllm", "vLLM")):
+        grid = results.get(f"{kind}_grid")
+        if not (grid and grid.get("tried")):
+            continue
         out += [
-            "## vLLM at its best: the configurations tried",
+            f"## {title} at its best: the configurations tried",
             "",
             f"Each configuration's goodput on `{grid['workload']}` ({grid['plan']} plan, the same SLOs); the "
-            f"best, **{grid['best']}**, is the one measured in full as `vllm` below.",
+            f"best, **{grid['best']}**, is the one measured in full as `{kind}` below.",
             "",
         ]
         rows = []
@@ -218,6 +220,7 @@ def render(
             rows.append([e["config"], goodput, f"`{e['command']}`"])
         out += _table(["configuration", "goodput (req/s)", "command line"], rows)
         out.append("")
+    grid = results.get("vllm_grid")
     if grid and grid.get("command"):
         out += [f"vLLM as measured: `{grid['command']}`", ""]
     if results.get("vllm_pd", {}).get("command"):
