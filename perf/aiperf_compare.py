@@ -34,7 +34,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, write_json
-from benchlib.deploy import VllmConfig, VllmServer, free_port, start_triton, with_orchestrator_parameters
+from benchlib.deploy import (
+    VllmConfig,
+    VllmServer,
+    free_port,
+    start_triton,
+    vllm_command_line,
+    wait_for_health,
+    with_orchestrator_parameters,
+)
 from benchlib.experiment import RunPlan, run_rate
 from benchlib.metrics import Slo, Summary
 from benchlib.slo import SLO_FILE, load_frozen
@@ -215,9 +222,7 @@ def deployment(name: str, args: argparse.Namespace, scratch: Path) -> Iterator[t
             log_path=scratch / "vllm.log",
             served_name=args.model_dir.name,
         )
-        env = config.environment()
-        keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
-        command = " ".join([*(f"{k}={env[k]}" for k in keys), shlex.join(config.command())])
+        command = vllm_command_line(config)
         log(f"starting vLLM: {command}")
         with VllmServer(config).start() as server:
             server.wait_healthy()
@@ -236,24 +241,11 @@ def deployment(name: str, args: argparse.Namespace, scratch: Path) -> Iterator[t
     try:
         frontend.start()
         url = frontend.url.removesuffix("/v1")
-        wait_models(url, frontend)
+        wait_for_health(f"{url}/health", frontend, "the OpenAI front end")
         yield url, f"disagg serve on {repository.name} ({name}), OpenAI front end {url}"
     finally:
         frontend.stop()
         server.stop(grace_s=5)
-
-
-def wait_models(url: str, frontend: Any, timeout_s: float = 60.0) -> None:
-    """Poll the front end's `/health` (200 once `llm` is ready) until `timeout_s`."""
-    from disagg.server import answers_200
-
-    deadline = time.monotonic() + timeout_s
-    while not answers_200(f"{url}/health", timeout_s=2.0):
-        if frontend.poll() is not None:
-            raise RuntimeError(f"the OpenAI front end exited with {frontend.poll()}")
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"the OpenAI front end at {url} was not healthy after {timeout_s:.0f} s")
-        time.sleep(0.2)  # a poll interval
 
 
 async def harness_run(url: str, args: argparse.Namespace, workload: Workload, slo: Slo) -> Summary:

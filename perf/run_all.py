@@ -38,7 +38,15 @@ from benchlib import plots, report
 from benchlib.clients import ClientConfig, TritonClient, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
 from benchlib.cpuprobe import CpuProbe, group_members
-from benchlib.deploy import VllmConfig, VllmServer, free_port, start_triton, with_pool_parameters
+from benchlib.deploy import (
+    VllmConfig,
+    VllmServer,
+    free_port,
+    start_triton,
+    vllm_command_line,
+    wait_for_health,
+    with_pool_parameters,
+)
 from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
 from benchlib.slo import (
@@ -55,7 +63,6 @@ from benchlib.slo import (
 )
 from benchlib.workload import WORKLOADS, PromptFactory
 
-from disagg.server import answers_200
 from disagg.serverconfig import parse_cpus
 
 PERF = Path(__file__).resolve().parent
@@ -222,13 +229,6 @@ def vllm_config(args: argparse.Namespace, workdir: Path, choice: VllmChoice) -> 
     )
 
 
-def vllm_command_line(config: VllmConfig) -> str:
-    """The exact command line the report prints: the environment that configures vLLM, then argv."""
-    env = config.environment()
-    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
-    return " ".join([*(f"{k}={env[k]}" for k in keys), shlex.join(config.command())])
-
-
 @contextlib.contextmanager
 def vllm_running(
     args: argparse.Namespace, workdir: Path, notes: list[str], choice: VllmChoice
@@ -281,11 +281,7 @@ def vllm_pd_running(
         stack.callback(front.wait, 10)
         stack.callback(front.terminate)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while not answers_200(f"{url}/health", timeout_s=2):
-            if front.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the P/D proxy did not come up (exit {front.poll()})")
-            time.sleep(0.2)
+        wait_for_health(f"{url}/health", front, "the P/D proxy")
         yield ClientConfig("openai", url, args.vllm_served_name), command
 
 
@@ -342,35 +338,11 @@ async def tune_grid(
     return next(c for c in grid if c.label == best["config"])
 
 
-async def tune_vllm(
-    args: argparse.Namespace,
-    workdir: Path,
-    profile: Profile,
-    factory: PromptFactory,
-    results: dict[str, Any],
-    deadline: float,
-    frozen: dict[str, FrozenSlo] | None,
-    running: Callable[..., Any] | None = None,
-    search: Callable[..., Awaitable[None]] | None = None,
-) -> VllmChoice:
-    """The peer at its best over `--vllm-grid` (see tune_grid); a running vLLM (--vllm-url) is taken
-    as it is."""
+def vllm_tuning_grid(args: argparse.Namespace) -> list[VllmChoice]:
+    """The vLLM configurations tune_grid tries: `--vllm-grid`, or only its first for a running vLLM
+    (--vllm-url), which is taken as it is."""
     grid = vllm_grid(args)
-    if args.vllm_url:
-        grid = grid[:1]
-    return await tune_grid(
-        "vllm",
-        grid,
-        running or vllm_running,
-        args,
-        workdir,
-        profile,
-        factory,
-        results,
-        deadline,
-        frozen,
-        search,
-    )
+    return grid[:1] if args.vllm_url else grid
 
 
 @dataclass(frozen=True)
@@ -738,7 +710,10 @@ async def main_async(args: argparse.Namespace) -> int:
                         dep.config, dep.endpoint = config, f"{config.url} (started here)"
                         await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
                 elif name == "vllm":
-                    choice = await tune_vllm(args, workdir, profile, factory, results, deadline, frozen)
+                    choice = await tune_grid(
+                        "vllm", vllm_tuning_grid(args), vllm_running, args, workdir, profile, factory,
+                        results, deadline, frozen,
+                    )  # fmt: skip
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
                     notes = results["meta"]["notes"]
                     with vllm_running(args, workdir, notes, choice) as (config, pgid, command):

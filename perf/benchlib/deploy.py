@@ -116,6 +116,29 @@ class VllmConfig:
         return env
 
 
+def vllm_command_line(config: VllmConfig) -> str:
+    """The exact command line a report prints: the environment that configures vLLM, then argv."""
+    import shlex
+
+    env = config.environment()
+    keys = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")
+    return " ".join([*(f"{k}={env[k]}" for k in keys), shlex.join(config.command())])
+
+
+def wait_for_health(url: str, process: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `url` until it answers 200; DeployError naming `what` if `process` (anything with
+    `poll()`, None while it runs) exits first or `timeout_s` passes."""
+    from disagg.server import answers_200
+
+    deadline = time.monotonic() + timeout_s
+    while not answers_200(url, timeout_s=2.0):
+        if process.poll() is not None:
+            raise DeployError(f"{what} exited with {process.poll()} before {url} answered")
+        if time.monotonic() >= deadline:
+            raise DeployError(f"{what}: {url} did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.2)  # a poll interval
+
+
 class VllmServer:
     """A vLLM OpenAI server process (see module contract)."""
 

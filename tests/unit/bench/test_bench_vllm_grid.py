@@ -61,7 +61,19 @@ def test_tuning_measures_every_configuration_and_takes_the_best(tmp_path: Path) 
     results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
     profile = run_all.PROFILES["quick"]
     best = asyncio.run(
-        run_all.tune_vllm(args, tmp_path, profile, None, results, 1e18, None, running=running, search=search)
+        run_all.tune_grid(
+            "vllm",
+            run_all.vllm_tuning_grid(args),
+            running,
+            args,
+            tmp_path,
+            profile,
+            None,
+            results,
+            1e18,
+            None,
+            search,
+        )
     )
     assert best == run_all.VllmChoice("bfloat16", "0-1")
     assert started == [c.label for c in run_all.vllm_grid(args)]
