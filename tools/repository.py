@@ -54,6 +54,10 @@ class Layout:
     local_decode: bool = True
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
+    # the prefill and colocated pools reuse the KV of full prompt blocks a prompt shares with an
+    # earlier one (``disagg.engine.kvcache``; vLLM's default is on, ours stays off until the serving
+    # suite and the benchmarks have run with it)
+    prefix_cache: bool = False
     # conditional disaggregation: prompts of at most this many tokens are served whole by the decode
     # pool while the prefill pool is backlogged, prefilled there in chunks of conditional_chunk_tokens
     # between decode steps (0: off)
@@ -177,6 +181,8 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["local_prefill_tokens"] = str(layout.conditional_prefill_tokens)
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.conditional_chunk_tokens)
+    if role != "decode":
+        params["prefix_cache"] = "true" if layout.prefix_cache else "false"
     if role == "colocated" and layout.colocated_chunk_tokens:
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
@@ -330,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         help="decode pool: prompt tokens of such requests prefilled per step",
     )
     parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="the prefill and colocated pools reuse the KV of prompt prefixes they computed before",
+    )
+    parser.add_argument(
         "--no-local-decode",
         action="store_true",
         help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
@@ -361,6 +372,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         conditional_prefill_tokens=args.conditional_prefill_tokens,
         conditional_chunk_tokens=args.conditional_chunk_tokens,
         local_decode=not args.no_local_decode,
+        prefix_cache=args.prefix_cache,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         colocated_gpus=args.colocated_gpus,

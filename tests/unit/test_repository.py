@@ -162,3 +162,22 @@ def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_mod
     assert "conditional_prefill_tokens" not in rendered["orchestrator_colocated"]
     assert "local_prefill_tokens" not in rendered["prefill"] + rendered["colocated"]
     assert "conditional" not in render(Layout())["llm"], "off by default"
+
+
+def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp_path, tiny_model_dir):
+    """`--prefix-cache`: the prefill and colocated engines keep prompt prefixes; the decode pool, which
+    only imports KV, has no such setting; off by default (parsed as the adapter parses it)."""
+    import re
+
+    from disagg.triton.pool_model import pool_config
+
+    assert main(["--out", str(tmp_path), "--prefix-cache"]) == 0
+    for name, expected in (("prefill", True), ("colocated", True), ("decode", False)):
+        text = (tmp_path / name / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        config = pool_config(
+            {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
+        )
+        assert config.engine.prefix_cache is expected, name
+    for name in ("prefill", "colocated"):
+        assert 'key: "prefix_cache", value: { string_value: "false" }' in render(Layout())[name]

@@ -43,7 +43,8 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_prefill_pending_tokens": GAUGE,
         "disagg_decode_active_sequences": GAUGE,
         "disagg_kv_blocks_used": GAUGE,
-        "disagg_kv_blocks_free": GAUGE,
+        "disagg_kv_blocks_free": GAUGE,  # cached prefix blocks included: they are evicted on demand
+        "disagg_prefix_cache_blocks": GAUGE,  # of the free blocks, those keeping a prefix
         "disagg_slo_attainment_ratio": GAUGE,
         "disagg_goodput_requests_per_second": GAUGE,
         "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtypes and kernels
@@ -62,6 +63,9 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_pool_restarts_total": COUNTER,
         "disagg_engine_steps_total": COUNTER,
         "disagg_engine_busy_seconds_total": COUNTER,
+        "disagg_prefix_cache_hits_total": COUNTER,  # in blocks, per pool instance
+        "disagg_prefix_cache_misses_total": COUNTER,
+        "disagg_prefix_cache_evictions_total": COUNTER,
     }
 )
 """Every family the server must export: name -> kind. The serving side may import this."""

@@ -62,8 +62,16 @@ class Imported:
 
 @dataclass(frozen=True)
 class BlockUsage:
+    """KV blocks now: ``used`` by sequences and ``free`` for new ones, ``used + free`` being the pool.
+    With a prefix cache, ``cached`` of the free blocks still keep a prefix, and the cache's counters
+    so far (in blocks) come along."""
+
     used: int
     free: int
+    cached: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_evictions: int = 0
 
 
 class EngineBackend(Protocol):

@@ -22,6 +22,7 @@ from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import AUTO, DTYPES, auto_dtype, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.kvcache import KVCache
+from disagg.engine.prefix import block_keys
 from disagg.engine.sampling import sample
 from disagg.engine.sequence import (
     FINISH_LENGTH,
@@ -65,6 +66,9 @@ class EngineConfig:
     # decode attention (disagg.engine.kernel); a sequence's output does not depend on its batch
     native_kernels: bool = True
     pack_weights: bool = True  # bf16 on CPU without the kernels: prepack for oneDNN (same bits, faster)
+    # reuse the KV of full prompt blocks another prompt computed (``disagg.engine.kvcache``): a prompt
+    # sharing a prefix of whole blocks with an earlier one is prefilled from the first block after it
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -86,6 +90,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or unset")
+        for name in ("native_kernels", "pack_weights", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false")
         if self.cores is not None:
             object.__setattr__(self, "cores", tuple(self.cores))
             if not self.cores or any(not isinstance(c, int) or c < 0 for c in self.cores):
@@ -138,7 +145,7 @@ class Engine:
             kv_memory = torch.zeros(
                 num_blocks, self.kv_layout.block_bytes, dtype=torch.uint8, device=self.device
             )
-        self.kv = KVCache(self.kv_layout, num_blocks, kv_memory)
+        self.kv = KVCache(self.kv_layout, num_blocks, kv_memory, prefix_cache=config.prefix_cache)
         self.max_tokens_cap = min(config.max_tokens_cap or mc.max_context, mc.max_context)
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
@@ -152,7 +159,8 @@ class Engine:
         )
         paths = self.describe()
         log.info(
-            "engine ready: %s %s, KV %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens",
+            "engine ready: %s %s, KV %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens"
+            ", prefix cache %s",
             mc.model_type,
             config.dtype,
             config.kv_dtype,
@@ -161,6 +169,7 @@ class Engine:
             self.device,
             num_blocks,
             config.block_size,
+            "on" if config.prefix_cache else "off",
         )
 
     # ----------------------------------------------------------------- queries
@@ -184,8 +193,15 @@ class Engine:
         }
 
     def usage(self) -> BlockUsage:
-        free = self.kv.free_blocks
-        return BlockUsage(self.kv.num_blocks - free, free)
+        available, counters = self.kv.available_blocks, self.kv.counters()
+        return BlockUsage(
+            self.kv.num_blocks - available,
+            available,
+            self.kv.cached_blocks,
+            counters.hits,
+            counters.misses,
+            counters.evictions,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -226,12 +242,14 @@ class Engine:
             self.validate(request)
         if decode and self._batch_size() + len(requests) > self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
-        needed = [self.blocks_needed(r, decode=decode) for r in requests]
-        blocks = self.kv.allocate(sum(needed))
-        seqs = []
-        for request, count in zip(requests, needed, strict=True):
-            seqs.append(self._add(request, blocks[:count], decode))
-            blocks = blocks[count:]
+        seqs: list[Sequence] = []
+        try:
+            for request in requests:
+                seqs.append(self._add(request, decode))
+        except BaseException:
+            for seq in seqs:  # all or nothing
+                self.free(seq.seq_id)
+            raise
         try:
             outputs = [self.prefill_chunk(seq.seq_id, len(seq.context)) for seq in seqs]
             return [out for out in outputs if out is not None]  # each chunk is a whole prompt: all there
@@ -246,8 +264,7 @@ class Engine:
         self.validate(request)
         if decode and self._batch_size() >= self.config.max_batch_size:
             raise BatchFull(self.config.max_batch_size)
-        blocks = self.kv.allocate(self.blocks_needed(request, decode=decode))
-        return self._add(request, blocks, decode).seq_id
+        return self._add(request, decode).seq_id
 
     def prefill_chunk(self, seq_id: int, max_tokens: int) -> StepOutput | None:
         """Prefill the next ``max_tokens`` (at most) prompt tokens of a started sequence, attending to
@@ -256,10 +273,26 @@ class Engine:
         _, (output,) = self.step([(seq_id, max_tokens)], decode=False)
         return output
 
-    def _add(self, request: Request, blocks: list[int], decode: bool) -> Sequence:
+    def _add(self, request: Request, decode: bool) -> Sequence:
+        """Admit a validated request: take the cached blocks of its prefix (with the prefix cache on),
+        then new blocks for the rest of its life; OutOfBlocks leaves nothing taken."""
+        context = request.context_token_ids
+        keys: list[bytes] = []
+        shared: list[int] = []
+        if self.config.prefix_cache:
+            keys = block_keys(context, self.config.block_size)
+            # at least the prompt's last token is computed: it gives the first token's logits
+            shared = self.kv.match(keys[: (len(context) - 1) // self.config.block_size])
+        try:
+            blocks = shared + self.kv.allocate(self.blocks_needed(request, decode=decode) - len(shared))
+        except BaseException:
+            self.kv.free(shared)
+            raise
         resumed = request.generated_token_ids
         seq = Sequence(next(self._ids), request.prompt_token_ids, request.params, blocks, list(resumed))
         seq.resumed = len(resumed)
+        seq.prefix_keys, seq.published = keys, len(shared)
+        seq.num_cached = len(shared) * self.config.block_size
         seq.decoding = False  # joins decode_step() when its prompt is complete
         seq.joins_decode = decode
         self._sequences[seq.seq_id] = seq
@@ -309,12 +342,20 @@ class Engine:
         results: list[StepOutput | None] = []
         for seq, part, last in zip(seqs, parts, chunk_logits, strict=True):
             seq.num_cached += part.tokens.shape[0]
+            self._publish(seq)
             if last is None:
                 results.append(None)
                 continue
             seq.decoding = seq.joins_decode
             results.append(self._append(seq, last))
         return outputs, results
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer the prompt blocks a chunk has just completed to the prefix cache."""
+        done = min(len(seq.prefix_keys), seq.num_cached // self.config.block_size)
+        for index in range(seq.published, done):
+            self.kv.publish(seq.blocks[index], seq.prefix_keys[index])
+        seq.published = max(seq.published, done)
 
     def _decode_rows(self, batch: list[Sequence]) -> DecodeRows | None:
         if not batch:

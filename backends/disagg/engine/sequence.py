@@ -77,6 +77,10 @@ class Sequence:
     decoding: bool = True  # part of decode_step()'s batch
     joins_decode: bool = True  # joins that batch once its prompt is prefilled (False: held for export)
     resumed: int = 0  # generated tokens it started with (Request.generated_token_ids), prefilled too
+    # prefix keys of its context's full blocks (``disagg.engine.prefix``; empty: no prefix cache), and
+    # how many of its first blocks are published or were taken from the cache
+    prefix_keys: list[bytes] = field(default_factory=list)
+    published: int = 0
 
     @property
     def context(self) -> tuple[int, ...]:

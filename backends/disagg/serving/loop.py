@@ -61,6 +61,10 @@ class LoopStats:
     engine_steps: int  # engine calls so far: each prefill, each decode step
     engine_busy_s: float  # seconds spent inside them
     prompt_tokens_done: int = 0  # prompt tokens prefilled so far
+    blocks_cached: int = 0  # of the free blocks, those keeping a prefix (the prefix cache)
+    prefix_hits: int = 0  # prefix cache counters so far, in blocks
+    prefix_misses: int = 0
+    prefix_evictions: int = 0
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
@@ -307,4 +311,8 @@ class EngineLoop:
             engine_steps=self.runner.steps,
             engine_busy_s=self.runner.busy_s,
             prompt_tokens_done=self.runner.prompt_tokens,
+            blocks_cached=usage.cached,
+            prefix_hits=usage.prefix_hits,
+            prefix_misses=usage.prefix_misses,
+            prefix_evictions=usage.prefix_evictions,
         )

@@ -36,6 +36,13 @@ DESCRIPTIONS = {
     "disagg_decode_active_sequences": ("GAUGE", "Sequences in the decode batch"),
     "disagg_kv_blocks_used": ("GAUGE", "KV cache blocks in use"),
     "disagg_kv_blocks_free": ("GAUGE", "KV cache blocks free"),
+    "disagg_prefix_cache_blocks": (
+        "GAUGE",
+        "Free KV blocks that keep a cached prefix (evicted first-in LRU)",
+    ),
+    "disagg_prefix_cache_hits_total": ("COUNTER", "Full prompt blocks found in the prefix cache"),
+    "disagg_prefix_cache_misses_total": ("COUNTER", "Full prompt blocks looked up and computed"),
+    "disagg_prefix_cache_evictions_total": ("COUNTER", "Cached prefix blocks dropped to make room"),
     "disagg_slo_attainment_ratio": (
         "GAUGE",
         "Share of requests in the window meeting both TTFT and TPOT SLOs",
@@ -299,6 +306,10 @@ class PoolReporter:
         self._loop, self._transport, self._interval = loop, transport, interval_s
         self.used = fam.gauge("disagg_kv_blocks_used", labels)
         self.free = fam.gauge("disagg_kv_blocks_free", labels)
+        self.cached = fam.gauge("disagg_prefix_cache_blocks", labels)
+        self.hits = fam.metric("disagg_prefix_cache_hits_total", labels)
+        self.misses = fam.metric("disagg_prefix_cache_misses_total", labels)
+        self.evictions = fam.metric("disagg_prefix_cache_evictions_total", labels)
         self.queue = fam.gauge("disagg_prefill_queue_requests", labels) if role == "prefill" else None
         self.pending = fam.gauge("disagg_prefill_pending_tokens", labels) if role == "prefill" else None
         self.active = fam.gauge("disagg_decode_active_sequences", labels) if role != "prefill" else None
@@ -318,6 +329,9 @@ class PoolReporter:
             "renewals": 0.0,
             "steps": 0.0,
             "busy": 0.0,
+            "hits": 0.0,
+            "misses": 0.0,
+            "evictions": 0.0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
@@ -341,7 +355,7 @@ class PoolReporter:
             self.publish()  # the counters' last increments
         except Exception:
             log.warning("publishing pool metrics failed", exc_info=True)
-        for gauge in (self.used, self.free, self.queue, self.pending, self.active, self.info):
+        for gauge in (self.used, self.free, self.cached, self.queue, self.pending, self.active, self.info):
             if gauge is not None:
                 gauge.set(0)
 
@@ -363,6 +377,10 @@ class PoolReporter:
             self.active.set(stats.active_sequences)
         self._add(self.steps, "steps", stats.engine_steps)
         self._add(self.busy, "busy", stats.engine_busy_s)
+        self.cached.set(stats.blocks_cached)
+        self._add(self.hits, "hits", stats.prefix_hits)
+        self._add(self.misses, "misses", stats.prefix_misses)
+        self._add(self.evictions, "evictions", stats.prefix_evictions)
         if self._transport is None:
             return
         snap = self._transport.stats.snapshot()
