@@ -21,6 +21,25 @@ from disagg.paths import resolve_model_dir
 from disagg.server import process_group_members
 
 REPOSITORY = REPO_ROOT / "model_repository"
+
+# The start of a client script run with `python -c` (a cancelled tritonclient stream leaves a thread
+# behind, which the leak probe would count, so cancelling clients run in processes of their own):
+# its imports, and `long_request(max_tokens)`, the inputs of a "Hello world" streaming request that
+# generates exactly `max_tokens` tokens. The script's own part follows it.
+CLIENT_SCRIPT_PREAMBLE = """
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as grpcclient
+def tensor(name, value, dtype):
+    array = np.array([[value]], dtype=dtype)
+    kind = {np.object_: "BYTES", np.int32: "INT32", bool: "BOOL"}[dtype]
+    t = grpcclient.InferInput(name, list(array.shape), kind)
+    t.set_data_from_numpy(array)
+    return t
+def long_request(max_tokens):
+    return [tensor("text_input", b"Hello world", np.object_), tensor("max_tokens", max_tokens, np.int32),
+            tensor("min_length", max_tokens, np.int32), tensor("stream", True, bool)]
+"""
 ENTRY_POINTS = ("ensemble", "llm", "ensemble_colocated")
 POOLS = ("prefill", "decode", "colocated")
 POOL_GAUGES = ("disagg_kv_blocks_used", "disagg_kv_blocks_free", "disagg_decode_active_sequences")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from serving_support import (
+    CLIENT_SCRIPT_PREAMBLE,
     REPOSITORY,
     engine_greedy,
     engine_texts,
@@ -268,28 +269,20 @@ def _long_stream(server: TritonServer, model: str, max_tokens: int) -> GrpcStrea
     return stream
 
 
-_CANCELLING_CLIENT = """
-import json, queue, sys
-import numpy as np
-import tritonclient.grpc as grpcclient
+_CANCELLING_CLIENT = (
+    CLIENT_SCRIPT_PREAMBLE
+    + """
 url, model, max_tokens, after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-def tensor(name, value, dtype):
-    array = np.array([[value]], dtype=dtype)
-    kind = {np.object_: "BYTES", np.int32: "INT32", bool: "BOOL"}[dtype]
-    t = grpcclient.InferInput(name, list(array.shape), kind)
-    t.set_data_from_numpy(array)
-    return t
 events = queue.Queue()
 client = grpcclient.InferenceServerClient(url)
 client.start_stream(callback=lambda result, error: events.put(error))
-inputs = [tensor("text_input", b"Hello world", np.object_), tensor("max_tokens", max_tokens, np.int32),
-          tensor("min_length", max_tokens, np.int32), tensor("stream", True, bool)]
-client.async_stream_infer(model, inputs)
+client.async_stream_infer(model, long_request(max_tokens))
 errors = [events.get(timeout=60) for _ in range(after)]
 client.stop_stream(cancel_requests=True)
 client.close()
 print(json.dumps({"pieces": after, "errors": [str(e) for e in errors if e is not None]}))
 """
+)
 
 
 def _cancel_after(server: TritonServer, model: str, max_tokens: int, pieces: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_support import pool_gauges, read_stream, text_inputs
+from serving_support import CLIENT_SCRIPT_PREAMBLE, pool_gauges, read_stream, text_inputs
 from triton_support import GrpcStream, LeakProbe, TritonFactory, metric_sum, scrape_metrics, wait_until
 
 from disagg.server import TritonServer
@@ -31,17 +31,10 @@ FIRST_TOKENS, WAITING_TOKENS, SHORT_TOKENS, SHORTS = 4000, 600, 4, 6
 # The first request streams from a process of its own, because tritonclient keeps a thread alive after
 # a cancelled stream, which the leak probe would count. It prints one line when its first piece
 # arrives, cancels when told on stdin, and says whether its request had ended before the cancel.
-_HOLDING_CLIENT = """
-import json, queue, sys
-import numpy as np
-import tritonclient.grpc as grpcclient
+_HOLDING_CLIENT = (
+    CLIENT_SCRIPT_PREAMBLE
+    + """
 url, max_tokens = sys.argv[1], int(sys.argv[2])
-def tensor(name, value, dtype):
-    array = np.array([[value]], dtype=dtype)
-    kind = {np.object_: "BYTES", np.int32: "INT32", bool: "BOOL"}[dtype]
-    t = grpcclient.InferInput(name, list(array.shape), kind)
-    t.set_data_from_numpy(array)
-    return t
 def ended(result, error):
     if error is not None:
         return True
@@ -50,9 +43,7 @@ def ended(result, error):
 events = queue.Queue()
 client = grpcclient.InferenceServerClient(url)
 client.start_stream(callback=lambda result, error: events.put((result, error)))
-inputs = [tensor("text_input", b"Hello world", np.object_), tensor("max_tokens", max_tokens, np.int32),
-          tensor("min_length", max_tokens, np.int32), tensor("stream", True, bool)]
-client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+client.async_stream_infer("llm", long_request(max_tokens), enable_empty_final_response=True)
 first = events.get(timeout=60)
 print(json.dumps({"started": first[1] is None and not ended(*first)}), flush=True)
 sys.stdin.readline()
@@ -63,6 +54,7 @@ client.stop_stream(cancel_requests=True)
 client.close()
 print(json.dumps({"ended_before_cancel": any(ended(*e) for e in seen), "pieces": len(seen)}), flush=True)
 """
+)
 
 
 @pytest.fixture(scope="module")
