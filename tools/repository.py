@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.serving.orchestrator import HOT_POOL
 from disagg.serving.text_api import ALL_INPUTS, EXTRA_OUTPUTS, LLM_ONLY_INPUTS
 
 MAX_BATCH = 64
@@ -58,6 +59,14 @@ class Layout:
     # earlier one (``disagg.engine.kvcache``; vLLM's default is on, ours stays off until the serving
     # suite and the benchmarks have run with it)
     prefix_cache: bool = False
+    # hot prompts (disagg.serving.hotness): requests of a hot prompt group decode on a pool of their
+    # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
+    # an MPS thread percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5:
+    # about a quarter of a contended core against a nice-0 decode pool)
+    hot_decode_cores: str = ""
+    hot_decode_nice: int = 5
+    # where no hot pool takes them, each hot group starts at most this many requests per second (0: off)
+    hot_group_rate: float = 0.0
     # conditional disaggregation: prompts of at most this many tokens are served whole by the decode
     # pool while the prefill pool is backlogged, prefilled there in chunks of conditional_chunk_tokens
     # between decode steps (0: off)
@@ -79,6 +88,12 @@ class Layout:
             raise ValueError("conditional_prefill_tokens must be an integer >= 0 (0: off)")
         if not isinstance(self.conditional_chunk_tokens, int) or self.conditional_chunk_tokens < 1:
             raise ValueError("conditional_chunk_tokens must be a positive integer")
+        if not isinstance(self.hot_decode_nice, int) or not 0 <= self.hot_decode_nice <= 19:
+            raise ValueError("hot_decode_nice must be an integer in [0, 19]")
+        if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
+            raise ValueError("hot_group_rate must be a number of requests per second >= 0")
+        if self.hot_decode_cores and self.gpus("decode"):
+            raise ValueError("a hot decode pool is a CPU pool here (hot_decode_cores with decode_gpus)")
         ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
         if bool(ids["prefill"]) != bool(ids["decode"]):
             raise ValueError("prefill_gpus and decode_gpus go together (the KV hand-off is GPU to GPU)")
@@ -152,7 +167,7 @@ def _model(
     return text + _parameters({"role": role, **params})
 
 
-def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
+def _pool(name: str, role: str, cores: str, layout: Layout, nice: int = 0) -> str:
     inputs = [
         _tensor("input_ids", "TYPE_INT32", (-1,), True),
         _tensor("sampling", "TYPE_STRING", (1,), True),
@@ -175,6 +190,8 @@ def _pool(name: str, role: str, cores: str, layout: Layout) -> str:
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
+    if nice:
+        params["nice"] = str(nice)
     if role == "prefill" and layout.local_decode:
         params["local_generate"] = "true"
     if role == "decode" and layout.conditional_prefill_tokens:
@@ -203,9 +220,20 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
     }
     if mode == "disaggregated" and layout.conditional_prefill_tokens:
         params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+    params.update(_hot_params(layout, mode))
     return _model(
         name, "orchestrator", inputs, TEXT_OUTPUT, max_batch=MAX_BATCH, decoupled=True, params=params
     )
+
+
+def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
+    """An entry point's hot-prompt isolation: the hot pool (disaggregated only) and the group rate."""
+    params = {}
+    if mode == "disaggregated" and layout.hot_decode_cores:
+        params["hot_decode_model"] = HOT_POOL
+    if layout.hot_group_rate:
+        params["hot_group_rate"] = f"{layout.hot_group_rate:g}"
+    return params
 
 
 def _llm(layout: Layout) -> str:
@@ -215,6 +243,7 @@ def _llm(layout: Layout) -> str:
     params["request_timeout_s"] = str(layout.request_timeout_s)
     if layout.conditional_prefill_tokens:
         params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+    params.update(_hot_params(layout, "disaggregated"))
     inputs = _text_inputs() + [_tensor(s.name, s.triton_type, s.dims, s.optional) for s in LLM_ONLY_INPUTS]
     outputs = TEXT_OUTPUT + [_tensor(name, dtype, (1,)) for _, name, dtype in EXTRA_OUTPUTS]
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)
@@ -281,7 +310,7 @@ def _ensemble(name: str, orchestrator: str) -> str:
 
 def render(layout: Layout) -> dict[str, str]:
     """Model name -> config.pbtxt text."""
-    return {
+    models = {
         "preprocessing": _preprocessing(layout),
         "postprocessing": _postprocessing(layout),
         "orchestrator": _orchestrator("orchestrator", "disaggregated", layout),
@@ -293,6 +322,9 @@ def render(layout: Layout) -> dict[str, str]:
         "decode": _pool("decode", "decode", layout.decode_cores, layout),
         "colocated": _pool("colocated", "colocated", layout.colocated_cores, layout),
     }
+    if layout.hot_decode_cores:
+        models[HOT_POOL] = _pool(HOT_POOL, "decode", layout.hot_decode_cores, layout, layout.hot_decode_nice)
+    return models
 
 
 def write(out: Path, layout: Layout) -> list[Path]:
@@ -341,6 +373,23 @@ def main(argv: list[str] | None = None) -> int:
         help="the prefill and colocated pools reuse the KV of prompt prefixes they computed before",
     )
     parser.add_argument(
+        "--hot-decode-cores",
+        default=defaults.hot_decode_cores,
+        help="add a decode pool for hot prompt groups, 'decode_hot', on these cores",
+    )
+    parser.add_argument(
+        "--hot-decode-nice",
+        type=int,
+        default=defaults.hot_decode_nice,
+        help="its niceness: its share of a core it shares with the decode pool",
+    )
+    parser.add_argument(
+        "--hot-group-rate",
+        type=float,
+        default=defaults.hot_group_rate,
+        help="requests per second one hot prompt group may start where no hot pool takes it (0: no cap)",
+    )
+    parser.add_argument(
         "--no-local-decode",
         action="store_true",
         help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
@@ -373,6 +422,9 @@ def _layout(args: argparse.Namespace) -> Layout:
         conditional_chunk_tokens=args.conditional_chunk_tokens,
         local_decode=not args.no_local_decode,
         prefix_cache=args.prefix_cache,
+        hot_decode_cores=args.hot_decode_cores,
+        hot_decode_nice=args.hot_decode_nice,
+        hot_group_rate=args.hot_group_rate,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         colocated_gpus=args.colocated_gpus,

@@ -181,3 +181,34 @@ def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp
         assert config.engine.prefix_cache is expected, name
     for name in ("prefill", "colocated"):
         assert 'key: "prefix_cache", value: { string_value: "false" }' in render(Layout())[name]
+
+
+def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, tiny_model_dir):
+    """`--hot-decode-cores 1 --hot-group-rate 2`: a second decode pool, decode_hot, on core 1 at its
+    niceness; the disaggregated entry points name it and the group rate, the colocated one only the
+    rate (it has no decode leg); the default repository has neither."""
+    import re
+
+    from disagg.config import build
+    from disagg.serving.orchestrator import HOT_POOL, OrchestratorConfig
+    from disagg.triton.orchestrator_model import deployed_pools
+    from disagg.triton.pool_model import pool_config
+
+    def params(name: str) -> dict[str, str]:
+        text = (tmp_path / name / "config.pbtxt").read_text()
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+
+    assert main(["--out", str(tmp_path), "--hot-decode-cores", "1", "--hot-group-rate", "2"]) == 0
+    hot = pool_config(
+        {**params(HOT_POOL), "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{HOT_POOL}_0"}
+    )
+    assert hot.role == "decode" and hot.engine.cores == (1,) and hot.nice == Layout().hot_decode_nice
+    for name in ("orchestrator", "llm"):
+        config = build(OrchestratorConfig, params(name), strings=True)
+        assert config.hot_decode_model == HOT_POOL and config.hot_group_rate == 2.0
+        assert HOT_POOL in deployed_pools(config, str(tmp_path / name))
+    colocated = build(OrchestratorConfig, params("orchestrator_colocated"), strings=True)
+    assert colocated.hot_decode_model == "" and colocated.hot_group_rate == 2.0
+    assert HOT_POOL not in render(Layout()) and "hot_" not in render(Layout())["llm"]
+    with pytest.raises(ValueError, match="hot_decode_nice"):
+        Layout(hot_decode_cores="1", hot_decode_nice=20)

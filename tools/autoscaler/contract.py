@@ -51,6 +51,9 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_pool_health": GAUGE,  # per entry point instance and pool: 0 healthy, 1 saturated, 2 gone
         "disagg_serving_mode": GAUGE,  # per entry point instance: 1 on the rung new requests take
         "disagg_pool_calls_open": GAUGE,  # per entry point instance: calls to pools not yet ended
+        "disagg_hot_groups": GAUGE,  # per entry point instance: hot prompt (prefix) groups now
+        "disagg_hot_group_requests_per_second": GAUGE,  # + label rank (1..4): the hottest groups' rates
+        "disagg_similar_prompt_groups": GAUGE,  # near-duplicate (MinHash) groups; not routed on
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,
@@ -66,6 +69,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_prefix_cache_hits_total": COUNTER,  # in blocks, per pool instance
         "disagg_prefix_cache_misses_total": COUNTER,
         "disagg_prefix_cache_evictions_total": COUNTER,
+        "disagg_hot_routes_total": COUNTER,  # label route: cold, hot_shared, hot_pool, hot_delayed, ...
     }
 )
 """Every family the server must export: name -> kind. The serving side may import this."""

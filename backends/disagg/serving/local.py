@@ -46,8 +46,10 @@ class LocalPools:
         prefill: EngineLoop | None = None,
         decode: EngineLoop | None = None,
         colocated: EngineLoop | None = None,
+        decode_hot: EngineLoop | None = None,
     ) -> None:
-        self.loops = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        """``decode_hot``: a second decode pool, the hot prompts' (``orchestrator.HOT_POOL``)."""
+        self.loops = {"prefill": prefill, "decode": decode, "colocated": colocated, "decode_hot": decode_hot}
 
     def _loop(self, pool: str) -> EngineLoop:
         loop = self.loops.get(pool)
@@ -82,8 +84,10 @@ class LocalPools:
             if final:
                 return
 
-    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
-        return self._stream(self._submit("decode", lambda sink: DecodeJob(handle, sink, state, descriptor)))
+    def decode(
+        self, handle: str, state: SequenceState, descriptor: bytes, pool: str = "decode"
+    ) -> AsyncIterator[Token]:
+        return self._stream(self._submit(pool, lambda sink: DecodeJob(handle, sink, state, descriptor)))
 
     def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
         return self._stream(self._submit(pool, lambda sink: GenerateJob(handle, sink, request)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
 from disagg.serving.admission import Admission, AdmissionConfig
+from disagg.serving.bucket import BucketConfig, TokenBucket
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.errors import (
     CANCELLED,
@@ -38,6 +40,7 @@ from disagg.serving.errors import (
     classify,
 )
 from disagg.serving.health import Change, HealthConfig, PoolHealth, PoolState
+from disagg.serving.hotness import GroupRate, Heat, HotConfig, HotPrompts
 from disagg.serving.ladder import (
     COLOCATED,
     CONDITIONAL,
@@ -65,7 +68,9 @@ class PoolClient(Protocol):
 
     async def prefill(self, handle: str, request: Request) -> Prefilled: ...
 
-    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]: ...
+    def decode(
+        self, handle: str, state: SequenceState, descriptor: bytes, pool: str = "decode"
+    ) -> AsyncIterator[Token]: ...
 
     def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]: ...
 
@@ -93,6 +98,11 @@ class Responder(Protocol):
 
 
 MAX_INFLIGHT_LIMIT = 65536
+HOT_POOL = "decode_hot"
+HOT_ROUTES = ("cold", "hot_shared", "hot_pool", "hot_delayed", "hot_refused")
+"""How a new request was routed by hotness (``disagg_hot_routes_total``): not in a hot group; hot and
+served as any other (no isolation configured, or its bucket had a token); hot and decoded on the hot
+pool; hot and held back by its group's token bucket; hot and refused (the bucket's wait too long)."""
 NO_LOCAL = "does not run generate jobs"  # a prefill pool's refusal without local_generate
 
 
@@ -155,6 +165,23 @@ class OrchestratorConfig:
     cancel_poll_s: float = 0.1
     """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
     decode blocks) checks whether its client left; after that, every token checks."""
+    hot_threshold: int = 16
+    """Hot prompts (``disagg.serving.hotness``): requests in ``hot_window_s`` that share a prefix of at
+    least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off)."""
+    hot_window_s: float = 10.0
+    hot_min_prefix_tokens: int = 64
+    hot_max_prefix_tokens: int = 1024
+    hot_block_tokens: int = 16
+    hot_cool_ratio: float = 0.5
+    hot_decode_model: str = ""
+    """Isolation on a pool of its own: hot requests decode on this model (a decode pool with its own
+    cores or CPU share, see ``disagg repository --hot-decode-cores``) while it is healthy; "": none."""
+    hot_group_rate: float = 0.0
+    """Isolation by rate, where no hot pool takes a request: each hot group starts at most this many
+    requests per second (a token bucket of ``hot_group_burst``); a request that would wait for its
+    token longer than ``hot_max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
+    hot_group_burst: int = 4
+    hot_max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -195,12 +222,36 @@ class OrchestratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
-        _ = self.admission  # validates its settings
+        _ = self.admission, self.hot, self.bucket  # validate their settings
+        if not isinstance(self.hot_decode_model, str):
+            raise ValueError("hot_decode_model must be a model name or empty")
 
     @property
     def pool_models(self) -> dict[str, str]:
         """Pool role -> the model name its requests go to."""
-        return {"prefill": self.prefill_model, "decode": self.decode_model, "colocated": self.colocated_model}
+        models = {
+            "prefill": self.prefill_model,
+            "decode": self.decode_model,
+            "colocated": self.colocated_model,
+        }
+        if self.hot_decode_model and self.mode == "disaggregated":
+            models[HOT_POOL] = self.hot_decode_model
+        return models
+
+    @property
+    def hot(self) -> HotConfig:
+        return HotConfig(
+            threshold=self.hot_threshold,
+            window_s=self.hot_window_s,
+            min_prefix_tokens=self.hot_min_prefix_tokens,
+            max_prefix_tokens=self.hot_max_prefix_tokens,
+            block_tokens=self.hot_block_tokens,
+            cool_ratio=self.hot_cool_ratio,
+        )
+
+    @property
+    def bucket(self) -> BucketConfig:
+        return BucketConfig(self.hot_group_rate, self.hot_group_burst, self.hot_max_wait_s)
 
     @property
     def ladder(self) -> tuple[str, ...]:
@@ -233,6 +284,8 @@ class Outcome:
     fallbacks: list[Route] = field(default_factory=list)  # every route that fell below its first rung
     migrations: int = 0  # times the stream moved to another rung after its pool failed
     capped: bool = False  # served on the local rung under its lowered output cap
+    heat: Heat = field(default_factory=Heat)  # its hot group, if any
+    hot_route: str = ""  # one of HOT_ROUTES once routed
 
     @property
     def ttft(self) -> float | None:
@@ -263,11 +316,38 @@ class Orchestrator:
         self._decode_text = decode_text
         rungs = config.ladder
         if deployed is None:
-            deployed = ladder_pools(rungs)
+            deployed = [*ladder_pools(rungs), *([HOT_POOL] if HOT_POOL in config.pool_models else [])]
         self.health = {pool: PoolHealth(pool, HealthConfig()) for pool in deployed}
         self.ladder = Ladder(rungs, self.health, local=local_generate)
         self.admission = Admission(config.admission)
         self._on_change = on_change
+        # hot prompts: counted on the event loop, read by the metrics thread too
+        self.hotness = HotPrompts(config.hot)
+        self._buckets: dict[str, TokenBucket] = {}
+        self._hot_lock = threading.Lock()
+
+    def heat(self, prompt: Sequence[int], now: float) -> Heat:
+        """Count a new request's prompt; its hot group, if any."""
+        with self._hot_lock:
+            return self.hotness.observe(prompt, now)
+
+    def hot_groups(self, now: float) -> tuple[list[GroupRate], int]:
+        """The hot prefix groups now (hottest first) and the near-duplicate groups' count."""
+        with self._hot_lock:
+            return self.hotness.groups(now), self.hotness.similar_groups(now)
+
+    def hot_wait(self, group: str, now: float) -> float | None:
+        """Seconds a request of hot ``group`` waits for its bucket's token; None: refused. Buckets of
+        groups that cooled down and refilled are dropped."""
+        with self._hot_lock:
+            bucket = self._buckets.get(group)
+            if bucket is None:
+                for old in [
+                    g for g, b in self._buckets.items() if b.full(now) and not self.hotness.is_hot(g)
+                ]:
+                    del self._buckets[old]
+                bucket = self._buckets[group] = TokenBucket(self.config.bucket, now)
+            return bucket.reserve(now)
 
     def observe(self, change: Change | None) -> None:
         """Pass on a pool's state change (from a call here or a probe)."""
@@ -344,11 +424,14 @@ class _Run:
         self.sent_tokens = 0  # output tokens accounted for in responses already sent
         self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
         self.admitted = False  # passed admission by capacity
+        self.decode_pool = "decode"  # the disaggregated rung's decode pool: "decode" or the hot pool
 
     async def go(self) -> None:
         """Serve on the ladder's rung; when the rung's pool fails, move down and resume there."""
         config = self.owner.config
         route = self._shed_if_sheddable(self.owner.ladder.route())
+        if route.rung != SHED:
+            await self._isolate(route)
         while True:
             if route.rung == DISAGGREGATED and self.tokens:  # a resumed stream is re-prefilled in one pool
                 route = self.owner.ladder.route(after=DISAGGREGATED, reason=route.reason or "resumed")
@@ -380,6 +463,34 @@ class _Run:
                 route = self.owner.ladder.route(
                     after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"
                 )
+
+    async def _isolate(self, route: Route) -> None:
+        """A new request of a hot group decodes on the hot pool (disaggregated, the pool healthy), or
+        waits for its group's token bucket (refused when the wait is too long); others go as usual."""
+        owner, outcome = self.owner, self.outcome
+        outcome.heat = heat = owner.heat(self.prompt, time.monotonic())
+        if heat.group is None:
+            outcome.hot_route = "cold"
+            return
+        hot_pool = owner.health.get(HOT_POOL)
+        if route.rung == DISAGGREGATED and hot_pool is not None and hot_pool.state is PoolState.HEALTHY:
+            self.decode_pool, outcome.hot_route = HOT_POOL, "hot_pool"
+            return
+        if not owner.config.bucket.enabled:
+            outcome.hot_route = "hot_shared"
+            return
+        wait = owner.hot_wait(heat.group, time.monotonic())
+        if wait is None:
+            outcome.hot_route = "hot_refused"
+            retry = max(owner.config.retry_after_s, owner.config.hot_max_wait_s)
+            raise ServingError(
+                UNAVAILABLE,
+                f"too many similar requests (a hot prompt group over {owner.config.hot_group_rate:g} "
+                f"requests/s); retry after {retry:g} s",
+            )
+        outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
+        if wait > 0:
+            await self._unless_cancelled(asyncio.sleep(wait))
 
     def _shed_if_sheddable(self, route: Route) -> Route:
         """A sheddable request (negative priority) goes no lower than the first rung: lower-priority
@@ -460,8 +571,8 @@ class _Run:
         self._check_cancelled()
         if first.state is None or first.descriptor is None:
             raise ServingError("INTERNAL", "prefill pool returned no KV descriptor")
-        self.running_on = "decode"
-        await self._relay(self.pools.decode(self.handle, first.state, first.descriptor))
+        pool = self.running_on = self.decode_pool
+        await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, pool))
 
     async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
         """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:

@@ -218,9 +218,12 @@ class TritonPools:
                 if isinstance(event, Token):
                     yield event
 
-    def decode(self, handle: str, state: SequenceState, descriptor: bytes) -> AsyncIterator[Token]:
+    def decode(
+        self, handle: str, state: SequenceState, descriptor: bytes, pool: str = "decode"
+    ) -> AsyncIterator[Token]:
+        """The decode leg on ``pool`` (the decode pool, or the hot prompts' pool)."""
         inputs = self._job_inputs(handle, state=wire.encode_state(state), descriptor=descriptor)
-        return self._tokens("decode", inputs)
+        return self._tokens(pool, inputs)
 
     def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
         """Both phases on ``pool``: the colocated pool, or the prefill pool's local decode. The request

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from disagg.serving.errors import ServingError
-from disagg.serving.orchestrator import Outcome
+from disagg.serving.hotness import GroupRate
+from disagg.serving.orchestrator import HOT_ROUTES, Outcome
 from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from disagg.serving.loop import EngineLoop
 
 log = logging.getLogger(__name__)
+
+HOT_RANKS = 4  # disagg_hot_group_requests_per_second series: the hottest groups' rates by rank
 
 DESCRIPTIONS = {
     "disagg_time_to_first_token_seconds": ("HISTOGRAM", "Time to first token: first token - arrival"),
@@ -81,6 +84,19 @@ DESCRIPTIONS = {
     ),
     "disagg_pool_restarts_total": ("COUNTER", "Restarts of a gone pool through model control"),
     "disagg_pool_recovery_seconds": ("HISTOGRAM", "From a pool found gone to its probes healthy again"),
+    "disagg_hot_groups": ("GAUGE", "Hot prompt groups now: prefixes shared by a burst of requests"),
+    "disagg_hot_group_requests_per_second": (
+        "GAUGE",
+        "Requests per second of the rank-th hottest prompt group over the detection window (0: none)",
+    ),
+    "disagg_similar_prompt_groups": (
+        "GAUGE",
+        "Near-duplicate prompt groups (MinHash) at the hot threshold in the window; reported, not routed",
+    ),
+    "disagg_hot_routes_total": (
+        "COUNTER",
+        "New requests by their hot-prompt routing: cold, hot_shared, hot_pool, hot_delayed, hot_refused",
+    ),
     "disagg_engine_steps_total": (
         "COUNTER",
         "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",
@@ -200,8 +216,11 @@ class OrchestratorMetrics:
         window: SloWindow,
         instance: str = "",
         open_calls: Callable[[], int] | None = None,
+        hot_groups: Callable[[], tuple[list[GroupRate], int]] | None = None,
     ) -> None:
-        """``open_calls()``: the instance's calls to the pools still open (published at each refresh)."""
+        """``open_calls()``: the instance's calls to the pools still open; ``hot_groups()``: the hot
+        prompt groups, hottest first, and the near-duplicate groups' count (both published at each
+        refresh)."""
         fam = Families(pb_utils)
         labels = {"model": model, "path": path}
         self._labels = labels
@@ -219,6 +238,16 @@ class OrchestratorMetrics:
         self._open_calls = open_calls
         self.calls_open = fam.gauge("disagg_pool_calls_open", own)
         self.fallbacks = fam.metric("disagg_fallbacks_total", labels)
+        self._hot_groups = hot_groups
+        self.hot = fam.gauge("disagg_hot_groups", own)
+        self.hot_rates = [
+            fam.gauge("disagg_hot_group_requests_per_second", {**own, "rank": str(rank)})
+            for rank in range(1, HOT_RANKS + 1)
+        ]
+        self.similar = fam.gauge("disagg_similar_prompt_groups", own)
+        self.hot_routes = {
+            r: fam.metric("disagg_hot_routes_total", {**labels, "route": r}) for r in HOT_ROUTES
+        }
         self._outcomes: dict[str, SerialMetric] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
@@ -233,6 +262,8 @@ class OrchestratorMetrics:
 
     def observe(self, outcome: Outcome, finished_at: float) -> None:
         self._counter(outcome_label(outcome.error)).increment(1)
+        if outcome.hot_route:
+            self.hot_routes[outcome.hot_route].increment(1)
         if outcome.error is not None and outcome.error.code == "INVALID_ARG":
             return  # refused requests never ran: they say nothing about latency or SLOs
         if outcome.ttft is not None:
@@ -274,9 +305,15 @@ class OrchestratorMetrics:
             self._stop.set()
         if self._refresher is not None and self._refresher.is_alive():
             self._refresher.join(timeout=5)
-        self.attainment.set(0)
-        self.goodput.set(0)
-        self.calls_open.set(0)
+        for gauge in (
+            self.attainment,
+            self.goodput,
+            self.calls_open,
+            self.hot,
+            self.similar,
+            *self.hot_rates,
+        ):
+            gauge.set(0)
 
     def refresh(self) -> None:
         """Publish the window's attainment (1.0 while empty: nothing missed) and goodput."""
@@ -285,6 +322,12 @@ class OrchestratorMetrics:
         self.goodput.set(self.window.goodput())
         if self._open_calls is not None:
             self.calls_open.set(self._open_calls())
+        if self._hot_groups is not None:
+            groups, similar = self._hot_groups()
+            self.hot.set(len(groups))
+            for rank, gauge in enumerate(self.hot_rates):
+                gauge.set(groups[rank].rate if rank < len(groups) else 0.0)
+            self.similar.set(similar)
 
 
 class PoolReporter:

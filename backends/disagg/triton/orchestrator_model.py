@@ -25,7 +25,7 @@ from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.health import Change, PoolState
 from disagg.serving.ladder import ladder_pools
-from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
 from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.serving.text_api import (
     ERROR_CODE_INPUT,
@@ -135,6 +135,7 @@ class OrchestratorModel:
             SloWindow(slo),
             instance,
             open_calls=lambda: self.pools.open_calls,
+            hot_groups=lambda: self.orchestrator.hot_groups(time.monotonic()),
         )
         self.metrics.start_refresher()
 
@@ -257,11 +258,11 @@ class OrchestratorModel:
 
 
 def deployed_pools(config: OrchestratorConfig, model_folder: str) -> tuple[str, ...]:
-    """The pools of ``config``'s ladder whose models are in this server's repository (the folder above
-    this model's); all of them when that cannot be told."""
-    wanted = ladder_pools(config.ladder)
+    """The pools of ``config``'s ladder (and its hot prompts' pool) whose models are in this server's
+    repository (the folder above this model's); all of them when that cannot be told."""
+    models = config.pool_models
+    wanted = [*ladder_pools(config.ladder), *([HOT_POOL] if HOT_POOL in models else [])]
     repository = Path(model_folder).parent if model_folder else None
     if repository is None or not repository.is_dir():
         return tuple(wanted)
-    models = config.pool_models
     return tuple(pool for pool in wanted if (repository / models[pool] / "config.pbtxt").is_file())

@@ -46,8 +46,8 @@ class _StuckPools:
         await self._forever()
         yield Token(0, True)  # never reached
 
-    def decode(self, handle: str, state: SequenceState, descriptor: bytes):
-        return self._stuck("decode")
+    def decode(self, handle: str, state: SequenceState, descriptor: bytes, pool: str = "decode"):
+        return self._stuck(pool)
 
     def generate(self, handle: str, request: Request, pool: str = "colocated"):
         return self._stuck(pool)

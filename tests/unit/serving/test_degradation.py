@@ -60,9 +60,9 @@ class FlakyPools(LocalPools):
         self._check("prefill")
         return await super().prefill(handle, request)
 
-    def decode(self, handle, state, descriptor):
-        self._check("decode")
-        return self._dying("decode", handle, super().decode(handle, state, descriptor))
+    def decode(self, handle, state, descriptor, pool="decode"):
+        self._check(pool)
+        return self._dying(pool, handle, super().decode(handle, state, descriptor, pool))
 
     def generate(self, handle, request, pool="colocated"):
         self._check(pool)
@@ -411,10 +411,10 @@ class LeaseLosingPools(LocalPools):
         super().__init__(**loops)
         self.prefill_loop = loops["prefill"]
 
-    def decode(self, handle, state, descriptor):
+    def decode(self, handle, state, descriptor, pool="decode"):
         lease_id = self.prefill_loop.transport.verify(descriptor).lease_id
         assert self.prefill_loop.abort_lease(lease_id)
-        return super().decode(handle, state, descriptor)
+        return super().decode(handle, state, descriptor, pool)
 
 
 def test_a_lost_kv_lease_is_re_prefilled_and_counted_without_blaming_the_decode_pool(

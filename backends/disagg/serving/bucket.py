@@ -1,0 +1,58 @@
+"""Token buckets: a rate cap per hot group, where no pool of its own isolates it.
+
+A bucket holds at most ``burst`` tokens and refills at ``rate`` per second; each request takes one.
+A request that finds the bucket empty is not refused at once: it reserves the next token and waits
+for it, so a burst is spread out at ``rate`` instead of landing on the shared pools together. A
+reservation that would wait longer than ``max_wait_s`` is refused instead (and takes nothing). Pure:
+the caller passes the time, and sleeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    rate: float = 0.0
+    """Requests per second one hot group may start (0: no cap)."""
+    burst: int = 4
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rate, int | float) or isinstance(self.rate, bool) or not 0 <= self.rate <= 1e6:
+            raise ValueError("hot_group_rate must be a number of requests per second in [0, 1e6]")
+        if not isinstance(self.burst, int) or isinstance(self.burst, bool) or not 1 <= self.burst <= 1 << 20:
+            raise ValueError("hot_group_burst must be a positive integer")
+        if not isinstance(self.max_wait_s, int | float) or not 0 <= self.max_wait_s <= 86400:
+            raise ValueError("hot_max_wait_s must be a number of seconds in [0, 86400]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+
+class TokenBucket:
+    def __init__(self, config: BucketConfig, now: float) -> None:
+        if not config.enabled:
+            raise ValueError("a token bucket needs a positive rate")
+        self.config = config
+        self._tokens = float(config.burst)
+        self._at = now
+
+    def reserve(self, now: float) -> float | None:
+        """Take one token: the seconds to wait for it (0: at once), or None when that would exceed
+        ``max_wait_s`` (nothing is taken then)."""
+        rate, burst = self.config.rate, self.config.burst
+        if now > self._at:
+            self._tokens = min(float(burst), self._tokens + (now - self._at) * rate)
+            self._at = now
+        wait = max(0.0, (1.0 - self._tokens) / rate) + max(0.0, self._at - now)
+        if wait > self.config.max_wait_s:
+            return None
+        self._tokens -= 1.0
+        return wait
+
+    def full(self, now: float) -> bool:
+        """Whether it has refilled to its burst (an idle group's bucket can be dropped)."""
+        return self._tokens + max(0.0, now - self._at) * self.config.rate >= self.config.burst

@@ -1,0 +1,137 @@
+"""Hot-prompt detection and its rate cap, pure: the windowed count-min sketch, MinHash bands, the
+prefix-group detector with its hysteresis, and the token bucket."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from disagg.engine.prefix import block_keys
+from disagg.serving.bucket import BucketConfig, TokenBucket
+from disagg.serving.hotness import HotConfig, HotPrompts
+from disagg.serving.minhash import MinHasher
+from disagg.serving.sketch import WindowedCountMin
+
+
+def _key(i: int) -> bytes:
+    return block_keys([i] * 4, 4)[0]
+
+
+def test_the_sketch_never_under_counts_and_over_counts_within_its_bound():
+    sketch = WindowedCountMin(10.0, width=512, depth=4)
+    rng = random.Random(7)
+    truth: dict[int, int] = {}
+    for _ in range(5000):
+        i = int(rng.paretovariate(1.2)) % 2000  # skewed, as prompt prefixes are
+        truth[i] = truth.get(i, 0) + 1
+        sketch.add(_key(i), now=1.0)
+    bound = 2.72 * 5000 / 512  # e * N / width
+    errors = [sketch.estimate(_key(i)) - n for i, n in truth.items()]
+    assert min(errors) >= 0, "a count-min sketch only over-counts"
+    assert sum(e > bound for e in errors) <= 0.05 * len(errors)
+    assert sketch.total == 5000
+
+
+def test_the_sketch_forgets_what_left_the_window():
+    sketch = WindowedCountMin(10.0, buckets=10)
+    for t in range(10):
+        sketch.add(_key(1), now=float(t))  # one per second
+    assert sketch.estimate(_key(1), now=9.5) == 10
+    assert sketch.estimate(_key(1), now=12.5) == 7, "the slices of 0-2 s left the window"
+    assert sketch.estimate(_key(1), now=100.0) == 0
+    assert sketch.add(_key(1), now=100.0) == 1
+
+
+def test_the_sketch_refuses_bad_settings_and_short_keys():
+    with pytest.raises(ValueError, match="window_s"):
+        WindowedCountMin(0)
+    with pytest.raises(ValueError, match="width"):
+        WindowedCountMin(1.0, width=0)
+    with pytest.raises(ValueError, match="16 bytes"):
+        WindowedCountMin(1.0).add(b"short", 0.0)
+
+
+def test_minhash_bands_group_near_duplicates_and_not_strangers():
+    hasher = MinHasher()
+    rng = random.Random(3)
+    base = [rng.randrange(50000) for _ in range(300)]
+    variant = list(base)
+    for i in rng.sample(range(300), 6):  # 2 % of the tokens changed, anywhere (the start too)
+        variant[i] = rng.randrange(50000)
+    stranger = [rng.randrange(50000) for _ in range(300)]
+    bands = set(hasher.band_keys(base))
+    assert bands & set(hasher.band_keys(variant)), "near-duplicates share a band"
+    assert not bands & set(hasher.band_keys(stranger))
+    assert hasher.band_keys(base) == MinHasher().band_keys(base), "signatures are deterministic"
+    assert len(hasher.band_keys([5])) == hasher.bands, "a prompt shorter than a shingle still has bands"
+
+
+def _detector(**kw) -> HotPrompts:
+    settings = {"threshold": 5, "window_s": 10.0, "min_prefix_tokens": 32, "block_tokens": 16, **kw}
+    return HotPrompts(HotConfig(**settings))
+
+
+def _burst(shared: list[int], i: int) -> list[int]:
+    return [*shared, 1000 + i, 2000 + i, 3000 + i]
+
+
+def test_a_burst_sharing_a_prefix_becomes_one_hot_group_and_cools_down():
+    hot = _detector()
+    shared = list(range(100, 164))  # 64 tokens: 4 full blocks
+    heats = [hot.observe(_burst(shared, i), now=1.0 + 0.01 * i) for i in range(8)]
+    assert [h.hot for h in heats] == [False] * 4 + [True] * 4, "hot from the threshold's request on"
+    assert len({h.group for h in heats[4:]}) == 1
+    assert heats[4].prefix_tokens == 64, "the group is the deepest shared block"
+    assert hot.groups(1.1)[0].rate == pytest.approx(8 / 10.0)
+    assert hot.became_hot == 1
+    hot.observe(_burst(shared, 8), now=5.0)
+    hot.observe(_burst(shared, 9), now=5.0)
+    # at 11.5 s the first 8 left the window: 3 in it (with this one), under the threshold (5) but not
+    # under half of it, so the group stays hot (hysteresis); a cold prefix needs the whole threshold
+    assert hot.observe(_burst(shared, 10), now=11.5).group == heats[4].group
+    cold = _detector()
+    assert not any(cold.observe(_burst(shared, i), now=11.5).hot for i in range(3))
+    assert hot.groups(16.0) == [], "cooled once the burst left the window"
+    assert hot.cooled == 1
+
+
+def test_ordinary_traffic_sharing_a_short_system_prompt_is_never_hot():
+    hot = _detector(min_prefix_tokens=48)
+    system = list(range(500, 532))  # 32 tokens every request starts with: under min_prefix_tokens
+    rng = random.Random(1)
+    heats = [hot.observe(system + [rng.randrange(40000) for _ in range(40)], now=1.0) for _ in range(50)]
+    assert not any(h.hot for h in heats)
+    assert hot.groups(1.0) == [] and hot.similar_groups(1.0) == 0
+
+
+def test_near_duplicates_without_a_shared_prefix_are_reported_not_grouped():
+    hot = _detector()
+    rng = random.Random(5)
+    body = [rng.randrange(40000) for _ in range(200)]
+    heats = [hot.observe([rng.randrange(40000), *body], now=1.0) for _ in range(8)]  # first token varies
+    assert not any(h.hot for h in heats), "no shared prefix: the router sees no group"
+    assert heats[-1].similar >= 5
+    assert hot.similar_groups(1.0) == 1
+
+
+def test_detection_off_and_bad_settings():
+    assert not _detector(threshold=0).observe(list(range(200)), 0.0).hot
+    with pytest.raises(ValueError, match="hot_min_prefix_tokens"):
+        HotConfig(min_prefix_tokens=4096, max_prefix_tokens=2048)
+    with pytest.raises(ValueError, match="hot_cool_ratio"):
+        HotConfig(cool_ratio=0)
+
+
+def test_the_token_bucket_spreads_a_burst_and_refuses_past_its_wait():
+    bucket = TokenBucket(BucketConfig(rate=2.0, burst=2, max_wait_s=1.0), now=0.0)
+    waits = [bucket.reserve(0.0) for _ in range(5)]
+    assert waits[:4] == [0.0, 0.0, 0.5, 1.0], "the burst at once, then one every 1/rate s"
+    assert waits[4] is None, "a wait over max_wait_s is refused"
+    assert bucket.reserve(0.0) is None, "a refusal takes no token"
+    assert bucket.reserve(1.0) == pytest.approx(0.5)
+    assert not bucket.full(1.0) and bucket.full(10.0)
+    with pytest.raises(ValueError, match="positive rate"):
+        TokenBucket(BucketConfig(), now=0.0)
+    with pytest.raises(ValueError, match="hot_group_burst"):
+        BucketConfig(rate=1.0, burst=0)
