@@ -8,7 +8,7 @@ SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 VLLM_VENV := $(CURDIR)/.venv-vllm
 AIPERF_VENV := $(CURDIR)/.venv-aiperf
 
-.PHONY: install model test-models test lint format bench-engine bench-prefix bench bench-quick bench-slos bench-aiperf serve
+.PHONY: install model test-models test lint format bench-engine bench-prefix bench-hot bench bench-quick bench-slos bench-aiperf serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -46,6 +46,10 @@ test: test-models lint
 # The engine's TTFT with a cached prompt prefix against the same prompt computed whole (one core).
 bench-prefix: test-models
 	$(PY) perf/prefix_cache_bench.py --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/prefix_cache
+
+# A burst of similar prompts amid steady traffic, and a chat workload, beside vLLM (~20 min).
+bench-hot: test-models $(VLLM_VENV)/.installed
+	$(PY) perf/hot_prompts.py --hot-pool --model-dir "$(SMOLLM2)"
 
 # Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
 bench-engine: test-models $(VLLM_VENV)/.installed

@@ -54,6 +54,7 @@ from benchlib.deploy import (
 )
 from benchlib.experiment import RunPlan, run_rate
 from benchlib.metrics import Slo, Summary
+from benchlib.report import with_section
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, LengthDist, PromptFactory, Workload
 
@@ -360,17 +361,7 @@ def from_bench(bench: Mapping[str, Any], workload: str) -> tuple[float, str, str
     return max(0.1, round(float(goodput), 1)), dtype, bind
 
 
-SECTION_START = "<!-- aiperf_compare: start -->"
-SECTION_END = "<!-- aiperf_compare: end -->"
-
-
-def with_section(report: str, body: str) -> str:
-    """`report` with its AIPerf section (between the markers) replaced by `body`, or `body` appended."""
-    section = f"{SECTION_START}\n{body.rstrip()}\n{SECTION_END}\n"
-    start, end = report.find(SECTION_START), report.find(SECTION_END)
-    if start >= 0 and end > start:
-        return report[:start] + section + report[end + len(SECTION_END) :].lstrip("\n")
-    return report.rstrip("\n") + "\n\n" + section
+SECTION = "aiperf_compare"  # the name of its section in perf/RESULTS.md (benchlib.report.with_section)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -452,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "aiperf_compare.md").write_text(markdown(out))
     if args.append_to is not None:
         report = args.append_to.read_text() if args.append_to.exists() else ""
-        args.append_to.write_text(with_section(report, markdown(out).replace("# AIPerf", "## AIPerf", 1)))
+        body = markdown(out).replace("# AIPerf", "## AIPerf", 1)
+        args.append_to.write_text(with_section(report, SECTION, body))
     log(markdown(out))
     return 0
 

@@ -65,6 +65,8 @@ class VllmConfig:
     # its NIXL connector with host buffers, its handshake on `side_channel_port`; "" = not disaggregated
     kv_role: str = ""
     side_channel_port: int = 0
+    # more server arguments, e.g. ("--enable-prefix-caching",)
+    extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
@@ -93,7 +95,7 @@ class VllmConfig:
             "--model", str(self.model_dir), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
-            *self.kv_transfer_arguments(),
+            *self.kv_transfer_arguments(), *self.extra_args,
         ]  # fmt: skip
 
     def kv_transfer_arguments(self) -> list[str]:

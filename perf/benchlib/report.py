@@ -278,3 +278,18 @@ def render(
     if orchestration:
         out += ["", "## Orchestration cost (one stream, low load)", "", *orchestration_section(orchestration)]
     return "\n".join(out).rstrip() + "\n"
+
+
+def section_markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}: start -->", f"<!-- {name}: end -->"
+
+
+def with_section(report: str, name: str, body: str) -> str:
+    """`report` with its section `name` (between its markers) replaced by `body`, or `body` appended:
+    how a benchmark of its own keeps its part of perf/RESULTS.md current."""
+    first, last = section_markers(name)
+    section = f"{first}\n{body.rstrip()}\n{last}\n"
+    start, end = report.find(first), report.find(last)
+    if start >= 0 and end > start:
+        return report[:start] + section + report[end + len(last) :].lstrip("\n")
+    return report.rstrip("\n") + "\n\n" + section

@@ -64,6 +64,21 @@ def test_a_burst_sharing_a_prefix_is_cached_and_decoded_on_the_hot_pool(server: 
     rate = metric_sum(server, "disagg_hot_group_requests_per_second", model="llm", rank="1")
     assert rate > 0
 
+    # a burst in flight at once: several hand-offs of the cached prefix live together (each lease
+    # holds private copies of the shared blocks), every text still the engine's
+    burst = [SHARED + f"Customer {i} asks about delivery." for i in range(10, 14)]
+    expected_burst = engine_texts(burst, MAX_TOKENS, dtype="float32")
+    streams = [GrpcStream(server.config.grpc_url) for _ in burst]
+    try:
+        for stream, prompt in zip(streams, burst, strict=True):
+            stream.send("llm", text_inputs(prompt, MAX_TOKENS, stream=True))
+        results = [read_stream(stream, 60) for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+    assert [r.error for r in results] == [None] * len(burst)
+    assert ["".join(r.pieces) for r in results] == [expected_burst[p] for p in burst]
+
     def idle() -> bool:
         used = {k: v for k, v in pool_gauges(server).items() if k[0] != "disagg_kv_blocks_free"}
         return not any(used.values())

@@ -416,11 +416,15 @@ class Engine:
         """Describe a held sequence's KV: its state, the layout, and the pool blocks holding it.
 
         The blocks stay allocated (and must not be written) until ``free(seq_id)``: a transport copies
-        them straight out of ``self.kv.memory``.
+        them straight out of ``self.kv.memory``. They are the sequence's own: a block it shares with
+        another (a cached prefix) is first copied into a private one, since a block is in one live
+        lease at most and two hand-offs of one prefix may be in flight at once.
         """
         seq = self._get(seq_id)
         layout = self.kv_layout.with_tokens(seq.num_cached)
-        return seq.state(), layout, seq.blocks[: layout.num_blocks]
+        count = layout.num_blocks
+        seq.blocks[:count] = self.kv.privatize(seq.blocks[:count])
+        return seq.state(), layout, seq.blocks[:count]
 
     def import_kv(self, state: SequenceState, layout: KVLayout, fill: BlockFill | torch.Tensor) -> int:
         """Admit a sequence prefilled elsewhere; its KV arrives through ``fill``.

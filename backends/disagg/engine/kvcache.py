@@ -169,6 +169,34 @@ class KVCache:
             self._key_of[block] = key
             return True
 
+    def privatize(self, blocks: list[int]) -> list[int]:
+        """``blocks`` of one holder, each one another holder shares replaced by a private copy (the
+        holder's reference moves to the copy): what a hand-off exports, since a block is in one live
+        lease at most. Raises OutOfBlocks (nothing changed) when too few blocks are available."""
+        with self._lock:
+            if any(b not in self._refs for b in blocks):
+                raise RuntimeError("block pool misuse: privatizing a block that is not allocated")
+            shared = [i for i, b in enumerate(blocks) if self._refs[b] > 1]
+            if not shared:
+                return list(blocks)
+            if len(shared) > len(self._free) + len(self._lru):
+                raise OutOfBlocks(len(shared), len(self._free) + len(self._lru))
+            out = list(blocks)
+            for i in shared:
+                if self._free:
+                    copy = self._free.pop()
+                else:
+                    copy, _ = self._lru.popitem(last=False)
+                    del self._block_of[self._key_of.pop(copy)]
+                    self._evictions += 1
+                self.memory[copy] = self.memory[blocks[i]]
+                self._refs[copy] = 1
+                self._refs[blocks[i]] -= 1  # still > 0: the other holders keep it
+                out[i] = copy
+            self.allocations += len(shared)
+            self.frees += len(shared)
+            return out
+
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block: one no sequence holds any more becomes cached if it is
         published (most recently used), else free."""

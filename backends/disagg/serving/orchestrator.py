@@ -99,6 +99,7 @@ class Responder(Protocol):
 
 MAX_INFLIGHT_LIMIT = 65536
 HOT_POOL = "decode_hot"
+HOT_POLL_S = 1.0  # how often a request waiting for its hot group's token checks its client
 HOT_ROUTES = ("cold", "hot_shared", "hot_pool", "hot_delayed", "hot_refused")
 """How a new request was routed by hotness (``disagg_hot_routes_total``): not in a hot group; hot and
 served as any other (no isolation configured, or its bucket had a token); hot and decoded on the hot
@@ -489,8 +490,8 @@ class _Run:
                 f"requests/s); retry after {retry:g} s",
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
-        if wait > 0:
-            await self._unless_cancelled(asyncio.sleep(wait))
+        if wait > 0:  # a burst has many waiting: each checks its client once a second, not ten times
+            await self._unless_cancelled(asyncio.sleep(wait), max(owner.config.cancel_poll_s, HOT_POLL_S))
 
     def _shed_if_sheddable(self, route: Route) -> Route:
         """A sheddable request (negative priority) goes no lower than the first rung: lower-priority
@@ -574,7 +575,7 @@ class _Run:
         pool = self.running_on = self.decode_pool
         await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, pool))
 
-    async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
+    async def _unless_cancelled(self, answer: Awaitable[T], poll_s: float | None = None) -> T:
         """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:
         a request waiting in a pool's queue or being prefilled hears of a cancel no other way. A
         cancel stops the wait (its call is drained in the background) and raises CANCELLED; the
@@ -583,7 +584,7 @@ class _Run:
         waiting = asyncio.ensure_future(answer)
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self.owner.config.cancel_poll_s)
+                done, _ = await asyncio.wait({waiting}, timeout=poll_s or self.owner.config.cancel_poll_s)
                 if done:
                     return waiting.result()
                 self._check_cancelled()

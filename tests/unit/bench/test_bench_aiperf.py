@@ -11,6 +11,7 @@ from pathlib import Path
 import aiperf_compare as ac
 import pytest
 from benchlib.metrics import RequestRecord, Slo, summarize
+from benchlib.report import section_markers, with_section
 from benchlib.workload import WORKLOADS, LengthDist
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.02)
@@ -137,7 +138,7 @@ def test_rate_and_vllm_come_from_the_bench_results() -> None:
 
 
 def test_the_report_section_is_replaced_not_repeated() -> None:
-    once = ac.with_section("# Results\n\nbody\n", "## AIPerf\nfirst\n")
-    twice = ac.with_section(once + "\n## later\n", "## AIPerf\nsecond\n")
-    assert twice.count(ac.SECTION_START) == 1 and "first" not in twice and "second" in twice
+    once = with_section("# Results\n\nbody\n", ac.SECTION, "## AIPerf\nfirst\n")
+    twice = with_section(once + "\n## later\n", ac.SECTION, "## AIPerf\nsecond\n")
+    assert twice.count(section_markers(ac.SECTION)[0]) == 1 and "first" not in twice and "second" in twice
     assert twice.startswith("# Results\n\nbody\n") and "## later" in twice

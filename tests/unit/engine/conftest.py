@@ -4,6 +4,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import write_checkpoint, write_legacy_checkpoint
 
 from disagg.engine.engine import Engine, EngineConfig
@@ -27,9 +28,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 @pytest.fixture
 def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., Engine]:
-    def make(kind: str = "llama-gqa", **settings: object) -> Engine:
+    def make(kind: str = "llama-gqa", kv_memory: torch.Tensor | None = None, **settings: object) -> Engine:
         settings.setdefault("num_blocks", 256)
         settings.setdefault("block_size", 4)
-        return Engine(EngineConfig(model_dir=checkpoint(kind), **settings))
+        return Engine(EngineConfig(model_dir=checkpoint(kind), **settings), kv_memory=kv_memory)
 
     return make

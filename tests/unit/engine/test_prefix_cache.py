@@ -188,7 +188,7 @@ def _count_computed(engine) -> list[int]:
 
 
 @pytest.mark.parametrize("shared_blocks", [1, 2, 10])
-@pytest.mark.parametrize("tail", [1, 3, 6])  # tokens after the shared blocks; 3 and 6 end mid-block
+@pytest.mark.parametrize("tail", [1, 3, 6])  # tokens after the shared blocks: each ends mid-block
 def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill(make_engine, shared_blocks, tail):
     base = [1, *range(20, 20 + shared_blocks * BS - 1)]
     prompts = [tuple(base + [60 + i + k for k in range(tail)]) for i in range(3)]
@@ -278,3 +278,46 @@ def test_the_hand_off_exports_shared_blocks_and_frees_them_after(make_engine):
     _agree_until_tie(expected, tokens, margins)
     src.free(seq_id)
     assert src.usage().used == 0 and src.usage().free == src.kv.num_blocks
+
+
+def test_two_hand_offs_of_one_prefix_in_flight_export_private_blocks(make_engine, tmp_path):
+    """A burst: two prompts that share a cached prefix are prefilled and handed off together. Each
+    lease holds blocks of its own (the shared ones copied), so both exports are granted, both imports
+    give the engine's tokens, and every block comes back."""
+    from disagg.kv import TransportConfig, create_transport
+
+    prefix = [1, *range(20, 20 + 6 * BS)]
+    prompts = [tuple([*prefix, 70 + i, 80 + i]) for i in range(2)]
+    dst = make_engine()
+    transport = create_transport("fake", TransportConfig(secret=b"k" * 32))
+    try:
+        # the prefill engine's KV lives in the transport's memory: exported in place, as in a pool
+        memory = transport.allocate_memory(256, dst.kv_layout.block_bytes)
+        src = make_engine(prefix_cache=True, kv_memory=memory)
+        margins = record_margins(src)
+        expected = _greedy(src, prompts)  # the first computes and publishes the prefix
+        firsts = src.prefill(
+            [Request(p, SamplingParams(max_tokens=8, min_length=8)) for p in prompts], decode=False
+        )
+        held = src.held_sequences()
+        assert src.usage().prefix_hits >= 2 * 6
+        tokens_out = []
+        exported = [src.export_sequence(seq_id, transport) for seq_id in held]  # both leases granted
+        blocks = [set(src._get(seq_id).blocks) for seq_id in held]
+        assert not blocks[0] & blocks[1], "no block in two leases"
+        for first, handed in zip(firsts, exported, strict=True):
+            imported = dst.import_sequence(handed.state, handed.descriptor, transport)
+            tokens = [first.token_id]
+            while dst.active_sequences():
+                tokens += [o.token_id for o in dst.decode_step() if o.seq_id == imported.seq_id]
+            tokens_out.append(tokens)
+        per_prompt = len(margins) // len(prompts)
+        for i, tokens in enumerate(tokens_out):
+            _agree_until_tie(expected[i], tokens, margins[i * per_prompt : (i + 1) * per_prompt])
+        for seq_id, handed in zip(held, exported, strict=True):
+            assert transport.release(handed.lease_id)
+            src.free(seq_id)
+        usage = src.usage()
+        assert usage.used == 0 and usage.free == src.kv.num_blocks
+    finally:
+        transport.close()
