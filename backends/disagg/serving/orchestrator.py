@@ -99,7 +99,6 @@ class Responder(Protocol):
 
 MAX_INFLIGHT_LIMIT = 65536
 HOT_POOL = "decode_hot"
-HOT_POLL_S = 1.0  # how often a request waiting for its hot group's token checks its client
 HOT_ROUTES = ("cold", "hot_shared", "hot_pool", "hot_delayed", "hot_refused")
 """How a new request was routed by hotness (``disagg_hot_routes_total``): not in a hot group; hot and
 served as any other (no isolation configured, or its bucket had a token); hot and decoded on the hot
@@ -165,7 +164,12 @@ class OrchestratorConfig:
     conditional_backlog_s: float = 0.25
     cancel_poll_s: float = 0.1
     """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
-    decode blocks) checks whether its client left; after that, every token checks."""
+    decode blocks, or for its hot group's token) checks whether its client left; after that, every
+    token checks."""
+    cancel_checks_per_s: float = 100.0
+    """The most such checks per second of one instance's waiting requests together (each is a round
+    trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
+    checks less often, so a backlog does not spend its core on asking whether clients left."""
     hot_threshold: int = 16
     """Hot prompts (``disagg.serving.hotness``): requests in ``hot_window_s`` that share a prefix of at
     least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off)."""
@@ -198,6 +202,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be an integer in [0, {top}]")
         if not isinstance(self.cancel_poll_s, int | float) or not 0 < self.cancel_poll_s <= 10:
             raise ValueError("cancel_poll_s must be a number of seconds in (0, 10]")
+        if not isinstance(self.cancel_checks_per_s, int | float) or not 1 <= self.cancel_checks_per_s <= 1e6:
+            raise ValueError("cancel_checks_per_s must be a number in [1, 1e6]")
         if (
             not isinstance(self.conditional_backlog_s, int | float)
             or not 0 <= self.conditional_backlog_s < 1e6
@@ -326,6 +332,12 @@ class Orchestrator:
         self.hotness = HotPrompts(config.hot)
         self._buckets: dict[str, TokenBucket] = {}
         self._hot_lock = threading.Lock()
+        self.waiting = 0  # requests waiting for a pool's first answer or a token (event loop only)
+
+    def cancel_poll_s(self) -> float:
+        """How long a waiting request waits between two checks of its client now."""
+        config = self.config
+        return max(config.cancel_poll_s, self.waiting / config.cancel_checks_per_s)
 
     def heat(self, prompt: Sequence[int], now: float) -> Heat:
         """Count a new request's prompt; its hot group, if any."""
@@ -490,8 +502,8 @@ class _Run:
                 f"requests/s); retry after {retry:g} s",
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
-        if wait > 0:  # a burst has many waiting: each checks its client once a second, not ten times
-            await self._unless_cancelled(asyncio.sleep(wait), max(owner.config.cancel_poll_s, HOT_POLL_S))
+        if wait > 0:
+            await self._unless_cancelled(asyncio.sleep(wait))
 
     def _shed_if_sheddable(self, route: Route) -> Route:
         """A sheddable request (negative priority) goes no lower than the first rung: lower-priority
@@ -575,20 +587,22 @@ class _Run:
         pool = self.running_on = self.decode_pool
         await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, pool))
 
-    async def _unless_cancelled(self, answer: Awaitable[T], poll_s: float | None = None) -> T:
+    async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
         """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:
         a request waiting in a pool's queue or being prefilled hears of a cancel no other way. A
         cancel stops the wait (its call is drained in the background) and raises CANCELLED; the
         caller's clean-up then sends the pool a stop, which takes the job out of its queue, or frees
         its KV once the step prefilling it ends (C1, C2)."""
         waiting = asyncio.ensure_future(answer)
+        self.owner.waiting += 1
         try:
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=poll_s or self.owner.config.cancel_poll_s)
+                done, _ = await asyncio.wait({waiting}, timeout=self.owner.cancel_poll_s())
                 if done:
                     return waiting.result()
                 self._check_cancelled()
         finally:
+            self.owner.waiting -= 1
             if not waiting.done():
                 waiting.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

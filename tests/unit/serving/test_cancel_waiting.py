@@ -128,3 +128,32 @@ def test_a_cancel_while_waiting_for_the_first_token_of_one_pool_stops_it():
     assert _cancelled(_serve(pools, client, "colocated"), client)
     assert pools.calls == ["colocated"] and pools.stops == ["colocated"]
     assert pools.waits_ended == 1
+
+
+def test_a_backlog_checks_its_clients_at_a_bounded_rate():
+    """Forty requests stuck waiting on one instance: together they check at most
+    ``cancel_checks_per_s`` times a second (each every 40 / 200 = 0.2 s, not every 0.01 s), and a
+    client that leaves is still heard."""
+    pools = _StuckPools()
+    config = OrchestratorConfig(cancel_poll_s=0.01, cancel_checks_per_s=200, request_timeout_s=600)
+    orchestrator = Orchestrator(config, pools, lambda ids: "x" * len(ids))
+    assert orchestrator.cancel_poll_s() == 0.01
+    stuck = [_Client(leaves_after=10**9) for _ in range(39)]
+    leaving = _Client(leaves_after=3)
+
+    async def backlog():
+        text = TextRequest("hello", PARAMS, stream=True)
+        tasks = [asyncio.ensure_future(orchestrator.serve([1, 2], text, c)) for c in stuck]
+        while orchestrator.waiting < len(stuck):
+            await asyncio.sleep(0)
+        assert orchestrator.cancel_poll_s() == len(stuck) / 200
+        outcome = await asyncio.wait_for(orchestrator.serve([1, 2], text, leaving), 10)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return outcome
+
+    outcome = asyncio.run(backlog())
+    assert _cancelled(outcome, leaving)
+    assert orchestrator.waiting == 0, "every wait counted out, cancelled ones too"
+    assert max(c.checks for c in stuck) <= 8, "each stuck one checked a few times at 0.2 s, not ~60"
