@@ -358,10 +358,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "smollm2-135m-instruct")
-    parser.add_argument("--rate", type=float, default=1.0, help="other users, req/s")
+    parser.add_argument("--rate", type=float, default=2.0, help="other users, req/s")
     parser.add_argument("--other-tokens", type=int, default=128)
     parser.add_argument("--other-output", type=int, default=64)
-    parser.add_argument("--burst-at", type=float, default=20.0)
+    parser.add_argument("--burst-at", type=float, default=30.0)
     parser.add_argument("--burst-count", type=int, default=100)
     parser.add_argument("--burst-rate", type=float, default=10.0)
     parser.add_argument("--prefix-tokens", type=int, default=256)

@@ -30,7 +30,7 @@ def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFacto
     config = out / "llm" / "config.pbtxt"
     entries = "".join(
         f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n'
-        for key, value in (("hot_threshold", THRESHOLD), ("hot_min_prefix_tokens", 32))
+        for key, value in (("hot_threshold", THRESHOLD), ("hot_min_prefix_tokens", 32), ("hot_surge", 0))
     )
     config.write_text(re.sub(r"parameters \[\n", "parameters [\n" + entries, config.read_text(), count=1))
     return triton_factory.start(out, exit_timeout_s=10)

@@ -5,8 +5,11 @@ Two detectors watch every new request, over one sliding window:
 - **prefix groups** (the router's): the keys of the prompt's full blocks (``disagg.engine.prefix``,
   the chain the engine's prefix cache uses) are counted in a windowed count-min sketch. A request's
   group is its deepest block of at least ``min_prefix_tokens`` whose key was seen ``threshold`` times
-  in the window: the longest prefix it shares with a burst. A group is hot from then until its count
-  falls below ``threshold x cool_ratio`` (hysteresis), then it cools down.
+  in the window, *and* whose share of the window's requests is at least ``surge`` times its share
+  over the longer ``baseline_s`` (a second sketch): the longest prefix it shares with a burst. A
+  prefix every request has (an operator's system prompt) keeps its share, so it is never hot however
+  busy the server gets; a burst is a prefix whose share jumped. A group is hot from then until its
+  count falls below ``threshold x cool_ratio`` (hysteresis), then it cools down.
 - **near-duplicate groups** (reported only): MinHash bands over token shingles
   (``disagg.serving.minhash``), counted the same way, find prompts that are similar without sharing a
   prefix (a varying first line, reordered parts).
@@ -37,14 +40,18 @@ from disagg.engine.prefix import block_keys
 from disagg.serving.minhash import MinHasher
 from disagg.serving.sketch import WindowedCountMin
 
+_ANY = bytes(4)  # the one key of the request counters
 SIMILARITY_TOKENS = 512  # prompt tokens the near-duplicate signature covers (its cost is linear)
 
 
 @dataclass(frozen=True)
 class HotConfig:
-    threshold: int = 16
+    threshold: int = 8
     """Requests in the window that share a prefix for their group to be hot (0: detection off)."""
     window_s: float = 10.0
+    surge: float = 2.0
+    """How many times its share over ``baseline_s`` a prefix's share of the window must be (0: any)."""
+    baseline_s: float = 300.0
     min_prefix_tokens: int = 64
     """The shortest shared prefix that makes a group."""
     max_prefix_tokens: int = 1024
@@ -73,6 +80,10 @@ class HotConfig:
             raise ValueError("hot_window_s must be a number of seconds in (0, 3600]")
         if not isinstance(self.cool_ratio, int | float) or not 0 < self.cool_ratio <= 1:
             raise ValueError("hot_cool_ratio must be in (0, 1]")
+        if not isinstance(self.surge, int | float) or not 0 <= self.surge <= 1000:
+            raise ValueError("hot_surge must be a number in [0, 1000]")
+        if not isinstance(self.baseline_s, int | float) or not self.window_s <= self.baseline_s <= 86400:
+            raise ValueError("hot_baseline_s must be a number of seconds in [hot_window_s, 86400]")
 
     @property
     def enabled(self) -> bool:
@@ -112,6 +123,10 @@ class HotPrompts:
     def __init__(self, config: HotConfig) -> None:
         self.config = config
         self._prefixes = WindowedCountMin(config.window_s, width=config.sketch_width)
+        self._baseline = WindowedCountMin(config.baseline_s, width=config.sketch_width, buckets=30)
+        # requests counted over each window: one counter (a sketch of width 1)
+        self._recent = WindowedCountMin(config.window_s, width=1, depth=1)
+        self._overall = WindowedCountMin(config.baseline_s, width=1, depth=1, buckets=30)
         self._bands = WindowedCountMin(config.window_s, width=config.sketch_width)
         self._minhash = MinHasher(max_tokens=min(config.max_prefix_tokens, SIMILARITY_TOKENS))
         self._hot: dict[bytes, int] = {}  # hot group key -> its prefix length in tokens
@@ -127,6 +142,8 @@ class HotPrompts:
         limit = config.max_prefix_tokens // config.block_tokens
         keys = block_keys(tokens, config.block_tokens, limit=limit)
         counts = self._prefixes.add_many(keys, now)
+        baseline = self._baseline.add_many(keys, now)
+        recent, overall = self._recent.add(_ANY, now), self._overall.add(_ANY, now)
         bands = self._minhash.band_keys(tokens)
         band_counts = self._bands.add_many(bands, now)
         similar = int(band_counts.max())
@@ -134,10 +151,15 @@ class HotPrompts:
         self._cool(now)
         for depth in range(len(keys) - 1, config.min_blocks - 2, -1):
             key, count = keys[depth], int(counts[depth])
-            if count >= config.threshold or (key in self._hot and count >= self._cool_below):
-                if key not in self._hot:
-                    self._hot[key] = (depth + 1) * config.block_tokens
-                    self.became_hot += 1
+            if key in self._hot:
+                if count >= self._cool_below:
+                    return Heat(key.hex(), self._hot[key], count / config.window_s, similar)
+                continue
+            # its share of the window (count / recent) against its share of the baseline
+            surged = count * overall >= config.surge * int(baseline[depth]) * recent
+            if count >= config.threshold and surged:
+                self._hot[key] = (depth + 1) * config.block_tokens
+                self.became_hot += 1
                 return Heat(key.hex(), self._hot[key], count / config.window_s, similar)
         return Heat(similar=similar)
 

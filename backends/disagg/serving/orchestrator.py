@@ -170,10 +170,13 @@ class OrchestratorConfig:
     """The most such checks per second of one instance's waiting requests together (each is a round
     trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
     checks less often, so a backlog does not spend its core on asking whether clients left."""
-    hot_threshold: int = 16
+    hot_threshold: int = 8
     """Hot prompts (``disagg.serving.hotness``): requests in ``hot_window_s`` that share a prefix of at
-    least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off)."""
+    least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off), if that prefix's
+    share of the window's requests is ``hot_surge`` times its share over ``hot_baseline_s``."""
     hot_window_s: float = 10.0
+    hot_surge: float = 2.0
+    hot_baseline_s: float = 300.0
     hot_min_prefix_tokens: int = 64
     hot_max_prefix_tokens: int = 1024
     hot_block_tokens: int = 16
@@ -250,6 +253,8 @@ class OrchestratorConfig:
         return HotConfig(
             threshold=self.hot_threshold,
             window_s=self.hot_window_s,
+            surge=self.hot_surge,
+            baseline_s=self.hot_baseline_s,
             min_prefix_tokens=self.hot_min_prefix_tokens,
             max_prefix_tokens=self.hot_max_prefix_tokens,
             block_tokens=self.hot_block_tokens,

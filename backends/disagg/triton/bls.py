@@ -74,6 +74,9 @@ class TritonPools:
         self._epochs: dict[str, int] = {}  # pool -> times it was found gone
         self._lock = threading.Lock()
         self._open = 0  # calls made whose final response has not arrived yet
+        # whether a pool is known to be overloaded (the orchestrator's health: saturated): an overdue
+        # call to it outlives a probe that times out instead of failing UNAVAILABLE
+        self.overloaded: Callable[[str], bool] = lambda pool: False
 
     def pool_lost(self, pool: str) -> None:
         """The pool was found gone: the calls it had open will never be answered."""
@@ -155,7 +158,12 @@ class TritonPools:
                 continue  # the pool answered a ping lately: it is alive, only slow
             try:
                 await asyncio.shield(self._probe(pool))
-            except (ServingError, TimeoutError):
+            except TimeoutError:
+                if not self.overloaded(pool):
+                    message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
+                    raise ServingError(UNAVAILABLE, message) from None
+                # saturated and slow to answer: keep waiting (a lost pool ends it by its epoch)
+            except ServingError:
                 message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
                 raise ServingError(UNAVAILABLE, message) from None
             overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S

@@ -116,6 +116,7 @@ class OrchestratorModel:
         self.orchestrator = Orchestrator(
             self.config, self.pools, self.tokenizer.decode, deployed=deployed, on_change=self._changed
         )
+        self.pools.overloaded = self._overloaded
         self.watcher = PoolWatcher(
             self.orchestrator,
             self._restart if recovery else None,
@@ -144,6 +145,11 @@ class OrchestratorModel:
             self.pools.pool_lost(change.pool)  # its open calls will never be answered
         self.degradation.changed(change)
         self.degradation.serving(self.orchestrator.ladder.mode)
+
+    def _overloaded(self, pool: str) -> bool:
+        """The pool is saturated as this orchestrator sees it (slow probes, refusals, a full queue)."""
+        health = self.orchestrator.health.get(pool)
+        return health is not None and health.state is PoolState.SATURATED
 
     def _pool_ready(self, pool: str) -> bool:
         """Whether the server reports the pool's model ready (blocks: an HTTP round trip)."""

@@ -25,7 +25,7 @@ from disagg.serving.text_api import TextRequest
 
 SHARED = list(range(300, 364))  # a 64-token prefix: 4 blocks of 16
 PARAMS = SamplingParams(max_tokens=6)
-HOT = {"hot_threshold": 3, "hot_min_prefix_tokens": 32}
+HOT = {"hot_threshold": 3, "hot_min_prefix_tokens": 32, "hot_surge": 0}  # no baseline traffic here
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,8 @@ def test_minhash_bands_group_near_duplicates_and_not_strangers():
 
 
 def _detector(**kw) -> HotPrompts:
-    settings = {"threshold": 5, "window_s": 10.0, "min_prefix_tokens": 32, "block_tokens": 16, **kw}
+    settings = {"threshold": 5, "window_s": 10.0, "min_prefix_tokens": 32, "block_tokens": 16}
+    settings |= {"surge": 0, **kw}  # no baseline traffic here: a share that jumped is tested below
     return HotPrompts(HotConfig(**settings))
 
 
@@ -105,6 +106,26 @@ def test_ordinary_traffic_sharing_a_short_system_prompt_is_never_hot():
     assert hot.groups(1.0) == [] and hot.similar_groups(1.0) == 0
 
 
+def test_a_long_prefix_every_request_shares_is_never_hot_but_a_burst_amid_it_is():
+    """An operator's 64-token system prompt on every request, at a steady rate and then at four times
+    it: its share of the window never moves, so it is never hot (throttling it would throttle
+    everyone). A burst sharing a longer prefix amid that traffic is: its share jumped."""
+    hot = _detector(surge=2.0, baseline_s=300.0)
+    system = list(range(500, 564))
+    rng = random.Random(2)
+
+    def chat(now: float):
+        return hot.observe([*system, *(rng.randrange(40000) for _ in range(30))], now)
+
+    steady = [chat(t * 0.5) for t in range(400)]  # 2 req/s for 200 s
+    spike = [chat(200 + t * 0.125) for t in range(80)]  # 8 req/s for 10 s
+    assert not any(h.hot for h in steady + spike), "a prefix with a steady share is never hot"
+    promo = list(range(700, 800))
+    burst = [hot.observe([*promo, 900 + i], now=215 + 0.1 * i) for i in range(10)]
+    assert not burst[3].hot and burst[4].hot, "the burst is hot from its threshold's request"
+    assert burst[4].prefix_tokens == 96, "its group is its own shared prefix, not the system prompt"
+
+
 def test_near_duplicates_without_a_shared_prefix_are_reported_not_grouped():
     hot = _detector()
     rng = random.Random(5)
@@ -121,6 +142,8 @@ def test_detection_off_and_bad_settings():
         HotConfig(min_prefix_tokens=4096, max_prefix_tokens=2048)
     with pytest.raises(ValueError, match="hot_cool_ratio"):
         HotConfig(cool_ratio=0)
+    with pytest.raises(ValueError, match="hot_baseline_s"):
+        HotConfig(window_s=10.0, baseline_s=5.0)
 
 
 def test_the_token_bucket_spreads_a_burst_and_refuses_past_its_wait():

@@ -337,3 +337,49 @@ def test_a_probe_is_answered_while_every_job_thread_waits(monkeypatch: pytest.Mo
 
     asyncio.run(run())
     assert _all_closed(pools)
+
+
+def _unanswering_pools() -> tuple[TritonPools, list[_Stream], list[_Stream]]:
+    """Pools that hold every job and answer no ping until the test does (a front end too busy to read
+    answers, or a pool too busy to give them): the held jobs and the held pings."""
+    held: list[_Stream] = []
+    pings: list[_Stream] = []
+
+    def pool(inputs: dict[str, np.ndarray], stream: _Stream) -> None:
+        (pings if "control" in inputs else held).append(stream)
+
+    models = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+    return TritonPools(_FakePb(pool), TokenSigner(b"k" * 32), models, max_inflight=8), held, pings
+
+
+def test_a_call_to_an_overloaded_pool_outlives_its_unanswered_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool the orchestrator already finds saturated whose probes time out is slow, not gone: its
+    calls keep waiting for their answers (abandoning them re-ran their work on another rung, as
+    overloaded as this one, and a burst cascaded into shedding everything). A pool found lost still
+    ends them, and a pool not known to be overloaded still fails them."""
+    monkeypatch.setattr(bls, "PROBE_AFTER_S", 0.0)
+    monkeypatch.setattr(bls, "PROBE_TIMEOUT_S", 0.02)
+    monkeypatch.setattr(bls, "CHECK_S", 0.01)
+    pools, held, pings = _unanswering_pools()
+    overloaded = {"decode"}
+    pools.overloaded = lambda pool: pool in overloaded
+
+    async def run() -> None:
+        slow = asyncio.ensure_future(_read(pools.decode("slow", STATE, b"d")))
+        lost = asyncio.ensure_future(_read(pools.decode("lost", STATE, b"d")))
+        await _until(lambda: len(held) == 2)
+        await asyncio.sleep(0.2)  # ten probe timeouts
+        assert not slow.done() and not lost.done()
+        TritonSink(pools._pb, held[0], descriptor_output=False).emit(Token(1, True, "length"), True)
+        assert await slow == [1], "answered at last, and the answer reached its caller"
+        pools.pool_lost("decode")
+        with pytest.raises(ServingError, match="it was lost"):
+            await lost
+        overloaded.clear()
+        with pytest.raises(ServingError, match="stopped responding"):
+            await _read(pools.decode("healthy-but-silent", STATE, b"d"))
+        _end(pools, held[1:])
+        await _until(lambda: all(stream.ended for stream in held))
+
+    asyncio.run(run())
+    assert pools.open_calls == 0 and len(pings) >= 5, "every job call closed; the probes kept coming"
