@@ -7,8 +7,9 @@ plus a short unique tail each (a promotion's templated question), `--hot-output`
 per setup: the other users' TTFT and TPOT p99 before the burst (arrivals before it) and during it
 (arrivals from its first to `--tail` s after its last), the hot requests' own TTFT p50 / p99 and how
 many were refused, and the goodput of the whole trace (other users judged by the frozen `chat` SLOs,
-hot ones by `codegen`'s). Setups, each a fresh Triton on a repository of `disagg repository`,
-disaggregated, to `ensemble`:
+hot ones by `codegen`'s). Setups, each a fresh Triton on a repository of `disagg repository`
+(`--kv-cache-mb 1024`: prefill and decode hold vLLM's 2 GiB of KV between them), disaggregated, to
+`ensemble`:
 
 - `none`: no prefix cache, no isolation (the default repository);
 - `cache`: `--prefix-cache`;
@@ -182,6 +183,7 @@ def triton_run(
         for flag in flags
         for f in (["--hot-group-rate", f"{args.hot_group_rate:g}"] if flag == "rate" else [flag])
     ]
+    flags = ["--kv-cache-mb", str(args.kv_cache_mb), *flags]
     with contextlib.redirect_stderr(io.StringIO()):  # it lists every file it writes
         written = write_repository(["--out", str(out), *flags])
     if written != 0:
@@ -370,6 +372,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tail", type=float, default=10.0, help="s after the burst's last arrival")
     parser.add_argument("--hot-group-rate", type=float, default=1.5)
     parser.add_argument("--hot-pool", action="store_true", help="also run the hot_pool setup")
+    parser.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=1024,
+        help="each pool's KV space: prefill and decode together hold vLLM's 2 GiB (VLLM_CPU_KVCACHE_SPACE)",
+    )
     parser.add_argument("--chat-rate", type=float, default=2.0)
     parser.add_argument("--chat-duration", type=float, default=30.0)
     parser.add_argument("--chat-tokens", type=int, default=100)
