@@ -56,7 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.arrivals import poisson_arrivals
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import log, machine, write_json
-from benchlib.deploy import VllmConfig, VllmServer, start_triton, vllm_command_line
+from benchlib.deploy import (
+    VllmConfig,
+    VllmServer,
+    start_triton,
+    vllm_command_line,
+    with_orchestrator_parameters,
+)
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.report import with_section
@@ -188,6 +194,13 @@ def triton_run(
         written = write_repository(["--out", str(out), *flags])
     if written != 0:
         raise RuntimeError(f"disagg repository failed for {name}")
+    tuned = {
+        k: str(v)
+        for k, v in (("hot_threshold", args.hot_threshold), ("hot_group_burst", args.hot_group_burst))
+    }
+    tuned = {k: v for k, v in tuned.items() if v != "None"}
+    if tuned:  # the entry points' hot-prompt settings, where they differ from the defaults
+        out = with_orchestrator_parameters(out, scratch / f"tuned-{name}", tuned)
     server = start_triton(out, scratch / name, args.model_dir, exit_timeout_s=10)
     try:
         before = counters(server.config.metrics_url)
@@ -386,6 +399,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--system-tokens", type=int, default=256, help="chat_system's system prompt, tokens (0: not run)"
     )
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--no-chat", action="store_true", help="the burst only")
+    parser.add_argument("--setups", default="", help="burst setups to run, comma-separated (default: all)")
+    parser.add_argument("--hot-threshold", type=int, help="the entry points' hot_threshold (default: theirs)")
+    parser.add_argument(
+        "--hot-group-burst", type=int, help="the entry points' hot_group_burst (default: theirs)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "hot_prompts")
     parser.add_argument("--from-json", type=Path, help="write the reports of this run's JSON, run nothing")
@@ -423,7 +442,18 @@ def main(argv: list[str] | None = None) -> int:
         "chat": {},
         "vllm_commands": [],
     }  # fmt: skip
-    setups = {k: v for k, v in BURST_SETUPS.items() if k != "hot_pool" or args.hot_pool}
+    wanted = (
+        args.setups.split(",")
+        if args.setups
+        else [k for k in BURST_SETUPS if k != "hot_pool" or args.hot_pool]
+    )
+    unknown = set(wanted) - set(BURST_SETUPS)
+    if unknown:
+        log(f"unknown setups {sorted(unknown)}; the setups are {', '.join(BURST_SETUPS)}")
+        return 2
+    setups = {k: BURST_SETUPS[k] for k in wanted}
+    if args.no_chat:
+        chats = {}
     with tempfile.TemporaryDirectory(prefix="hot-prompts-") as scratch:
         for name, flags in setups.items():
             records, seen = triton_run(args, Path(scratch), name, flags, burst, factory)

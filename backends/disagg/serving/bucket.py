@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class BucketConfig:
     rate: float = 0.0
     """Requests per second one hot group may start (0: no cap)."""
-    burst: int = 4
+    burst: int = 1
     max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:

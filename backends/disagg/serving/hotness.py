@@ -46,7 +46,7 @@ SIMILARITY_TOKENS = 512  # prompt tokens the near-duplicate signature covers (it
 
 @dataclass(frozen=True)
 class HotConfig:
-    threshold: int = 8
+    threshold: int = 4
     """Requests in the window that share a prefix for their group to be hot (0: detection off)."""
     window_s: float = 10.0
     surge: float = 2.0

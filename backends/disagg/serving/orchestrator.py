@@ -170,7 +170,7 @@ class OrchestratorConfig:
     """The most such checks per second of one instance's waiting requests together (each is a round
     trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
     checks less often, so a backlog does not spend its core on asking whether clients left."""
-    hot_threshold: int = 8
+    hot_threshold: int = 4
     """Hot prompts (``disagg.serving.hotness``): requests in ``hot_window_s`` that share a prefix of at
     least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off), if that prefix's
     share of the window's requests is ``hot_surge`` times its share over ``hot_baseline_s``."""
@@ -188,7 +188,7 @@ class OrchestratorConfig:
     """Isolation by rate, where no hot pool takes a request: each hot group starts at most this many
     requests per second (a token bucket of ``hot_group_burst``); a request that would wait for its
     token longer than ``hot_max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
-    hot_group_burst: int = 4
+    hot_group_burst: int = 1
     hot_max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
