@@ -120,21 +120,25 @@ class KVCache:
         """Take ``count`` blocks or none at all: free ones first, then cached ones, least recently used
         first (their prefixes are forgotten). Raises OutOfBlocks when too few are available."""
         with self._lock:
-            available = len(self._free) + len(self._lru)
-            if count > available:
-                raise OutOfBlocks(count, available)
-            taken = []
-            for _ in range(count):
-                if self._free:
-                    block = self._free.pop()
-                else:
-                    block, _ = self._lru.popitem(last=False)
-                    del self._block_of[self._key_of.pop(block)]
-                    self._evictions += 1
-                self._refs[block] = 1
-                taken.append(block)
-            self.allocations += count
-            return taken
+            return self._take(count)
+
+    def _take(self, count: int) -> list[int]:
+        """``allocate``'s work, under the lock its callers hold."""
+        available = len(self._free) + len(self._lru)
+        if count > available:
+            raise OutOfBlocks(count, available)
+        taken = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                del self._block_of[self._key_of.pop(block)]
+                self._evictions += 1
+            self._refs[block] = 1
+            taken.append(block)
+        self.allocations += count
+        return taken
 
     def match(self, keys: list[bytes]) -> list[int]:
         """Take the cached blocks of the longest run of ``keys`` from the first (each block gains a
@@ -179,21 +183,11 @@ class KVCache:
             shared = [i for i, b in enumerate(blocks) if self._refs[b] > 1]
             if not shared:
                 return list(blocks)
-            if len(shared) > len(self._free) + len(self._lru):
-                raise OutOfBlocks(len(shared), len(self._free) + len(self._lru))
             out = list(blocks)
-            for i in shared:
-                if self._free:
-                    copy = self._free.pop()
-                else:
-                    copy, _ = self._lru.popitem(last=False)
-                    del self._block_of[self._key_of.pop(copy)]
-                    self._evictions += 1
+            for i, copy in zip(shared, self._take(len(shared)), strict=True):
                 self.memory[copy] = self.memory[blocks[i]]
-                self._refs[copy] = 1
                 self._refs[blocks[i]] -= 1  # still > 0: the other holders keep it
                 out[i] = copy
-            self.allocations += len(shared)
             self.frees += len(shared)
             return out
 

@@ -335,6 +335,7 @@ class Orchestrator:
         self._on_change = on_change
         # hot prompts: counted on the event loop, read by the metrics thread too
         self.hotness = HotPrompts(config.hot)
+        self.bucket = config.bucket  # the hot groups' rate cap, built once
         self._buckets: dict[str, TokenBucket] = {}
         self._hot_lock = threading.Lock()
         self.waiting = 0  # requests waiting for a pool's first answer or a token (event loop only)
@@ -364,7 +365,7 @@ class Orchestrator:
                     g for g, b in self._buckets.items() if b.full(now) and not self.hotness.is_hot(g)
                 ]:
                     del self._buckets[old]
-                bucket = self._buckets[group] = TokenBucket(self.config.bucket, now)
+                bucket = self._buckets[group] = TokenBucket(self.bucket, now)
             return bucket.reserve(now)
 
     def observe(self, change: Change | None) -> None:
@@ -494,7 +495,7 @@ class _Run:
         if route.rung == DISAGGREGATED and hot_pool is not None and hot_pool.state is PoolState.HEALTHY:
             self.decode_pool, outcome.hot_route = HOT_POOL, "hot_pool"
             return
-        if not owner.config.bucket.enabled:
+        if not owner.bucket.enabled:
             outcome.hot_route = "hot_shared"
             return
         wait = owner.hot_wait(heat.group, time.monotonic())
