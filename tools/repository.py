@@ -21,13 +21,15 @@ no GPU was available where this was written; the CUDA paths are tested only agai
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from disagg.serving.orchestrator import HOT_POOL
 from disagg.serving.text_api import ALL_INPUTS, EXTRA_OUTPUTS, LLM_ONLY_INPUTS
+from disagg.triton.version import VERSION_FILE, Probe
 
 MAX_BATCH = 64
 DTYPES = ("bfloat16", "float32", "float16", "auto")  # the engine's; "auto" resolves by its rule
@@ -76,6 +78,13 @@ class Layout:
     prefill_gpus: str = ""
     decode_gpus: str = ""
     colocated_gpus: str = ""
+    # instances of each CPU pool (they share its cores); a GPU pool has one per GPU
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    colocated_instances: int = 1
+    transport: str = ""  # KV hand-off of CPU pools ("": the pool's default, shm; or nixl)
+    slo_ttft_s: float | None = None  # the entry points' SLOs (None: the orchestrator's defaults)
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("dtype", "prefill_dtype", "decode_dtype", "kv_dtype"):
@@ -92,6 +101,12 @@ class Layout:
             raise ValueError("hot_decode_nice must be an integer in [0, 19]")
         if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
             raise ValueError("hot_group_rate must be a number of requests per second >= 0")
+        for pool in ("prefill", "decode", "colocated"):
+            count = getattr(self, f"{pool}_instances")
+            if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
+                raise ValueError(f"{pool}_instances must be an integer in 1..64")
+        if self.transport not in ("", "shm", "nixl"):
+            raise ValueError("transport must be shm or nixl (GPU pools use CUDA IPC)")
         if self.hot_decode_cores and self.gpus("decode"):
             raise ValueError("a hot decode pool is a CPU pool here (hot_decode_cores with decode_gpus)")
         ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
@@ -118,6 +133,28 @@ class Layout:
         if any(g < 0 for g in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"{pool}_gpus must list distinct GPU ids >= 0; got {text!r}")
         return ids
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One version folder of every pool model: the checkpoint it serves ("": the server's model)."""
+
+    version: int
+    checkpoint: str = ""
+    probe: Probe | None = None
+
+    def manifest(self) -> dict[str, object] | None:
+        """The version folder's ``version.json`` (``disagg.triton.version``); None: nothing to say."""
+        if not self.checkpoint and self.probe is None:
+            return None
+        body: dict[str, object] = {"checkpoint": self.checkpoint}
+        if self.probe is not None:
+            body["probe"] = asdict(self.probe)
+        return body
+
+
+DEFAULT_VERSIONS = (ModelVersion(1),)
+POOL_MODELS = ("prefill", "decode", "colocated", HOT_POOL)  # the models that carry versions
 
 
 def _dims(dims: Iterable[int]) -> str:
@@ -155,19 +192,25 @@ def _model(
     decoupled: bool,
     params: dict[str, str],
     gpus: list[int] | None = None,
+    count: int = 1,
+    serving: tuple[int, ...] = (),
 ) -> str:
     text = HEADER + f'name: "{name}"\nbackend: "disagg"\nmax_batch_size: {max_batch}\n'
+    if serving:  # the versions loaded at start; none said: Triton's default, the latest one
+        text += f"version_policy: {{ specific: {{ versions: {_dims(serving)} }} }}\n"
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     text += _block("input", inputs) + _block("output", outputs)
     if gpus:
         text += f"instance_group [ {{ kind: KIND_GPU, count: 1, gpus: {_dims(gpus)} }} ]\n"
     else:
-        text += "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
+        text += f"instance_group [ {{ kind: KIND_CPU, count: {count} }} ]\n"
     return text + _parameters({"role": role, **params})
 
 
-def _pool(name: str, role: str, cores: str, layout: Layout, nice: int = 0) -> str:
+def _pool(
+    name: str, role: str, cores: str, layout: Layout, nice: int = 0, serving: tuple[int, ...] = ()
+) -> str:
     inputs = [
         _tensor("input_ids", "TYPE_INT32", (-1,), True),
         _tensor("sampling", "TYPE_STRING", (1,), True),
@@ -188,6 +231,8 @@ def _pool(name: str, role: str, cores: str, layout: Layout, nice: int = 0) -> st
     if role != "colocated":
         params["kv_dtype"] = layout.pair_kv_dtype()
         params["lease_ttl_s"] = str(layout.lease_ttl_s)
+        if layout.transport and not layout.gpus(role):
+            params["transport"] = layout.transport
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
     if nice:
@@ -208,7 +253,19 @@ def _pool(name: str, role: str, cores: str, layout: Layout, nice: int = 0) -> st
         params["device"] = "cuda"
         if role != "colocated":
             params["transport"] = "cuda_ipc"
-    return _model(name, role, inputs, outputs, max_batch=0, decoupled=True, params=params, gpus=gpus)
+    count = getattr(layout, f"{role}_instances") if name != HOT_POOL else 1
+    return _model(
+        name,
+        role,
+        inputs,
+        outputs,
+        max_batch=0,
+        decoupled=True,
+        params=params,
+        gpus=gpus,
+        count=count,
+        serving=serving,
+    )
 
 
 def _orchestrator(name: str, mode: str, layout: Layout) -> str:
@@ -221,9 +278,20 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
     if mode == "disaggregated" and layout.conditional_prefill_tokens:
         params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, mode))
+    params.update(_slo_params(layout))
     return _model(
         name, "orchestrator", inputs, TEXT_OUTPUT, max_batch=MAX_BATCH, decoupled=True, params=params
     )
+
+
+def _slo_params(layout: Layout) -> dict[str, str]:
+    """An entry point's SLOs, where the layout sets them (else the orchestrator's defaults)."""
+    params = {}
+    if layout.slo_ttft_s is not None:
+        params["slo_ttft_s"] = f"{layout.slo_ttft_s:g}"
+    if layout.slo_tpot_s is not None:
+        params["slo_tpot_s"] = f"{layout.slo_tpot_s:g}"
+    return params
 
 
 def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
@@ -244,6 +312,7 @@ def _llm(layout: Layout) -> str:
     if layout.conditional_prefill_tokens:
         params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, "disaggregated"))
+    params.update(_slo_params(layout))
     inputs = _text_inputs() + [_tensor(s.name, s.triton_type, s.dims, s.optional) for s in LLM_ONLY_INPUTS]
     outputs = TEXT_OUTPUT + [_tensor(name, dtype, (1,)) for _, name, dtype in EXTRA_OUTPUTS]
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)
@@ -308,8 +377,9 @@ def _ensemble(name: str, orchestrator: str) -> str:
     return text + "ensemble_scheduling {\n  step [\n" + body + "\n  ]\n}\n"
 
 
-def render(layout: Layout) -> dict[str, str]:
-    """Model name -> config.pbtxt text."""
+def render(layout: Layout, serving: tuple[int, ...] = ()) -> dict[str, str]:
+    """Model name -> config.pbtxt text; the pool models load the ``serving`` versions at start (none
+    given: Triton's default, the latest version folder)."""
     models = {
         "preprocessing": _preprocessing(layout),
         "postprocessing": _postprocessing(layout),
@@ -318,21 +388,36 @@ def render(layout: Layout) -> dict[str, str]:
         "ensemble": _ensemble("ensemble", "orchestrator"),
         "ensemble_colocated": _ensemble("ensemble_colocated", "orchestrator_colocated"),
         "llm": _llm(layout),
-        "prefill": _pool("prefill", "prefill", layout.prefill_cores, layout),
-        "decode": _pool("decode", "decode", layout.decode_cores, layout),
-        "colocated": _pool("colocated", "colocated", layout.colocated_cores, layout),
+        "prefill": _pool("prefill", "prefill", layout.prefill_cores, layout, serving=serving),
+        "decode": _pool("decode", "decode", layout.decode_cores, layout, serving=serving),
+        "colocated": _pool("colocated", "colocated", layout.colocated_cores, layout, serving=serving),
     }
     if layout.hot_decode_cores:
-        models[HOT_POOL] = _pool(HOT_POOL, "decode", layout.hot_decode_cores, layout, layout.hot_decode_nice)
+        cores, nice = layout.hot_decode_cores, layout.hot_decode_nice
+        models[HOT_POOL] = _pool(HOT_POOL, "decode", cores, layout, nice, serving=serving)
     return models
 
 
-def write(out: Path, layout: Layout) -> list[Path]:
+def write(
+    out: Path,
+    layout: Layout,
+    versions: tuple[ModelVersion, ...] = DEFAULT_VERSIONS,
+    serving: tuple[int, ...] = (),
+) -> list[Path]:
+    """Write every model's config.pbtxt and version folders: ``versions`` for the pool models (each
+    with its ``version.json`` where it names a checkpoint or a probe), version 1 for the others."""
     written = []
-    for name, text in render(layout).items():
+    numbers = tuple(v.version for v in versions)
+    policy = serving if numbers != (1,) else ()
+    for name, text in render(layout, policy).items():
         folder = out / name
-        (folder / "1").mkdir(parents=True, exist_ok=True)
-        (folder / "1" / ".gitkeep").touch()  # Triton needs the version folder; git keeps no empty ones
+        for version in versions if name in POOL_MODELS else DEFAULT_VERSIONS:
+            where = folder / str(version.version)
+            where.mkdir(parents=True, exist_ok=True)
+            (where / ".gitkeep").touch()  # Triton needs the version folder; git keeps no empty ones
+            manifest = version.manifest() if name in POOL_MODELS else None
+            if manifest is not None:
+                (where / VERSION_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         (folder / "config.pbtxt").write_text(text)
         written.append(folder / "config.pbtxt")
     return written
@@ -394,12 +479,41 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
     )
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        help="write the repository a deployment spec (YAML, see deploy/spec.yaml) describes; the "
+        "layout flags above are then refused",
+    )
     args = parser.parse_args(argv)
+    if args.spec is not None:
+        given = [a for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")]
+        extra = [a for a in given if a.split("=")[0] not in ("--spec", "--out")]
+        if extra:
+            parser.error(f"--spec says the whole layout; drop {', '.join(extra)}")
+        return write_spec(args.spec, args.out)
     try:
         layout = _layout(args)
     except ValueError as exc:
         parser.error(str(exc))
     for path in write(args.out, layout):
+        print(path, file=sys.stderr)
+    return 0
+
+
+def write_spec(spec_path: Path, out: Path) -> int:
+    """Write the repository of the spec at ``spec_path`` into ``out``; 2 with the error when the spec
+    is not valid."""
+    from disagg_tools.spec import load_spec
+
+    try:
+        spec = load_spec(spec_path)
+        layout = spec.layout()
+    except ValueError as exc:  # ConfigError included
+        print(f"disagg repository: {exc}", file=sys.stderr)
+        return 2
+    versions = spec.versions(Path(spec_path).resolve().parent)
+    for path in write(out, layout, versions, (spec.model.serving,)):
         print(path, file=sys.stderr)
     return 0
 

@@ -121,6 +121,12 @@ def _repository(argv: list[str]) -> int:
     return main(argv)
 
 
+def _rollout(argv: list[str]) -> int:
+    from disagg_tools.rollout import main
+
+    return main(argv)
+
+
 def _autoscale(argv: list[str]) -> int:
     from disagg_tools.autoscaler import main
 
@@ -310,6 +316,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run Triton with the project's model repository (and the OpenAI front end)"),
     "openai": (_openai, "run the OpenAI-compatible front end alone, in front of a Triton's llm model"),
     "autoscale": (_autoscale, "scale the pools from their metrics (log, triton or kubernetes actuator)"),
+    "rollout": (_rollout, "move a live server's pools to another model version under load (--rollback)"),
 }
 
 

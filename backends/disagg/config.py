@@ -8,7 +8,8 @@ its field's type, recursing into nested dataclasses. Unknown keys, missing requi
 typed values are refused with a :class:`ConfigError` whose message starts with the key path
 (``pools[0].role``, ``engine.block_size``). Range and consistency checks stay in each dataclass's own
 ``__post_init__``; a ``ValueError`` raised there comes out as a ``ConfigError`` prefixed with the path of
-the dataclass. Values are never echoed in messages (a value may be a path or a secret).
+the dataclass (joined to the field's own path when the message starts with one: ``cores: ...``).
+Values are never echoed in messages (a value may be a path or a secret).
 
 Supported annotations: ``int``, ``float``, ``bool``, ``str``, ``bytes``, ``Path``, ``Literal[...]``,
 ``Enum`` subclasses (by value), ``X | None``, ``tuple[X, ...]`` and fixed ``tuple[X, Y]``, nested
@@ -83,11 +84,20 @@ def build(cls: type[T], data: Mapping[str, Any], *, strings: bool = False, where
     except ConfigError:
         raise
     except ValueError as exc:  # the dataclass's own range checks
-        raise ConfigError(_at(where, str(exc))) from exc
+        raise ConfigError(_within(where, str(exc), settable)) from exc
 
 
 def _at(where: str, message: str) -> str:
     return f"{where}: {message}" if where else message
+
+
+def _within(where: str, message: str, names: Mapping[str, Any]) -> str:
+    """A dataclass check's message at ``where``; one that starts with the path of its own field
+    (``"cores: ..."``, ``"decode.cores: ..."``) has that path joined to ``where``."""
+    head, sep, rest = message.partition(": ")
+    if sep and where and head.split(".")[0].split("[")[0] in names:
+        return f"{where}.{head}: {rest}"
+    return _at(where, message)
 
 
 def _optional(hint: Any) -> bool:

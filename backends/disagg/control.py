@@ -71,6 +71,8 @@ class ModelControl:
         key = server_key(server_url)
         self.lock_path = folder / f"{key}.lock"
         self.journal_path = folder / f"{key}.json"
+        # which pool versions new requests take (disagg.serving.routing), written by rollouts
+        self.routing_path = folder / f"{key}.routing.json"
         self.timeout_s = timeout_s
 
     @contextlib.contextmanager

@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg.control import ModelControl
 from disagg.kv.stale import DEFAULT_DIRECTORY as KV_DIRECTORY
 from disagg.kv.stale import DEFAULT_PREFIX as KV_PREFIX
 from disagg.kv.stale import clean_stale_regions
@@ -48,6 +49,7 @@ from disagg.serverconfig import (
     redact,
     server_config,
 )
+from disagg.serving.routing import RoutingFile
 from disagg.tritonbin import TritonFiles, locate_triton_files, prepare_backend_directory
 
 __all__ = [
@@ -163,6 +165,9 @@ class TritonServer:
             raise ServerError("model repository not found")
         files = files or locate_triton_files()
         prepare_backend_directory(self.config.backend_directory, files)
+        # a new server loads the versions its repository names: an earlier one's rollout routing
+        # (disagg.serving.routing) on this address would pin requests to versions not loaded
+        RoutingFile(ModelControl(self.config.http_url).routing_path).clear()
         output = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_kv_transfer_bytes_total": COUNTER,
         "disagg_kv_transfer_failures_total": COUNTER,
         "disagg_kv_lease_expired_total": COUNTER,
+        "disagg_kv_incompatible_total": COUNTER,  # per decode pool instance: KV of another version
         "disagg_kv_lease_renewals_total": COUNTER,
         "disagg_fallbacks_total": COUNTER,  # + labels from, to, reason
         "disagg_migrations_total": COUNTER,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import AUTO, DTYPES, auto_dtype, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
+from disagg.engine.fingerprint import checkpoint_id, kv_fingerprint
 from disagg.engine.kvcache import KVCache
 from disagg.engine.prefix import block_keys
 from disagg.engine.sampling import sample
@@ -33,6 +34,7 @@ from disagg.engine.sequence import (
     StepOutput,
 )
 from disagg.engine.transformer import DecodeRows, PromptChunk, Transformer
+from disagg.kv.errors import IncompatibleKV
 from disagg.kv.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -139,6 +141,10 @@ class Engine:
         del weights
         mc = self.model_config
         self.kv_layout, num_blocks = plan_kv(config, mc)
+        # what this engine's KV means: an importer refuses KV stamped otherwise (engine.fingerprint)
+        self.kv_layout = replace(
+            self.kv_layout, fingerprint=kv_fingerprint(checkpoint_id(config.model_dir), self.kv_layout)
+        )
         if kv_memory is not None and kv_memory.device != self.device:
             raise ValueError("supplied KV memory is not on the engine's device")
         if kv_memory is None and self.device.type != "cpu":
@@ -434,6 +440,8 @@ class Engine:
         error the blocks are returned and nothing stays admitted.
         """
         mine = self.kv_layout
+        if layout.fingerprint != mine.fingerprint:
+            raise IncompatibleKV("KV fingerprint is not this engine's (another checkpoint or layout)")
         if layout.with_tokens(0) != mine:
             raise InvalidRequest(
                 "KV layout does not match this engine's (layers, heads, dtype or block size)"

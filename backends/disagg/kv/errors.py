@@ -30,6 +30,14 @@ class LeaseExpired(DescriptorError):
     triton_code = "UNAVAILABLE"
 
 
+class IncompatibleKV(DescriptorError):
+    """The KV was computed by another model version: its fingerprint (checkpoint, layout, KV dtype,
+    block size, engine KV format; ``disagg.engine.fingerprint``) is not the importer's. Refused before
+    any memory is touched. UNAVAILABLE: the orchestrator may still serve the request on another rung."""
+
+    triton_code = "UNAVAILABLE"
+
+
 class LeaseGone(DescriptorError):
     """The lease is no longer held: already consumed, released, aborted or expired (replay)."""
 

@@ -11,7 +11,8 @@ so a block is one contiguous run of ``block_bytes`` bytes, and a block pool is
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -23,6 +24,7 @@ MAX_KV_HEADS = 1024
 MAX_HEAD_DIM = 4096
 MAX_BLOCK_SIZE = 4096
 MAX_TOKENS = 1 << 22
+_FINGERPRINT_RE = re.compile(r"(?:[0-9a-f]{32})?")
 
 
 class LayoutError(ValueError):
@@ -39,6 +41,8 @@ class KVLayout:
     dtype: str
     block_size: int
     num_tokens: int = 0
+    # what the bytes mean (``disagg.engine.fingerprint``): 32 hex digits, or "" where nobody stamped it
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         limits = {
@@ -56,6 +60,8 @@ class KVLayout:
                 raise LayoutError(f"layout.{name}={value} is outside [{lo}, {hi}]")
         if self.dtype not in DTYPE_BYTES:
             raise LayoutError(f"layout.dtype must be one of {sorted(DTYPE_BYTES)}")
+        if not isinstance(self.fingerprint, str) or not _FINGERPRINT_RE.fullmatch(self.fingerprint):
+            raise LayoutError("layout.fingerprint must be 32 hex digits or empty")
 
     @property
     def dtype_bytes(self) -> int:
@@ -84,9 +90,7 @@ class KVLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def with_tokens(self, num_tokens: int) -> KVLayout:
-        return KVLayout(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_size, num_tokens
-        )
+        return replace(self, num_tokens=num_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,7 +104,7 @@ class KVLayout:
         unknown = set(data) - fields
         if unknown:
             raise LayoutError(f"unknown layout field(s): {sorted(unknown)}")
-        missing = fields - set(data)
+        missing = fields - set(data) - {"fingerprint"}  # optional: "" (unstamped) when absent
         if missing:
             raise LayoutError(f"missing layout field(s): {sorted(missing)}")
         return cls(**data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from disagg.engine.errors import BatchFull, CheckpointError, InvalidRequest, OutOfBlocks
-from disagg.kv.errors import DescriptorError, KVError, LeaseExpired, LeaseGone
+from disagg.kv.errors import DescriptorError, IncompatibleKV, KVError, LeaseExpired, LeaseGone
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +17,8 @@ INTERNAL = "INTERNAL"
 CODES = (INVALID_ARG, UNAVAILABLE, CANCELLED, DEADLINE, INTERNAL)
 TRANSFER_FAILED = "KV transfer failed"  # the message of a KVError (the pools on both ends may be fine)
 LEASE_LOST = "KV lease is gone"  # its prefill pool no longer holds the KV: re-prefill, not the pool's fault
+# a decode pool refused KV of another model version (fingerprint): a deployment fault, not the request's
+KV_INCOMPATIBLE = "KV refused: it was computed by another model version (fingerprint mismatch)"
 PROBE_UNANSWERED = "did not answer a probe"  # a call's pool, probed while the call was overdue
 
 
@@ -50,6 +52,8 @@ def classify(exc: BaseException) -> ServingError:
         return ServingError(UNAVAILABLE, "KV cache is full, retry later")
     if isinstance(exc, BatchFull):
         return ServingError(UNAVAILABLE, "decode batch is full, retry later")
+    if isinstance(exc, IncompatibleKV):
+        return ServingError(UNAVAILABLE, KV_INCOMPATIBLE)
     if isinstance(exc, LeaseExpired | LeaseGone):
         return ServingError(UNAVAILABLE, LEASE_LOST)
     if isinstance(exc, DescriptorError):

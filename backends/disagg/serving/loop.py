@@ -65,6 +65,7 @@ class LoopStats:
     prefix_hits: int = 0  # prefix cache counters so far, in blocks
     prefix_misses: int = 0
     prefix_evictions: int = 0
+    kv_incompatible: int = 0  # KV imports refused as another model version's (engine.fingerprint)
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
@@ -315,4 +316,5 @@ class EngineLoop:
             prefix_hits=usage.prefix_hits,
             prefix_misses=usage.prefix_misses,
             prefix_evictions=usage.prefix_evictions,
+            kv_incompatible=self.runner.kv_incompatible,
         )

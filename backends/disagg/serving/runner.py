@@ -17,6 +17,7 @@ from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import SequenceFailed
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, StepOutput
+from disagg.kv.errors import IncompatibleKV
 from disagg.scheduling.plan import Chunk, Handed, Joined, Plan, Progressed, Refused, Result, Started, Stepped
 from disagg.serving.errors import INTERNAL, ServingError, classify
 from disagg.serving.messages import DecodeJob, PrefillJob
@@ -33,6 +34,7 @@ class Runner:
         self.busy_s = 0.0  # ... and the seconds spent in them (disagg_engine_* metrics)
         self.prompt_tokens = 0  # prompt tokens prefilled so far (with busy_s: the prefill throughput)
         self.transfer_times: deque[float] = deque(maxlen=4096)  # seconds of each KV import
+        self.kv_incompatible = 0  # imports refused: KV of another model version (engine.fingerprint)
 
     def run(self, plan: Plan) -> list[Result]:
         results: list[Result] = [Refused(job, error) for job, error in plan.refused]
@@ -112,6 +114,9 @@ class Runner:
         try:
             imported = self.backend.import_sequence(job.state, job.descriptor, self.transport)
         except Exception as exc:
+            if isinstance(exc, IncompatibleKV):
+                self.kv_incompatible += 1
+                log.warning("refused KV computed by another model version (fingerprint mismatch)")
             return Refused(job, classify(exc))
         self.transfer_times.append(imported.transfer_s)
         return Joined(job, imported.seq_id, imported.transfer_s)

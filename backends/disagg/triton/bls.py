@@ -40,6 +40,7 @@ from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import INTERNAL, PROBE_UNANSWERED, UNAVAILABLE, ServingError
 from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.serving.routing import pinned_version
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
 
@@ -101,8 +102,10 @@ class TritonPools:
 
     async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
         pb = self._pb
+        model = self.models[pool]
         request = pb.InferenceRequest(
-            model_name=self.models[pool],
+            model_name=model,
+            model_version=pinned_version(model),  # the request's pin (serving.routing), else -1
             inputs=inputs,
             requested_output_names=["event", "descriptor"] if pool == "prefill" else ["event"],
             parameters={PARAMETER: self._signer.mint()},

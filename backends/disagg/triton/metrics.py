@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from disagg.serving.errors import ServingError
@@ -59,6 +59,10 @@ DESCRIPTIONS = {
     "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
+    "disagg_kv_incompatible_total": (
+        "COUNTER",
+        "KV hand-offs refused because the KV came from another model version (fingerprint mismatch)",
+    ),
     "disagg_kv_lease_expired_total": ("COUNTER", "KV leases that expired before the importer acked"),
     "disagg_kv_lease_renewals_total": (
         "COUNTER",
@@ -96,6 +100,14 @@ DESCRIPTIONS = {
     "disagg_hot_routes_total": (
         "COUNTER",
         "New requests by their hot-prompt routing: cold, hot_shared, hot_pool, hot_delayed, hot_refused",
+    ),
+    "disagg_serving_version": (
+        "GAUGE",
+        "Per entry point instance and pool model: the version new requests are pinned to (rollouts)",
+    ),
+    "disagg_pinned_requests": (
+        "GAUGE",
+        "Per entry point instance, pool model and version: requests in flight pinned to that version",
     ),
     "disagg_engine_steps_total": (
         "COUNTER",
@@ -330,6 +342,45 @@ class OrchestratorMetrics:
             self.similar.set(similar)
 
 
+class VersionMetrics:
+    """The versions an entry point pins its requests to (``disagg.serving.routing``): the version new
+    requests take per pool model, and the requests in flight per pool model and version, which a
+    rollout waits to fall to zero before it unloads a version. Called on the event loop only."""
+
+    def __init__(self, pb_utils: Any, model: str, instance: str) -> None:
+        self._fam = Families(pb_utils)
+        self._labels = {"model": model, "instance": instance}
+        self._serving: dict[str, Gauge] = {}
+        self._pinned: dict[tuple[str, int], Gauge] = {}
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def pin(self, versions: Mapping[str, int]) -> None:
+        """A request pinned to ``versions`` (pool model -> version) starts."""
+        for pool, version in versions.items():
+            if pool not in self._serving:
+                self._serving[pool] = self._fam.gauge(
+                    "disagg_serving_version", {**self._labels, "pool": pool}
+                )
+            self._serving[pool].set(version)
+            self._move((pool, version), 1)
+
+    def unpin(self, versions: Mapping[str, int]) -> None:
+        """A request pinned to ``versions`` ended."""
+        for key in versions.items():
+            self._move(key, -1)
+
+    def _move(self, key: tuple[str, int], delta: int) -> None:
+        if key not in self._pinned:
+            labels = {**self._labels, "pool": key[0], "version": str(key[1])}
+            self._pinned[key] = self._fam.gauge("disagg_pinned_requests", labels)
+        self._counts[key] = self._counts.get(key, 0) + delta
+        self._pinned[key].set(self._counts[key])
+
+    def retire(self) -> None:
+        for gauge in (*self._serving.values(), *self._pinned.values()):
+            gauge.set(0)
+
+
 class PoolReporter:
     """A thread that publishes one pool instance's gauges and KV counters every ``interval_s``."""
 
@@ -340,12 +391,14 @@ class PoolReporter:
         instance: str,
         loop: EngineLoop,
         transport: Transport | None,
+        version: int = 1,
         interval_s: float = 0.25,
     ) -> None:
         fam = self._fam = Families(pb_utils)  # families must outlive their metrics
         role = loop.role.value
         # one series per instance: instances are processes, and a shared series would be overwritten
-        labels = {"model": model, "pool": role, "instance": instance}
+        # (two versions of a pool, loaded side by side during a rollout, have instances of one name)
+        labels = {"model": model, "pool": role, "instance": instance, "version": str(version)}
         self._loop, self._transport, self._interval = loop, transport, interval_s
         self.used = fam.gauge("disagg_kv_blocks_used", labels)
         self.free = fam.gauge("disagg_kv_blocks_free", labels)
@@ -358,6 +411,7 @@ class PoolReporter:
         self.active = fam.gauge("disagg_decode_active_sequences", labels) if role != "prefill" else None
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
+        self.incompatible = fam.metric("disagg_kv_incompatible_total", labels)
         self.expired = fam.metric("disagg_kv_lease_expired_total", labels)
         self.renewals = fam.metric("disagg_kv_lease_renewals_total", labels)
         self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
@@ -375,6 +429,7 @@ class PoolReporter:
             "hits": 0.0,
             "misses": 0.0,
             "evictions": 0.0,
+            "incompatible": 0.0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
@@ -424,6 +479,7 @@ class PoolReporter:
         self._add(self.hits, "hits", stats.prefix_hits)
         self._add(self.misses, "misses", stats.prefix_misses)
         self._add(self.evictions, "evictions", stats.prefix_evictions)
+        self._add(self.incompatible, "incompatible", stats.kv_incompatible)
         if self._transport is None:
             return
         snap = self._transport.stats.snapshot()

@@ -26,6 +26,7 @@ from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
 from disagg.serving.health import Change, PoolState
 from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
+from disagg.serving.routing import PINNED, RoutingFile
 from disagg.serving.telemetry import SloConfig, SloWindow
 from disagg.serving.text_api import (
     ERROR_CODE_INPUT,
@@ -39,7 +40,7 @@ from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
-from disagg.triton.metrics import OrchestratorMetrics
+from disagg.triton.metrics import OrchestratorMetrics, VersionMetrics
 from disagg.triton.readiness import ServerReadiness
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class OrchestratorModel:
             hot_groups=lambda: self.orchestrator.hot_groups(time.monotonic()),
         )
         self.metrics.start_refresher()
+        # the pool versions new requests take during a rollout (serving.routing); none: no pins
+        self.routing = RoutingFile(self.control.routing_path) if self.control is not None else None
+        self.versions = VersionMetrics(pb_utils, args["model_name"], instance)
 
     def _changed(self, change: Change) -> None:
         if change.new is PoolState.GONE and change.reason == DEAD:
@@ -226,10 +230,15 @@ class OrchestratorModel:
             self.metrics.refused(error)
             return
         self._inflight += 1
+        # this request's task (and those it starts) calls the pool versions of the routing now
+        versions = self.routing.current().versions if self.routing is not None else {}
+        PINNED.set(versions)
+        self.versions.pin(versions)
         try:
             outcome = await self.orchestrator.serve(prompt_ids, text, responder, arrival)
         finally:
             self._inflight -= 1
+            self.versions.unpin(versions)
         try:
             self.metrics.observe(outcome, time.monotonic())
             self.degradation.observe(outcome, self.config.ladder[0])
@@ -259,6 +268,7 @@ class OrchestratorModel:
         # flag keeps a probe round that is somehow still scheduled from starting calls
         self.watcher.stop()
         self.metrics.stop()
+        self.versions.retire()
         self.degradation.retire()
         self.pools.close()
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg.affinity import pin_process
+from disagg.engine.tokenizer import Tokenizer
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance
@@ -14,6 +15,7 @@ from disagg.serving.messages import AbortLease, Control, Event, PoolLoad, Stop
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 from disagg.triton.readiness import ServerReadiness
+from disagg.triton.version import Manifest, read_manifest, run_probe
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +54,28 @@ class PoolModel:
         self.role = params.get("role", "")
         secret = glue.deployment_secret(params.get("secret_file", ""))
         self._signer = TokenSigner(secret)
-        self.config = pool_config(params, args)
+        self.version = int(args.get("model_version", 1) or 1)
+        manifest = version_manifest(args)
+        self.config = pool_config(params, args, manifest)
         self.loop, self.transport = build_instance(self.config, secret)
+        if manifest.probe is not None:  # before it serves: a wrong checkpoint fails its load
+            try:
+                tokenizer = Tokenizer(self.config.engine.model_dir)
+                run_probe(self.loop.engine, tokenizer, manifest.probe, self.version)
+            except BaseException:
+                self.loop.shutdown()
+                if self.transport is not None:
+                    self.transport.close()
+                raise
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
             pin_process(self.config.engine.cores)
         self.loop.start()
         self.reporter = PoolReporter(
-            pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport
+            pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport, self.version
         ).start()
-        log.info("%s pool instance %s ready", self.role, args["model_instance_name"])
+        log.info(
+            "%s pool instance %s (version %d) ready", self.role, args["model_instance_name"], self.version
+        )
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -136,10 +151,21 @@ def _default_model_dir() -> str:
     return str(resolve_model_dir())
 
 
-def pool_config(params: Mapping[str, str], args: Mapping[str, Any]) -> PoolConfig:
+def version_manifest(args: Mapping[str, Any]) -> Manifest:
+    """The instance's version folder's manifest (``disagg.triton.version``)."""
+    folder, version = args.get("model_repository", ""), args.get("model_version", "")
+    if not folder or not str(version).strip():
+        return Manifest()
+    return read_manifest(folder, version)
+
+
+def pool_config(
+    params: Mapping[str, str], args: Mapping[str, Any], manifest: Manifest | None = None
+) -> PoolConfig:
     """One instance's PoolConfig from its config.pbtxt parameters (strings, typed by
     ``PoolConfig.from_dict(strings=True)``) and what Triton's ``args`` say of the instance: its core set
-    (``cores`` by instance index) and, for ``KIND_GPU``, its GPU. Raises ConfigError (a ValueError)."""
+    (``cores`` by instance index), for ``KIND_GPU`` its GPU, and its version folder's checkpoint
+    (``manifest``). Raises ConfigError (a ValueError)."""
     settings: dict[str, Any] = {k: v for k, v in params.items() if k not in ADAPTER_KEYS}
     settings["role"] = params.get("role", "")
     cores = glue.parse_cores(params.get("cores", ""), args["model_instance_name"])
@@ -148,6 +174,8 @@ def pool_config(params: Mapping[str, str], args: Mapping[str, Any]) -> PoolConfi
     device = glue.instance_device(args)
     if device is not None:  # KIND_GPU: the GPU Triton placed this instance on (NOT verified on a GPU)
         settings["device"] = device
+    if manifest is not None and manifest.checkpoint:
+        settings["model_dir"] = manifest.checkpoint
     if not settings.get("model_dir"):
         settings["model_dir"] = _default_model_dir()
     return PoolConfig.from_dict(settings, strings=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
+from disagg.kv.errors import IncompatibleKV
 from disagg.kv.layout import KVLayout
 from disagg.serving.offline import generate
 
@@ -103,8 +105,10 @@ def test_import_refuses_mismatched_layout_and_state(make_engine):
     state, layout, blocks = src.export_kv(out.seq_id)
     payload = src.kv.memory[torch.tensor(blocks)]
     dst = make_engine(block_size=8)
-    with pytest.raises(InvalidRequest, match="layout"):
+    with pytest.raises(IncompatibleKV, match="fingerprint"):  # the block size is part of it
         dst.import_kv(state, layout, payload)
+    with pytest.raises(InvalidRequest, match="layout"):  # and the layout itself is checked too
+        dst.import_kv(state, replace(layout, fingerprint=dst.kv_layout.fingerprint), payload)
     dst = make_engine()
     with pytest.raises(InvalidRequest, match="token count"):
         dst.import_kv(state, layout.with_tokens(layout.num_tokens + 1), payload)

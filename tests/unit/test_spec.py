@@ -1,0 +1,130 @@
+"""The deployment spec: the committed default spec writes the committed repository, versions become
+version folders, and every error names its key's path in the file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.config import ConfigError
+from disagg.paths import REPO_ROOT
+from disagg.triton.pool_model import pool_config, version_manifest
+from disagg.triton.version import read_manifest
+from disagg_tools.repository import main as repository_main
+from disagg_tools.spec import Spec, load_spec, parse_spec
+
+DEFAULT_SPEC = REPO_ROOT / "deploy" / "spec.yaml"
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_committed_repository_is_the_default_spec(tmp_path):
+    assert repository_main(["--spec", str(DEFAULT_SPEC), "--out", str(tmp_path)]) == 0
+    assert _tree(tmp_path) == _tree(REPO_ROOT / "model_repository"), "regenerate: disagg repository --spec"
+    assert load_spec(DEFAULT_SPEC) == Spec(), "the default spec spells out the defaults"
+
+
+def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    spec = {
+        "model": {
+            "versions": [
+                {"version": 1, "checkpoint": "a"},
+                {"version": 2, "checkpoint": "/models/b", "probe": {"prompt": "Hi", "expect": " there"}},
+            ],
+            "serving": 1,
+        },
+        "dtype": "float32",
+        "pools": {"decode": {"cores": [1], "instances": 2}},
+        "entry_points": {"slo": {"ttft_s": 0.5}},
+    }
+    spec_file.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "repo"
+    assert repository_main(["--spec", str(spec_file), "--out", str(out)]) == 0
+    for model in ("prefill", "decode", "colocated"):
+        text = (out / model / "config.pbtxt").read_text()
+        assert "version_policy: { specific: { versions: [ 1 ] } }" in text
+        assert read_manifest(out / model, 1).checkpoint == str(tmp_path / "a"), "relative to the spec"
+        second = read_manifest(out / model, 2)
+        assert second.checkpoint == "/models/b" and second.probe.expect == " there"
+        assert second.probe.max_tokens == 8
+    for model in ("llm", "ensemble", "preprocessing"):  # entry points have one version, no manifest
+        assert sorted(p.name for p in (out / model).iterdir()) == ["1", "config.pbtxt"]
+        assert "version_policy" not in (out / model / "config.pbtxt").read_text()
+    assert "kind: KIND_CPU, count: 2" in (out / "decode" / "config.pbtxt").read_text()
+    assert 'key: "slo_ttft_s", value: { string_value: "0.5" }' in (out / "llm" / "config.pbtxt").read_text()
+
+    # the pool adapter serves the version folder's checkpoint
+    args = {"model_repository": str(out / "decode"), "model_version": "2", "model_instance_name": "decode_0"}
+    text = (out / "decode" / "config.pbtxt").read_text()
+    params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+    config = pool_config(params, args, version_manifest(args))
+    assert str(config.engine.model_dir) == "/models/b" and config.engine.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"pools": {"decode": {"corez": [1]}}}, r"^pools\.decode: unknown key\(s\) corez$"),
+        ({"pools": {"prefill": {"cores": "0"}}}, r"^pools\.prefill\.cores: must be a list$"),
+        ({"pools": {"prefill": {"cores": ["a"]}}}, r"^pools\.prefill\.cores\[0\]: must be an integer$"),
+        ({"kv": {"cache_mb": 0}}, r"^kv\.cache_mb: must be in"),
+        ({"kv": {"transport": "tcp"}}, r"^kv\.transport: must be one of shm, nixl$"),
+        ({"dtype": "int8"}, r"^dtype: must be one of"),
+        (
+            {"pools": {"prefill": {"cores": [0, 1]}, "decode": {"cores": [1]}}},
+            r"^pools\.decode\.cores: overlaps prefill\.cores \(core 1\)$",
+        ),
+        (
+            {"pools": {"prefill": {"gpus": [0, 1], "instances": 2}, "decode": {"gpus": [1]}}},
+            r"^pools\.decode\.gpus: overlaps prefill\.gpus \(GPU 1\)$",
+        ),
+        ({"pools": {"prefill": {"gpus": [0]}}}, r"^pools\.decode\.gpus: prefill and decode go on GPUs"),
+        ({"pools": {"decode": {"cores": [1, 1]}}}, r"^pools\.decode\.cores: must list distinct"),
+        ({"model": {"versions": [{"version": 1}, {"version": 1}]}}, r"^model\.versions: .*unique$"),
+        ({"model": {"serving": 3}}, r"^model\.serving: must be one of the listed versions$"),
+        ({"model": {"versions": [{"version": 0}]}}, r"^model\.versions\[0\]\.version: must be"),
+        ({"model": {"versions": [{"version": 2, "probe": {"prompt": "x"}}]}}, r"probe\.expect: required"),
+        (
+            {"pools": {"prefill": {"autoscale": {"min_size": 3, "max_size": 2}}}},
+            r"^pools\.prefill\.autoscale:",
+        ),
+        ({"schedule": {"day": "09:00"}}, r"^schedule: reserved, not supported yet"),
+        ({"hot_prompts": {"pool": {"cores": []}}}, r"^hot_prompts\.pool\.cores: "),
+    ],
+)
+def test_spec_errors_name_the_path_in_the_file(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(spec)
+
+
+def test_a_spec_file_error_names_the_file_and_the_repository_refuses_mixed_flags(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  decode:\n    cores: [0]\n")
+    assert repository_main(["--spec", str(bad), "--out", str(tmp_path / "r")]) == 2
+    assert f"{bad}: pools.decode.cores: overlaps prefill.cores (core 0)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists(), "nothing written from an invalid spec"
+    with pytest.raises(SystemExit):
+        repository_main(["--spec", str(DEFAULT_SPEC), "--out", str(tmp_path / "r"), "--dtype", "float32"])
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_spec(tmp_path / "list.yaml")
+
+
+def test_the_spec_gives_the_autoscaler_its_bounds_and_targets():
+    spec = parse_spec(
+        {
+            "entry_points": {"slo": {"ttft_s": 0.8, "tpot_s": 0.05}},
+            "pools": {"decode": {"autoscale": {"min_size": 1, "max_size": 3}}},
+        }
+    )
+    prefill, decode = spec.autoscaler_pools()
+    assert (prefill["name"], prefill["max_size"], prefill["ttft_target_s"]) == ("prefill", 1, 0.8)
+    assert (decode["min_size"], decode["max_size"], decode["tpot_target_s"]) == (1, 3, 0.05)
+    assert json.loads(json.dumps(spec.autoscaler_pools())) == [prefill, decode]

@@ -1,0 +1,312 @@
+"""The deployment spec: one reviewed YAML file that says what a server deploys.
+
+    disagg repository --spec deploy/spec.yaml --out model_repository
+    disagg serve --spec deploy/spec.yaml
+
+It is read into one frozen :class:`Spec` by ``disagg.config.build``: unknown keys, wrong types and
+out-of-range values are refused with an error that starts with the key's path in the file
+(``pools.decode.cores: ...``). On top of the types it checks what no single key can:
+
+- the prefill and decode pools run on disjoint core sets, and on disjoint GPUs (the colocated baseline,
+  the entry points and the hot prompts' pool share cores on purpose);
+- version numbers are unique and the serving version is one of them.
+
+A spec becomes a :class:`disagg_tools.repository.Layout` plus the model versions
+(:class:`disagg_tools.repository.ModelVersion`); the repository generator writes both. The committed
+``model_repository/`` is generated from the committed ``deploy/spec.yaml`` (a test keeps them equal).
+
+``schedule`` (a time-of-day split of the cores) and ``remote`` (pools on other hosts) are reserved for
+what is not built yet: they must be absent or null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from disagg.config import ConfigError, build
+from disagg.triton.version import Probe
+from disagg_tools.autoscaler.config import load_file
+from disagg_tools.repository import Layout, ModelVersion
+
+Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
+
+
+def _cores(cores: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cores)
+
+
+def _check_ids(values: tuple[int, ...], key: str, what: str) -> None:
+    if any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{key}: must list distinct {what} numbers >= 0")
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """The autoscaler's bounds for a pool's instance count."""
+
+    min_size: int = 1
+    max_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_size <= self.max_size <= 64:
+            raise ValueError("must have 1 <= min_size <= max_size <= 64")
+
+
+@dataclass(frozen=True)
+class PrefillPool:
+    cores: tuple[int, ...] = (0,)
+    gpus: tuple[int, ...] = ()  # set: a KIND_GPU group, one instance per GPU (NOT verified on a GPU)
+    instances: int = 1
+    dtype: Dtype = ""  # "": the spec's dtype
+    nice: int = 10  # yields its shared core to the token relay
+    local_decode: bool = True  # the fallback ladder's "local" rung
+    autoscale: Autoscale = field(default_factory=Autoscale)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True)
+class DecodePool:
+    cores: tuple[int, ...] = (1,)
+    gpus: tuple[int, ...] = ()
+    instances: int = 1
+    dtype: Dtype = ""
+    # conditional disaggregation: short prompts prefilled here while prefill is backlogged (0: off)
+    conditional_prefill_tokens: int = 0
+    conditional_chunk_tokens: int = 128
+    autoscale: Autoscale = field(default_factory=Autoscale)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+@dataclass(frozen=True)
+class ColocatedPool:
+    cores: tuple[int, ...] = (0, 1)
+    gpus: tuple[int, ...] = ()
+    instances: int = 1
+    dtype: Dtype = ""
+    chunk_tokens: int = 0  # prompt tokens per step, in chunks (0: whole prompts)
+
+    def __post_init__(self) -> None:
+        _check_pool(self)
+
+
+def _check_pool(pool: Any) -> None:
+    _check_ids(pool.cores, "cores", "core")
+    _check_ids(pool.gpus, "gpus", "GPU")
+    if not pool.cores and not pool.gpus:
+        raise ValueError("cores: a CPU pool needs at least one core")
+    if not 1 <= pool.instances <= 64:
+        raise ValueError("instances: must be in 1..64")
+    if pool.gpus and pool.instances != len(pool.gpus):
+        raise ValueError("instances: a GPU pool runs one instance per listed GPU")
+
+
+@dataclass(frozen=True)
+class Pools:
+    prefill: PrefillPool = field(default_factory=PrefillPool)
+    decode: DecodePool = field(default_factory=DecodePool)
+    colocated: ColocatedPool = field(default_factory=ColocatedPool)
+
+    def __post_init__(self) -> None:
+        p, d = self.prefill, self.decode
+        if not p.gpus and not d.gpus:
+            shared = sorted(set(p.cores) & set(d.cores))
+            if shared:
+                raise ValueError(f"decode.cores: overlaps prefill.cores (core {shared[0]})")
+        if bool(p.gpus) != bool(d.gpus):
+            raise ValueError("decode.gpus: prefill and decode go on GPUs together (GPU to GPU hand-off)")
+        shared = sorted(set(p.gpus) & set(d.gpus))
+        if shared:
+            raise ValueError(f"decode.gpus: overlaps prefill.gpus (GPU {shared[0]})")
+
+
+@dataclass(frozen=True)
+class KV:
+    """The KV cache the prefill and decode pools share, and its hand-off."""
+
+    dtype: Dtype = ""  # "": the decode pool's compute dtype
+    cache_mb: int = 256
+    block_size: int = 16
+    lease_ttl_s: float = 30.0
+    transport: Literal["shm", "nixl"] = "shm"  # CPU pools; GPU pools hand off over CUDA IPC
+    prefix_cache: bool = False  # the prefill and colocated pools reuse shared prompt prefixes' KV
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.cache_mb <= 1 << 20:
+            raise ValueError("cache_mb: must be in 1..1048576")
+        if self.block_size not in (4, 8, 16, 32, 64, 128):
+            raise ValueError("block_size: must be one of 4, 8, 16, 32, 64, 128")
+        if not 0 < self.lease_ttl_s <= 3600:
+            raise ValueError("lease_ttl_s: must be in (0, 3600]")
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float | None = None  # None: the orchestrator's default
+    tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 3600:
+                raise ValueError(f"{name}: must be in (0, 3600] seconds")
+
+
+@dataclass(frozen=True)
+class EntryPoints:
+    """The entry points (ensemble, llm, their orchestrators and text steps)."""
+
+    cores: tuple[int, ...] = (0,)
+    request_timeout_s: float = 600.0
+    slo: Slo = field(default_factory=Slo)
+
+    def __post_init__(self) -> None:
+        _check_ids(self.cores, "cores", "core")
+        if not 0 < self.request_timeout_s <= 86400:
+            raise ValueError("request_timeout_s: must be in (0, 86400]")
+
+
+@dataclass(frozen=True)
+class HotPool:
+    cores: tuple[int, ...]
+    nice: int = 5
+
+    def __post_init__(self) -> None:
+        _check_ids(self.cores, "cores", "core")
+        if not self.cores:
+            raise ValueError("cores: the hot prompts' pool needs at least one core")
+
+
+@dataclass(frozen=True)
+class HotPrompts:
+    pool: HotPool | None = None  # a decode pool of their own ("decode_hot"); None: none
+    group_rate: float = 0.0  # where no hot pool takes them: requests/s a hot group may start (0: off)
+
+
+@dataclass(frozen=True)
+class Version:
+    version: int
+    checkpoint: str = ""  # "": the server's model ($MODEL_DIR, else the default model)
+    probe: Probe | None = None  # a short greedy generation a pool must reproduce before it serves
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.version <= 1 << 30:
+            raise ValueError("version: must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Model:
+    versions: tuple[Version, ...] = (Version(1),)
+    serving: int = 1  # the version loaded at start (the pools' version_policy)
+
+    def __post_init__(self) -> None:
+        numbers = [v.version for v in self.versions]
+        if not numbers:
+            raise ValueError("versions: at least one version")
+        if len(set(numbers)) != len(numbers):
+            raise ValueError("versions: version numbers must be unique")
+        if self.serving not in numbers:
+            raise ValueError("serving: must be one of the listed versions")
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: Model = field(default_factory=Model)
+    dtype: Dtype = "bfloat16"
+    entry_points: EntryPoints = field(default_factory=EntryPoints)
+    pools: Pools = field(default_factory=Pools)
+    kv: KV = field(default_factory=KV)
+    hot_prompts: HotPrompts = field(default_factory=HotPrompts)
+    schedule: Any = None  # reserved: a time-of-day split of the pools
+    remote: Any = None  # reserved: pools on other hosts
+
+    def __post_init__(self) -> None:
+        if not self.dtype:
+            raise ValueError("dtype: must be one of bfloat16, float32, float16, auto")
+        for name in ("schedule", "remote"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: reserved, not supported yet (leave it out or null)")
+        hot = self.hot_prompts.pool
+        if hot is not None and self.pools.decode.gpus:
+            raise ValueError("hot_prompts.pool: a hot prompts' pool is a CPU pool (decode is on GPUs)")
+
+    def layout(self) -> Layout:
+        """The repository layout this spec deploys."""
+        p, d, c = self.pools.prefill, self.pools.decode, self.pools.colocated
+        hot = self.hot_prompts.pool
+        return Layout(
+            prefill_cores=_cores(p.cores),
+            decode_cores=_cores(d.cores),
+            colocated_cores=_cores(c.cores),
+            frontend_cores=_cores(self.entry_points.cores),
+            dtype=self.dtype,
+            prefill_dtype=p.dtype,
+            decode_dtype=d.dtype,
+            kv_dtype=self.kv.dtype,
+            kv_cache_mb=self.kv.cache_mb,
+            block_size=self.kv.block_size,
+            lease_ttl_s=self.kv.lease_ttl_s,
+            transport="" if self.kv.transport == "shm" else self.kv.transport,
+            request_timeout_s=self.entry_points.request_timeout_s,
+            slo_ttft_s=self.entry_points.slo.ttft_s,
+            slo_tpot_s=self.entry_points.slo.tpot_s,
+            prefill_nice=p.nice,
+            local_decode=p.local_decode,
+            colocated_chunk_tokens=c.chunk_tokens,
+            prefix_cache=self.kv.prefix_cache,
+            hot_decode_cores=_cores(hot.cores) if hot is not None else "",
+            hot_decode_nice=hot.nice if hot is not None else 5,
+            hot_group_rate=self.hot_prompts.group_rate,
+            conditional_prefill_tokens=d.conditional_prefill_tokens,
+            conditional_chunk_tokens=d.conditional_chunk_tokens,
+            prefill_gpus=_cores(p.gpus),
+            decode_gpus=_cores(d.gpus),
+            colocated_gpus=_cores(c.gpus),
+            prefill_instances=p.instances,
+            decode_instances=d.instances,
+            colocated_instances=c.instances,
+        )
+
+    def versions(self, base: Path | None = None) -> tuple[ModelVersion, ...]:
+        """The pools' versions; a relative checkpoint path is taken from ``base`` (the spec's folder)."""
+        out = []
+        for v in self.model.versions:
+            checkpoint = v.checkpoint
+            if checkpoint and base is not None and not Path(checkpoint).is_absolute():
+                checkpoint = str((base / checkpoint).resolve())
+            out.append(ModelVersion(v.version, checkpoint, v.probe))
+        return tuple(out)
+
+    def autoscaler_pools(self) -> list[dict[str, Any]]:
+        """The autoscaler's pool entries (``disagg autoscale``'s ``pools``) with this spec's bounds."""
+        p, d = self.pools.prefill.autoscale, self.pools.decode.autoscale
+        slo = self.entry_points.slo
+        prefill: dict[str, Any] = {"name": "prefill", "role": "prefill", "min_size": p.min_size}
+        prefill["max_size"] = p.max_size
+        decode: dict[str, Any] = {"name": "decode", "role": "decode", "min_size": d.min_size}
+        decode["max_size"] = d.max_size
+        if slo.ttft_s is not None:
+            prefill["ttft_target_s"] = slo.ttft_s
+        if slo.tpot_s is not None:
+            decode["tpot_target_s"] = slo.tpot_s
+        return [prefill, decode]
+
+
+def parse_spec(data: Any) -> Spec:
+    """A spec from its parsed YAML; ConfigError naming the key path when it is not valid."""
+    if data is None:
+        data = {}
+    return build(Spec, data)
+
+
+def load_spec(path: Path) -> Spec:
+    """Read and validate a spec file; ConfigError (prefixed with the file) when it is not valid."""
+    try:
+        return parse_spec(load_file(Path(path)))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
