@@ -62,7 +62,11 @@ class Greedy:
 
 
 def engine_greedy(
-    prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16", min_length: int = 0
+    prompts: Iterable[str],
+    max_tokens: int,
+    dtype: str = "bfloat16",
+    min_length: int = 0,
+    model_dir: Path | None = None,
 ) -> dict[str, Greedy]:
     """Greedy output of each prompt from the reference engine, one prompt at a time (batch size 1),
     as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with."""
@@ -81,7 +85,7 @@ def engine_greedy(
             self.margin = min(self.margin, float(top[0] - top[1]))
             return super()._append(seq, logits)
 
-    model_dir = resolve_model_dir()
+    model_dir = model_dir or resolve_model_dir()
     tokenizer = Tokenizer(model_dir)
     engine = MarginEngine(EngineConfig(model_dir=model_dir, dtype=dtype, kv_cache_mb=64))
     params = SamplingParams(max_tokens=max_tokens, min_length=min_length)
@@ -99,9 +103,13 @@ def engine_greedy(
     return results
 
 
-def engine_texts(prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16") -> dict[str, str]:
-    """Greedy text of each prompt from the reference engine (`engine_greedy`)."""
-    return {prompt: greedy.text for prompt, greedy in engine_greedy(prompts, max_tokens, dtype).items()}
+def engine_texts(
+    prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16", model_dir: Path | None = None
+) -> dict[str, str]:
+    """Greedy text of each prompt from the reference engine (`engine_greedy`), on ``model_dir``
+    (default: the suite's model)."""
+    greedy = engine_greedy(prompts, max_tokens, dtype, model_dir=model_dir)
+    return {prompt: g.text for prompt, g in greedy.items()}
 
 
 # ---- requests --------------------------------------------------------------------------------------
