@@ -501,6 +501,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+OWNED_MARKER = ".disagg-spec-repository"  # in a folder this module created for `disagg serve --spec`
+
+
+def write_owned(spec_path: Path, out: Path) -> Path:
+    """Write the spec's repository afresh into ``out``, a folder this function creates and owns: one
+    it finds without its marker (someone else's) is never touched. ValueError when the spec is not
+    valid or ``out`` is not ours."""
+    import shutil
+
+    from disagg_tools.spec import load_spec
+
+    spec = load_spec(spec_path)  # before anything is removed: an invalid spec changes nothing
+    layout = spec.layout()
+    if out.exists():
+        if not (out / OWNED_MARKER).is_file():
+            raise ValueError(f"{out} exists and was not written by `disagg serve --spec`; not touching it")
+        shutil.rmtree(out)  # models of an earlier spec must not stay behind
+    out.mkdir(parents=True)
+    (out / OWNED_MARKER).write_text(f"generated from {Path(spec_path).resolve()}\n")
+    write(out, layout, spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,))
+    return out
+
+
 def write_spec(spec_path: Path, out: Path) -> int:
     """Write the repository of the spec at ``spec_path`` into ``out``; 2 with the error when the spec
     is not valid."""

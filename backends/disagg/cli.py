@@ -36,6 +36,8 @@ from disagg.serverconfig import (
     server_config,
 )
 
+SPEC_REPOSITORY = "spec-repository"  # under STATE_DIR: what `disagg serve --spec` serves
+
 
 def _generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="disagg generate", description="Generate text with the engine.")
@@ -176,9 +178,26 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         metavar="PORT",
         help=f"port of the OpenAI-compatible front end (default ${ENV_PORT}, else {DEFAULT_PORT}; 0: off)",
     )
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help=f"serve the deployment spec's repository (deploy/spec.yaml), written afresh into "
+        f"{STATE_DIR / SPEC_REPOSITORY} (instead of --model-repository)",
+    )
     args = parser.parse_args(argv)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if args.spec is not None:
+        if args.model_repository != DEFAULT_REPOSITORY:
+            parser.error("--spec names the repository to serve; drop --model-repository")
+        from disagg_tools.repository import write_owned
+
+        try:
+            args.model_repository = write_owned(args.spec, STATE_DIR / SPEC_REPOSITORY)
+        except ValueError as exc:
+            print(f"disagg serve: {exc}", file=sys.stderr)
+            return 2
     try:
         openai_port = parse_port(
             args.openai_port if args.openai_port is not None else os.environ.get(ENV_PORT)

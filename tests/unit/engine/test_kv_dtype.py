@@ -3,6 +3,8 @@ fp32 can hand its KV, rounded to bf16, to a pool computing in bf16."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
+from disagg.kv.errors import IncompatibleKV
 from disagg.serving.offline import generate
 
 PROMPT = (1, *range(20, 47))  # 27 tokens: 7 blocks of 4, the last one partial
@@ -93,6 +96,10 @@ def test_a_decode_pool_refuses_kv_of_another_dtype(make_engine) -> None:
     src, dst = make_engine(dtype="float32"), make_engine(dtype="float32", kv_dtype="bfloat16")
     (out,) = src.prefill([Request(PROMPT, SamplingParams(max_tokens=4))], decode=False)
     state, layout, blocks = src.export_kv(out.seq_id)
-    with pytest.raises(InvalidRequest, match="dtype"):
+    with pytest.raises(IncompatibleKV, match="fingerprint"):  # the KV dtype is part of it
         dst.import_kv(state, layout, src.kv.memory[torch.tensor(blocks)])
+    with pytest.raises(InvalidRequest, match="dtype"):  # and the layout is checked as well
+        dst.import_kv(
+            state, replace(layout, fingerprint=dst.kv_layout.fingerprint), src.kv.memory[torch.tensor(blocks)]
+        )
     assert dst.kv.free_blocks == dst.kv.num_blocks and not dst.active_sequences()
