@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 from triton_support import (
     REPO_ROOT,
+    ClientThreads,
     GrpcStream,
     TritonFactory,
     http_json,
@@ -130,18 +131,16 @@ def test_controller_reads_ttft_of_the_entry_points_by_path() -> None:
 # ---- live server --------------------------------------------------------------------------------------
 
 
-class LoadLoop:
+class LoadLoop(ClientThreads):
     """Client threads streaming `llm` requests one after another until stopped; every error is kept."""
 
+    JOIN_TIMEOUT_S = 90.0
+
     def __init__(self, grpc_url: str, threads: int = 2, tokens: int = 8) -> None:
+        super().__init__(threads)
         self._url, self._tokens = grpc_url, tokens
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
         self.completed = 0
         self.errors: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=f"load-{i}") for i in range(threads)
-        ]
 
     def _run(self, index: int) -> None:
         with GrpcStream(self._url) as stream:
@@ -165,16 +164,6 @@ class LoadLoop:
     def done(self) -> int:
         with self._lock:
             return self.completed
-
-    def __enter__(self) -> LoadLoop:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=90)
 
 
 class Autoscaler:

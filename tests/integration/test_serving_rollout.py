@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 from serving_support import engine_texts, metric_sum, read_stream, text_inputs
-from triton_support import GrpcStream, LeakProbe, TritonFactory, live_group_members, shm_entries, wait_until
+from triton_support import (
+    ClientThreads,
+    GrpcStream,
+    LeakProbe,
+    TritonFactory,
+    live_group_members,
+    shm_entries,
+    wait_until,
+)
 
 from disagg.control import ModelControl
 from disagg.serving.routing import Routing, RoutingFile
@@ -95,25 +102,13 @@ def _rollout(server, triton_factory: TritonFactory, said: list[str]) -> Rollout:
     return Rollout(triton, control, RoutingFile(control.routing_path), say=said.append)
 
 
-class Load:
+class Load(ClientThreads):
     """Clients streaming `llm` and `ensemble` requests back to back until stopped; every outcome kept."""
 
     def __init__(self, server, clients: int = 3) -> None:
+        super().__init__(clients)
         self.url = server.config.grpc_url
         self.results: list[tuple[float, str, str, str | None, bool]] = []  # start, prompt, text, error, final
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=120)
 
     def _run(self, index: int) -> None:
         model = "ensemble" if index == 0 else "llm"
@@ -160,8 +155,12 @@ def test_rollout_rollback_and_a_broken_version_under_load(server, triton_factory
             wait_until(lambda n=started: load.count() >= n + 3, 120, "requests served on the new version")
             assert rollout.triton.loaded_versions()["decode"] == [target]
 
-        with pytest.raises(RolloutError, match=r"version 3 of \w+ failed to load; still serving version 2"):
+        with pytest.raises(
+            RolloutError, match=r"version 3 of \w+ failed to load; still serving version 2"
+        ) as broken:
             rollout.run(3)
+        print(f"\nthe broken version's rollout: {broken.value}")
+        assert "safetensors" in str(broken.value), "Triton's reason, from the pool's own error, is kept"
         assert rollout.triton.loaded_versions()["decode"] == [2], "the old version kept serving"
         windows[-1][2] = time.monotonic() + 3600  # after the failed rollout: still version 2
         started = load.count()

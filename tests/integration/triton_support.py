@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
@@ -193,6 +193,34 @@ class LeakProbe:
 
 
 # ---- clients -------------------------------------------------------------------------------------------
+
+
+class ClientThreads:
+    """Client threads running ``self._run(index)`` until ``_stop`` is set; a context manager that starts
+    them on entry and stops and joins them on exit. Subclasses keep their results behind ``_lock``."""
+
+    JOIN_TIMEOUT_S = 120.0
+
+    def __init__(self, clients: int) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"client-{i}", daemon=True)
+            for i in range(clients)
+        ]
+
+    def _run(self, index: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.JOIN_TIMEOUT_S)
 
 
 def grpc_inputs(values: Mapping[str, np.ndarray]) -> list[Any]:

@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Size the prefill and decode pools from the server's SLO metrics.",
     )
     ap.add_argument("--config", type=Path, help="YAML or JSON file (flags below override it)")
+    ap.add_argument(
+        "--spec",
+        type=Path,
+        help="deployment spec (deploy/spec.yaml): its pools' autoscale bounds and its SLOs as targets, "
+        "laid over --config's pools of the same name (flags override both)",
+    )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--metrics-url", help="Triton /metrics URL (default http://127.0.0.1:8002/metrics)")
     src.add_argument("--prometheus-url", help="Prometheus server base URL (uses /api/v1/query)")
@@ -91,6 +97,15 @@ def config_from_args(args: argparse.Namespace) -> AutoscalerConfig:
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     pools = [dict(p) if isinstance(p, dict) else p for p in (data.get("pools") or [])]
+    if args.spec is not None:
+        from disagg_tools.spec import load_spec
+
+        for entry in load_spec(args.spec).autoscaler_pools():
+            same = [p for p in pools if isinstance(p, dict) and p.get("name") == entry["name"]]
+            if same:
+                same[0].update(entry)
+            else:
+                pools.append(entry)
     for flag, (role, key) in _POOL_FLAGS.items():
         value = getattr(args, flag)
         if value is None:

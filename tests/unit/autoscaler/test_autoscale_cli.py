@@ -182,3 +182,21 @@ def test_own_metrics_endpoint_serves_sizes_and_decisions() -> None:
             assert name in text, name
     assert 'disagg_autoscaler_current_size{pool="prefill"} 1.0' in text
     assert 'disagg_autoscaler_fail_static_total{pool="prefill",reason="scrape_failed"} 1.0' in text
+
+
+def test_the_deployment_spec_gives_bounds_and_targets(tmp_path: Path) -> None:
+    from disagg_tools.autoscaler.cli import _parser, config_from_args
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "entry_points: {slo: {ttft_s: 0.8, tpot_s: 0.05}}\n"
+        "pools:\n  prefill: {autoscale: {min_size: 1, max_size: 3}}\n"
+        "  decode: {autoscale: {min_size: 2, max_size: 4}}\n"
+    )
+    path = tmp_path / "autoscale.yaml"
+    path.write_text("pools:\n  - {name: prefill, role: prefill, ttft_target_s: 0.5, cooldown_in_s: 20}\n")
+    args = _parser().parse_args(["--config", str(path), "--spec", str(spec), "--decode-max", "5"])
+    pools = {p.name: p for p in config_from_args(args).pools}
+    prefill, decode = pools["prefill"], pools["decode"]
+    assert (prefill.max_size, prefill.ttft_target_s, prefill.cooldown_in_s) == (3, 0.8, 20.0)
+    assert (decode.min_size, decode.max_size, decode.tpot_target_s) == (2, 5, 0.05)
