@@ -8,7 +8,7 @@ SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 VLLM_VENV := $(CURDIR)/.venv-vllm
 AIPERF_VENV := $(CURDIR)/.venv-aiperf
 
-.PHONY: install model test-models test lint format bench-engine bench-prefix bench-hot bench bench-quick bench-slos bench-aiperf serve
+.PHONY: install model test-models test lint format bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -50,6 +50,10 @@ bench-prefix: test-models
 # A burst of similar prompts amid steady traffic, and a chat workload, beside vLLM (~20 min).
 bench-hot: test-models $(VLLM_VENV)/.installed
 	$(PY) perf/hot_prompts.py --hot-pool --model-dir "$(SMOLLM2)"
+
+# A rollout and a rollback under steady load (perf/rollout.py): latency and failures per window.
+bench-rollout: test-models
+	$(PY) perf/rollout.py --model-dir "$(SMOLLM2)"
 
 # Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
 bench-engine: test-models $(VLLM_VENV)/.installed
