@@ -20,16 +20,16 @@ model the server runs:
 5. **unload**: each model's policy becomes ``[N]``; the old version's instances end, and their KV
    regions with them.
 
-Each step holds the server's model-control lock (``disagg.control``), which the pool watchers'
-restarts and the autoscaler's actuator share. The change is to the live server: a server started again
-loads what its repository's ``version_policy`` says, so set ``serving:`` in the spec and regenerate
-the repository to make it last.
+Each load goes through the server's model-control broker (``disagg.broker``: the process that launched
+the server, the one holder of its admin key), which makes it under the server's model-control lock,
+shared with the pool watchers' restarts and the autoscaler's actuator. The change is to the live
+server: a server started again loads what its repository's ``version_policy`` says, so set
+``serving:`` in the spec and regenerate the repository to make it last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,14 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.control import ModelControl, loadable_config
-from disagg.serverconfig import (
-    ADMIN_HEADER,
-    ADMIN_KEY_FILE,
-    ENV_ADMIN_KEY,
-    STATE_DIR,
-    load_or_create_admin_key,
-)
+from disagg.broker import BrokerClient, BrokerError
+from disagg.control import ModelControl
 from disagg.serving.routing import Routing, RoutingFile
 from disagg_tools.repository import POOL_MODELS
 
@@ -68,42 +62,30 @@ class RolloutConfig:
 
 
 class TritonControl:
-    """The model-repository HTTP calls a rollout makes; the admin key goes only on restricted ones."""
+    """The server as a rollout sees it: model control through the server's broker (``disagg.broker``,
+    the holder of its admin key), the pinned requests from its /metrics."""
 
-    def __init__(self, config: RolloutConfig, admin_key: str) -> None:
+    def __init__(self, config: RolloutConfig, broker: BrokerClient | None = None) -> None:
         self.config = config
-        self._key = admin_key
+        self.broker = broker if broker is not None else BrokerClient(config.url, config.load_timeout_s)
 
-    def _call(self, method: str, path: str, body: Any = None, *, admin: bool = False) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        if admin:
-            headers[ADMIN_HEADER] = self._key
-        request = urllib.request.Request(self.config.url.rstrip("/") + path, data, headers, method=method)
+    def _call(self, op: str, model: str = "", config: dict[str, Any] | None = None) -> Any:
         try:
-            with urllib.request.urlopen(request, timeout=self.config.load_timeout_s) as reply:
-                raw = reply.read()
-        except urllib.error.HTTPError as exc:
-            raise RolloutError(f"{method} {path}: HTTP {exc.code}: {_triton_error(exc)}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise RolloutError(f"server unreachable at {self.config.url} ({type(exc).__name__})") from None
-        return json.loads(raw) if raw else None
+            return self.broker.call(op, model, config)
+        except BrokerError as exc:
+            raise RolloutError(str(exc)) from None
 
     def loaded_versions(self) -> dict[str, list[int]]:
         """Model -> its versions that are READY now."""
         found: dict[str, list[int]] = {}
-        for entry in self._call("POST", "/v2/repository/index", {}, admin=True) or []:
+        for entry in self._call("index") or []:
             if entry.get("state") == "READY" and str(entry.get("version", "")).isdigit():
                 found.setdefault(entry["name"], []).append(int(entry["version"]))
         return {name: sorted(versions) for name, versions in found.items()}
 
     def set_versions(self, model: str, versions: list[int]) -> None:
         """Load ``model`` with its live config and ``version_policy`` = ``versions``."""
-        quoted = urllib.parse.quote(model)
-        live = self._call("GET", f"/v2/models/{quoted}/config")
-        config = {**loadable_config(live), "version_policy": {"specific": {"versions": versions}}}
-        body = {"parameters": {"config": json.dumps(config)}}
-        self._call("POST", f"/v2/repository/models/{quoted}/load", body, admin=True)
+        self._call("update", model, {"version_policy": {"specific": {"versions": versions}}})
 
     def pinned(self) -> dict[tuple[str, int], float]:
         """(pool model, version) -> requests in flight pinned to it, summed over entry points."""
@@ -127,13 +109,6 @@ def pinned_counts(text: str) -> dict[tuple[str, int], float]:
             key = (sample.labels.get("pool", ""), int(sample.labels.get("version", "0")))
             counts[key] = counts.get(key, 0.0) + sample.value
     return counts
-
-
-def _triton_error(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(exc.read()).get("error", "")) or exc.reason
-    except (ValueError, AttributeError, OSError):
-        return str(exc.reason)
 
 
 class Rollout:
@@ -179,8 +154,7 @@ class Rollout:
         for model in models:  # 2. load beside
             versions = sorted({current[model], target})
             try:
-                with self.control.owner():
-                    self.triton.set_versions(model, versions)
+                self.triton.set_versions(model, versions)
             except RolloutError as exc:
                 self._undo(added, current)
                 raise RolloutError(
@@ -193,15 +167,13 @@ class Rollout:
         self.say(f"switched: new requests go to version {target}")  # 3. switch
         self._drain(current)  # 4. drain
         for model in models:  # 5. unload the old
-            with self.control.owner():
-                self.triton.set_versions(model, [target])
+            self.triton.set_versions(model, [target])
             self.say(f"unloaded {model} version {current[model]}")
         self.say(f"serving version {target}")
 
     def _undo(self, added: list[str], current: Mapping[str, int]) -> None:
         for model in added:
-            with self.control.owner():
-                self.triton.set_versions(model, [current[model]])
+            self.triton.set_versions(model, [current[model]])
 
     def _drain(self, old: Mapping[str, int]) -> None:
         deadline = self._clock() + self.triton.config.drain_timeout_s
@@ -225,14 +197,6 @@ def _describe(versions: Mapping[str, int]) -> str:
     return "version " + ", ".join(map(str, numbers))
 
 
-def admin_key(env: Mapping[str, str] | None = None) -> str:
-    """The server's admin key: ``DISAGG_ADMIN_KEY``, else ``.triton/admin-key`` (never created here)."""
-    env = os.environ if env is None else env
-    if not env.get(ENV_ADMIN_KEY) and not (STATE_DIR / ADMIN_KEY_FILE).is_file():
-        raise RolloutError(f"no admin key: set {ENV_ADMIN_KEY} or run where {STATE_DIR / ADMIN_KEY_FILE} is")
-    return load_or_create_admin_key(STATE_DIR, env)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg rollout", description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
@@ -247,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = RolloutConfig(args.url, args.metrics_url, args.load_timeout, args.drain_timeout)
     try:
-        key = admin_key()
         server = urllib.parse.urlsplit(args.url).netloc or args.url
         control = ModelControl(server, timeout_s=args.load_timeout)
-        rollout = Rollout(TritonControl(config, key), control, RoutingFile(control.routing_path))
+        rollout = Rollout(TritonControl(config), control, RoutingFile(control.routing_path))
         version = rollout.rollback_target() if args.rollback else args.to
         if version is None or version < 1:
             parser.error("--to must be a version number >= 1")

@@ -17,6 +17,7 @@ The configuration names (`ServerConfig`, `server_config`, ...) are re-exported f
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg.broker import Broker
 from disagg.control import ModelControl
 from disagg.kv.stale import DEFAULT_DIRECTORY as KV_DIRECTORY
 from disagg.kv.stale import DEFAULT_PREFIX as KV_PREFIX
@@ -51,6 +53,8 @@ from disagg.serverconfig import (
 )
 from disagg.serving.routing import RoutingFile
 from disagg.tritonbin import TritonFiles, locate_triton_files, prepare_backend_directory
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ADMIN_HEADER",
@@ -144,6 +148,7 @@ class TritonServer:
         self.config = config
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
+        self._broker: Broker | None = None
 
     @property
     def pid(self) -> int:
@@ -191,6 +196,10 @@ class TritonServer:
         finally:
             if output is not None:
                 output.close()
+        try:  # the one holder of the admin key that rollouts and the actuator ask (disagg.broker)
+            self._broker = Broker(self.config.http_url, self.config.admin_key).start()
+        except OSError as exc:
+            log.warning("no model-control broker for this server (%s): rollouts need one", exc)
         return self
 
     def is_ready(self) -> bool:
@@ -263,6 +272,9 @@ class TritonServer:
         """
         if self._process is None:
             raise ServerError("server not started")
+        if self._broker is not None:
+            self._broker.stop()
+            self._broker = None
         if self._process.poll() is None:
             self.signal(signal.SIGTERM)
             try:

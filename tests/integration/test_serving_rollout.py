@@ -95,10 +95,10 @@ def own_regions_ignored(leak_probe: LeakProbe, server) -> Iterator[None]:
         leak_probe.ignore_shm(f"{KV_REGION}{pid}-")
 
 
-def _rollout(server, triton_factory: TritonFactory, said: list[str]) -> Rollout:
+def _rollout(server, said: list[str]) -> Rollout:
     config = RolloutConfig(f"http://{server.config.http_url}", server.config.metrics_url, 120.0, 120.0)
     control = ModelControl(server.config.http_url)
-    triton = TritonControl(config, triton_factory.admin_key)
+    triton = TritonControl(config)  # through the server's broker: the launcher holds the key
     return Rollout(triton, control, RoutingFile(control.routing_path), say=said.append)
 
 
@@ -138,7 +138,7 @@ def _regions() -> frozenset[str]:
 
 def test_rollout_rollback_and_a_broken_version_under_load(server, triton_factory, expected) -> None:
     said: list[str] = []
-    rollout = _rollout(server, triton_factory, said)
+    rollout = _rollout(server, said)
     kv_refused = metric_sum(server, "disagg_kv_incompatible_total")
     with Load(server) as load:
         wait_until(lambda: load.count() >= 3, 120, "the load's first requests")
@@ -185,7 +185,7 @@ def test_kv_of_another_version_is_refused_counted_and_served_on_another_rung(
     server, triton_factory, expected
 ) -> None:
     said: list[str] = []
-    rollout = _rollout(server, triton_factory, said)
+    rollout = _rollout(server, said)
     serving = rollout.triton.loaded_versions()["decode"][0]
     other = 1 if serving == 2 else 2
     texts = expected["b"] if serving == 2 else expected["a"]

@@ -39,6 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from disagg.broker import BrokerClient, BrokerError
 from disagg.control import ModelControl, loadable_config
 from disagg_tools.autoscaler.clock import Clock
 from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, PoolConfig
@@ -104,13 +105,20 @@ class TritonActuator:
         inflight: Callable[[PoolConfig], float | None],
         environ: dict[str, str] | None = None,
         control: ModelControl | None = None,
+        broker: BrokerClient | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
         key = env.get(config.admin_key_env, "")
+        # without the key, it asks the server's model-control broker, the key's one holder
+        self._broker: BrokerClient | None = None
         if not key:
-            raise ConfigError(
-                f"actuator.admin_key_env: environment variable {config.admin_key_env} is not set"
-            )
+            broker = broker if broker is not None else BrokerClient(config.url, config.timeout_s)
+            if not broker.available():
+                raise ConfigError(
+                    f"actuator.admin_key_env: environment variable {config.admin_key_env} is not set, "
+                    f"and no model-control broker runs for {config.url} (disagg serve starts one)"
+                )
+            self._broker = broker
         self._config = config
         self._key = key
         self._clock = clock
@@ -141,7 +149,10 @@ class TritonActuator:
             raise ActuatorError(f"Triton sent non-JSON to {method} {path}") from None
 
     def _model_config(self, pool: PoolConfig) -> dict[str, Any]:
-        found = self._request("GET", f"/v2/models/{pool.name}/config")
+        if self._broker is not None:
+            found = self._ask("config", pool.name)
+        else:
+            found = self._request("GET", f"/v2/models/{pool.name}/config")
         if not isinstance(found, dict):
             raise ActuatorError("model config is not an object")
         return found
@@ -162,9 +173,19 @@ class TritonActuator:
             if self._clock.wait(self._config.drain_poll_s):
                 raise DrainTimeout(f"{pool.name}: stopping while waiting for drain")
 
+    def _ask(self, op: str, model: str, config: dict[str, Any] | None = None) -> Any:
+        try:
+            return self._broker.call(op, model, config)  # type: ignore[union-attr]
+        except BrokerError as exc:
+            raise ActuatorError(str(exc)) from None
+
     def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
         if desired < current:
             self._drain(pool)
+        if self._broker is not None:  # it re-reads the live config and loads under the lock
+            groups = with_instance_count(self._model_config(pool), desired)["instance_group"]
+            self._ask("update", pool.name, {"instance_group": groups})
+            return
         try:
             with self._control.owner():
                 # Re-read right before the load: the config may have changed since current() was read.

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from typing import Any
 
 import pytest
 from autoscale_factory import FakeClock, config, decode_pool, http_fake, json_body, prefill_pool
 
+from disagg.broker import Broker, BrokerClient, BrokerError
 from disagg.control import ModelControl
 from disagg_tools.autoscaler.actuator import (
     ActuatorError,
@@ -107,6 +109,44 @@ def test_triton_actuator_errors_are_actuator_errors_without_the_key() -> None:
             act.current(other)
     with pytest.raises(ConfigError):
         TritonActuator(ActuatorConfig(kind="triton"), FakeClock(), lambda p: 0.0, environ={})
+
+
+def test_without_the_key_the_actuator_asks_the_broker_which_alone_holds_it(tmp_path) -> None:
+    """The model-control broker (disagg.broker) of a server: the one holder of its admin key. Callers
+    without the key ask it over a 0600 Unix socket; it loads under the server's model-control lock."""
+    state = {"config": MODEL_CONFIG}
+    with http_fake(triton_handler(state)) as (url, records):
+        server = url.split("://")[1]
+        control = ModelControl(server, tmp_path, timeout_s=0.2)
+        broker = Broker(server, KEY, control).start()
+        try:
+            assert stat.S_IMODE(broker.path.stat().st_mode) == 0o600
+            client = BrokerClient(url, control=control)
+            cfg = ActuatorConfig(kind="triton", url=url)
+            act = TritonActuator(cfg, FakeClock(), lambda p: 0.0, environ={}, broker=client)
+            assert act.current(POOL) == 1
+            with control.owner(), pytest.raises(ActuatorError, match="model control busy"):
+                act.apply(POOL, 1, 2)  # a restart holds model control: the broker waits, then says so
+            assert not [r for r in records if r.method == "POST"]
+            act.apply(POOL, 1, 2)
+            assert act.current(POOL) == 2
+            post = next(r for r in records if r.method == "POST")
+            assert post.headers["disagg-admin-key"] == KEY, "the broker added the key"
+            kept = json.loads(json.loads(post.body)["parameters"]["config"])
+            assert kept["parameters"] == MODEL_CONFIG["parameters"], "the live config, one key replaced"
+            with pytest.raises(BrokerError, match="HTTP 404"):
+                client.call("config", "missing")
+            with pytest.raises(BrokerError, match="op one of"):
+                client.call("delete", "prefill")
+        finally:
+            broker.stop()
+        assert not broker.path.exists()
+        with pytest.raises(BrokerError, match="no model-control broker"):
+            client.call("index")
+        with pytest.raises(ConfigError, match="no model-control broker runs"):
+            TritonActuator(
+                ActuatorConfig(kind="triton", url=url), FakeClock(), lambda p: 0.0, environ={}, broker=client
+            )
 
 
 WAITING_POOL = config([prefill_pool(drain_max_inflight=0.0)]).pools[0]
