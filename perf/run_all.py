@@ -565,7 +565,8 @@ def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argpar
     rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
     orchestration_json = PERF / "results" / "orchestration_cost.json"
     orchestration = json.loads(orchestration_json.read_text()) if orchestration_json.exists() else None
-    args.report.write_text(report.render(results, rel, orchestration))
+    earlier = args.report.read_text() if args.report.is_file() else ""
+    args.report.write_text(report.keeping_sections(report.render(results, rel, orchestration), earlier))
     count = sum(map(len, written.values()))
     minutes = results["meta"]["elapsed_s"] / 60
     log(f"wrote {args.report}, {args.out_dir / 'bench.json'} and {count} plots in {minutes:.1f} min")

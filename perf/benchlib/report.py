@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 UNIQUE_PROMPTS_NOTE = (
@@ -291,5 +292,22 @@ def with_section(report: str, name: str, body: str) -> str:
     section = f"{first}\n{body.rstrip()}\n{last}\n"
     start, end = report.find(first), report.find(last)
     if start >= 0 and end > start:
-        return report[:start] + section + report[end + len(last) :].lstrip("\n")
+        rest = report[end + len(last) :]
+        return report[:start] + section + (rest[1:] if rest.startswith("\n") else rest)
     return report.rstrip("\n") + "\n\n" + section
+
+
+_SECTION_RE = re.compile(r"<!-- ([\w-]+): start -->\n(.*?)\n<!-- \1: end -->", re.S)
+
+
+def sections(report: str) -> dict[str, str]:
+    """The marked sections of `report` (name -> body), in order."""
+    return {m.group(1): m.group(2) for m in _SECTION_RE.finditer(report)}
+
+
+def keeping_sections(new: str, old: str) -> str:
+    """`new` (a freshly rendered report) with every marked section of `old` kept: the sections other
+    benchmarks keep in perf/RESULTS.md survive a run of perf/run_all.py."""
+    for name, body in sections(old).items():
+        new = with_section(new, name, body)
+    return new

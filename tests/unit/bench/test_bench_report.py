@@ -113,3 +113,14 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
     # what shared the decode core in the mixed run, measured
     assert "the decode engine ran on cpu1 (20.0 s); other processes took 3.0 s of that core" in text
     assert "(15% of decode's time; most: load generator 2.0 s, tritonserver 1.0 s)" in text
+
+
+def test_a_full_run_keeps_the_sections_other_benchmarks_wrote():
+    from benchlib.report import keeping_sections, sections, with_section
+
+    old = with_section(with_section("# old table\n", "hot_prompts", "## Hot\nrows"), "rollout", "## Roll")
+    assert sections(old) == {"hot_prompts": "## Hot\nrows", "rollout": "## Roll"}
+    new = keeping_sections("# new table\n", old)
+    assert new.startswith("# new table") and "old table" not in new
+    assert sections(new) == sections(old)
+    assert keeping_sections(new, old) == new, "idempotent"
