@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from disagg.serving.orchestrator import HOT_POOL
+from disagg.serving.orchestrator import HOT_POOL, OrchestratorConfig
 from disagg.serving.text_api import ALL_INPUTS, EXTRA_OUTPUTS, LLM_ONLY_INPUTS
 from disagg.triton.version import VERSION_FILE, Probe
 
@@ -301,6 +301,9 @@ def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
         params["hot_decode_model"] = HOT_POOL
     if layout.hot_group_rate:
         params["hot_group_rate"] = f"{layout.hot_group_rate:g}"
+    if layout.block_size != OrchestratorConfig.hot_block_tokens:
+        # the groups are the prefix cache's full blocks: the same block size
+        params["hot_block_tokens"] = str(layout.block_size)
     return params
 
 

@@ -212,3 +212,9 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
     assert HOT_POOL not in render(Layout()) and "hot_" not in render(Layout())["llm"]
     with pytest.raises(ValueError, match="hot_decode_nice"):
         Layout(hot_decode_cores="1", hot_decode_nice=20)
+
+
+def test_hot_prompt_groups_use_the_prefix_cache_block_size():
+    assert "hot_block_tokens" not in render(Layout())["llm"]
+    for name in ("llm", "orchestrator"):
+        assert 'key: "hot_block_tokens", value: { string_value: "32" }' in render(Layout(block_size=32))[name]
