@@ -129,6 +129,18 @@ def _rollout(argv: list[str]) -> int:
     return main(argv)
 
 
+def _profile(argv: list[str]) -> int:
+    from disagg_tools.planner.cli import profile_main
+
+    return profile_main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from disagg_tools.planner.cli import plan_main
+
+    return plan_main(argv)
+
+
 def _autoscale(argv: list[str]) -> int:
     from disagg_tools.autoscaler import main
 
@@ -335,6 +347,11 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "run Triton with the project's model repository (and the OpenAI front end)"),
     "openai": (_openai, "run the OpenAI-compatible front end alone, in front of a Triton's llm model"),
     "autoscale": (_autoscale, "scale the pools from their metrics (log, triton or kubernetes actuator)"),
+    "profile": (
+        _profile,
+        "measure a pool's prefill and decode step times on its cores, fit, write a profile",
+    ),
+    "plan": (_plan, "simulate the placements a machine allows from profiles, and recommend one"),
     "rollout": (_rollout, "move a live server's pools to another model version under load (--rollback)"),
 }
 

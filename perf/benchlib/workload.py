@@ -18,7 +18,6 @@ Contract:
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 import string
 import zlib
@@ -29,47 +28,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from benchlib.arrivals import poisson_arrivals
-
-CONTEXT_LEN = 2048
-"""Context of the default model: prompt + output never exceed it."""
+from disagg_tools.planner.lengths import CONTEXT_LEN, LengthDist  # the planner draws lengths the same way
 
 _STREAM_ARRIVALS, _STREAM_LENGTHS, _STREAM_WORDS = 1, 2, 3
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Token-length distribution: `fixed` (a), `uniform` integers in [a, b], or `lognormal` with median a
-    and shape sigma b; every draw is clipped to [lo, hi]."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-    lo: int = 1
-    hi: int = CONTEXT_LEN
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "uniform", "lognormal"):
-            raise ValueError("kind must be fixed, uniform or lognormal")
-        if not 1 <= self.lo <= self.hi <= CONTEXT_LEN:
-            raise ValueError(f"need 1 <= lo <= hi <= {CONTEXT_LEN}")
-        if self.kind == "uniform" and not self.a <= self.b:
-            raise ValueError("uniform needs a <= b")
-        if self.kind == "lognormal" and not (self.a > 0 and self.b > 0):
-            raise ValueError("lognormal needs a positive median and sigma")
-
-    def sample(self, rng: np.random.Generator, count: int) -> list[int]:
-        if self.kind == "fixed":
-            raw = np.full(count, self.a)
-        elif self.kind == "uniform":
-            raw = rng.integers(int(self.a), int(self.b), size=count, endpoint=True)
-        else:
-            raw = rng.lognormal(math.log(self.a), self.b, size=count)
-        return [int(x) for x in np.clip(np.rint(raw), self.lo, self.hi)]
-
-    def median(self) -> int:
-        """The distribution's median (before any joint clipping), used to calibrate idle TTFT."""
-        centre = {"fixed": self.a, "uniform": (self.a + self.b) / 2, "lognormal": self.a}[self.kind]
-        return int(min(max(round(centre), self.lo), self.hi))
 
 
 @dataclass(frozen=True)

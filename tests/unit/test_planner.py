@@ -1,0 +1,143 @@
+"""The planner's simulator against hand-computed queues, the profile fit, goodput and placements."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_tools.planner.lengths import LengthDist, parse_lengths
+from disagg_tools.planner.plan import Traffic, goodput, placements, plan
+from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
+from disagg_tools.planner.simulator import Deployment, Job, Slo, poisson_jobs, simulate
+
+
+def constant(prefill_s: float = 0.0, step_s: float = 0.0, **more: object) -> Profile:
+    return Profile(Fit((prefill_s, 0.0, 0.0), 0.0, 0.0), Fit((step_s, 0.0, 0.0), 0.0, 0.0), **more)
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.5, 0.8])
+def test_one_prefill_instance_is_an_m_d_1_queue(rho):
+    """Poisson arrivals, a deterministic service D, one server: mean wait rho D / (2 (1 - rho))."""
+    service = 0.1
+    profile = constant(prefill_s=service)
+    deployment = Deployment(prefill=(profile,), decode=(profile,), max_prefill_tokens=100)
+    jobs = poisson_jobs(rho / service, 20000, LengthDist("fixed", 100), LengthDist("fixed", 1), seed=3)
+    outcomes = simulate(deployment, jobs)
+    mean_ttft = sum(o.ttft for o in outcomes) / len(outcomes)
+    expected = service + rho * service / (2 * (1 - rho))
+    assert mean_ttft == pytest.approx(expected, rel=0.05)
+
+
+def test_decode_steps_the_batch_together_after_the_kv_arrives():
+    # a step costs 0.01 s plus 0.01 s per sequence in it: batching shows in the times
+    profile = Profile(Fit((0.2, 0.0, 0.0), 0, 0), Fit((0.01, 0.01, 0.0), 0, 0), kv_bytes_per_token=1000)
+    deployment = Deployment(prefill=(profile,), decode=(profile,), transfer_bytes_per_s=1e6)
+    jobs = [Job(0.0, 100, 4), Job(0.1, 100, 3)]  # 0.1 s of KV each
+    first, second = simulate(deployment, jobs)
+    assert (first.first_token, second.first_token) == pytest.approx((0.2, 0.4))  # one after the other
+    # first: joins at 0.3, steps alone (0.02 s) until second joins at 0.5, then in a batch of 2 (0.03 s)
+    # 0.30-0.32, 0.32-0.34, 0.34-0.36: its three decode tokens, alone
+    assert first.last_token == pytest.approx(0.36)
+    # second: joins at 0.5 (the decoder is idle): two steps alone
+    assert second.last_token == pytest.approx(0.5 + 2 * 0.02)
+    assert first.tpot == pytest.approx(0.16 / 3)
+
+
+def test_a_colocated_prefill_stalls_the_decode_batch():
+    profile = constant(prefill_s=0.5, step_s=0.01)
+    jobs = [Job(0.0, 10, 11), Job(0.005, 2000, 1)]
+    short, long_ = simulate(Deployment(colocated=(profile,)), jobs)
+    # the short prompt is prefilled by 0.5 s; the long one, waiting, is prefilled next (0.5 s) while the
+    # short one's decode waits; then its ten decode steps
+    assert (short.first_token, long_.first_token) == pytest.approx((0.5, 1.0))
+    assert short.last_token == pytest.approx(1.0 + 10 * 0.01)
+    assert short.tpot == pytest.approx(0.06)
+    # prefill time proportional to tokens, in chunks of 250 beside each decode step: the long prompt
+    # is spread over 8 steps (each 0.0625 s longer); the short one's decode waits as long in total
+    linear = Profile(Fit((0.0, 2.5e-4, 0.0), 0, 0), Fit((0.01, 0.0, 0.0), 0, 0))
+    whole = simulate(Deployment(colocated=(linear,)), jobs)
+    chunked = simulate(Deployment(colocated=(linear,), chunk_tokens=250), jobs)
+    assert chunked[0].tpot == pytest.approx(whole[0].tpot)
+    # (a step alone first: the long prompt arrives at 0.005, inside it)
+    assert chunked[1].first_token == pytest.approx(0.0025 + 0.01 + 8 * (0.0625 + 0.01))
+    # disaggregated: the decode batch never waits for a prefill
+    disagg = simulate(Deployment(prefill=(profile,), decode=(profile,)), jobs)
+    assert disagg[0].tpot == pytest.approx(0.01)
+
+
+def test_profile_fit_recovers_known_coefficients_and_round_trips(tmp_path):
+    def pre(prompts):
+        return 0.002 + 1e-4 * sum(prompts) + 2e-8 * sum(p * p for p in prompts)
+
+    def dec(batch, context):
+        return 0.01 + 5e-4 * batch + 1e-6 * context
+
+    prefill = [PrefillPoint(p, pre(p)) for p in [(16,), (64,), (256,), (1024,), (128, 128), (64,) * 4]]
+    decode = [DecodePoint(b, c, dec(b, c)) for b, c in [(1, 64), (4, 256), (8, 2048), (16, 512), (2, 4096)]]
+    profile = Profile.fitted(prefill, decode, cores=(0,), model="m", dtype="bfloat16", kv_bytes_per_token=9)
+    assert profile.prefill.coefficients == pytest.approx((0.002, 1e-4, 2e-8), rel=1e-6)
+    assert profile.decode.coefficients == pytest.approx((0.01, 5e-4, 1e-6), rel=1e-6)
+    assert profile.prefill.max_error < 1e-9 and profile.decode.mean_error < 1e-9
+    path = tmp_path / "p.json"
+    path.write_text(profile.to_json())
+    assert Profile.load(path) == profile
+    with pytest.raises(ValueError, match="at least 3"):
+        Profile.fitted(prefill[:2], decode)
+    with pytest.raises(ValueError, match="version"):
+        Profile.from_json("{}")
+
+
+def test_goodput_grows_with_instances_and_the_plan_ranks_per_core():
+    one = constant(prefill_s=0.1, step_s=0.02)
+    traffic = Traffic(LengthDist("fixed", 100), LengthDist("fixed", 8), count=200)
+    slo = Slo(ttft_s=0.5, tpot_s=0.05)
+    single, _ = goodput(Deployment(prefill=(one,), decode=(one,), max_prefill_tokens=100), traffic, slo)
+    double, _ = goodput(Deployment(prefill=(one,) * 2, decode=(one,), max_prefill_tokens=100), traffic, slo)
+    assert 0 < single < 10 and double > 1.5 * single  # prefill-bound: a second instance nearly doubles it
+    assert goodput(Deployment(prefill=(one,), decode=(one,)), traffic, Slo(0.05, 0.05))[0] == 0.0
+    names = [name for name, _, _ in placements(3, {1: one, 2: one}, chunk_tokens=64)]
+    assert names == [
+        "disaggregated 1P:2D",
+        "disaggregated 2P:1D",
+        "colocated 3x1 cores",
+        "colocated 3x1 cores, chunks of 64",
+        "colocated 1x2 cores",
+        "colocated 1x2 cores, chunks of 64",
+    ]
+    ranked = plan(2, {1: one}, traffic, slo)
+    assert [p.per_core for p in ranked] == sorted((p.per_core for p in ranked), reverse=True)
+    assert all(p.ttft_p90_s is not None for p in ranked if p.goodput_rps)
+
+
+def test_lengths_parse():
+    assert parse_lengths("lognormal:300:0.5") == LengthDist("lognormal", 300, 0.5)
+    assert parse_lengths("fixed:64").sample(__import__("numpy").random.default_rng(0), 2) == [64, 64]
+    with pytest.raises(ValueError, match="lognormal:MEDIAN:SIGMA"):
+        parse_lengths("gamma:1")
+
+
+def test_profile_and_plan_commands(tmp_path, tiny_model_dir, capsys):
+    import subprocess
+    import sys
+
+    from disagg_tools.planner.cli import plan_main
+
+    out = tmp_path / "p1.json"
+    # in a process of its own: the engine pins the process that runs it to the profiled cores
+    command = [sys.executable, "-m", "disagg.cli", "profile", "--model", str(tiny_model_dir), "--cores", "0"]
+    command += ["--quick", "--repeats", "1", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout
+    assert "prefill fit: mean error" in printed and "decode fit: mean error" in printed
+    profile = Profile.load(out)
+    assert profile.cores == (0,) and profile.kv_bytes_per_token > 0
+    assert len(profile.prefill_points) >= 3 and all(p.seconds > 0 for p in profile.decode_points)
+    argv = ["--cores", "2", "--profile", f"1={out}", "--ttft", "2", "--tpot", "0.2", "--requests", "60"]
+    assert plan_main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| disaggregated 1P:1D | 2 |" in table and "| colocated 2x1 cores | 2 |" in table
+    assert "recommended (predicted, not measured):" in table
+    assert (
+        plan_main(["--cores", "2", "--profile", f"1={tmp_path / 'none.json'}", "--ttft", "1", "--tpot", "1"])
+        == 2
+    )

@@ -1,0 +1,116 @@
+"""Goodput by bisection, and the search over the placements a machine allows.
+
+Goodput is the highest Poisson arrival rate at which at least ``attainment`` of the requests meet both
+SLOs, found by bisection on simulated runs of ``count`` requests (the same seed at every rate, so the
+lengths are the same and only the arrival times scale). Placements of a CPU machine of N cores, from
+the profiles measured per core count:
+
+- disaggregated: P prefill and D decode instances of one core each, P + D = N (the 1-core profile);
+- colocated: N / k instances of k cores (the k-core profile), whole prompts or in chunks.
+
+Per-device goodput is the goodput over the cores used. Predictions for hardware that never ran a
+profile here are predictions, not measurements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from disagg_tools.planner.lengths import LengthDist
+from disagg_tools.planner.profile import Profile
+from disagg_tools.planner.simulator import Deployment, Slo, attainment, percentile, poisson_jobs, simulate
+
+
+@dataclass(frozen=True)
+class Traffic:
+    prompt: LengthDist
+    output: LengthDist
+    count: int = 300
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    name: str
+    cores: int
+    goodput_rps: float
+    ttft_p90_s: float | None  # at the goodput rate
+    tpot_p90_s: float | None
+
+    @property
+    def per_core(self) -> float:
+        return self.goodput_rps / self.cores
+
+
+def run_at(deployment: Deployment, traffic: Traffic, rate: float, slo: Slo) -> tuple[float, list]:
+    jobs = poisson_jobs(rate, traffic.count, traffic.prompt, traffic.output, traffic.seed)
+    outcomes = simulate(deployment, jobs)
+    return attainment(outcomes, slo), outcomes
+
+
+def goodput(
+    deployment: Deployment, traffic: Traffic, slo: Slo, target: float = 0.9, steps: int = 14
+) -> tuple[float, list]:
+    """(goodput in requests/s, the outcomes at that rate); 0 when even a trickle misses the target."""
+    low, high = 0.0, 0.25
+    first, outcomes = run_at(deployment, traffic, 1e-3, slo)
+    if first < target:
+        return 0.0, outcomes
+    best = outcomes
+    while True:  # an upper bound: a rate the deployment cannot serve
+        met, found = run_at(deployment, traffic, high, slo)
+        if met < target or high > 1e4:
+            break
+        low, best, high = high, found, high * 2
+    for _ in range(steps):
+        mid = (low + high) / 2
+        met, found = run_at(deployment, traffic, mid, slo)
+        if met >= target:
+            low, best = mid, found
+        else:
+            high = mid
+    return low, best
+
+
+def placements(
+    cores: int, profiles: Mapping[int, Profile], chunk_tokens: int = 0
+) -> list[tuple[str, Deployment, int]]:
+    """(name, deployment, cores used) of every placement the profiles allow on ``cores`` cores."""
+    out: list[tuple[str, Deployment, int]] = []
+    one = profiles.get(1)
+    if one is not None:
+        for p in range(1, cores):
+            d = cores - p
+            out.append((f"disaggregated {p}P:{d}D", Deployment(prefill=(one,) * p, decode=(one,) * d), cores))
+    for k, profile in sorted(profiles.items()):
+        n = cores // k
+        if n < 1:
+            continue
+        name = f"colocated {n}x{k} cores"
+        out.append((name, Deployment(colocated=(profile,) * n), n * k))
+        if chunk_tokens:
+            chunked = Deployment(colocated=(profile,) * n, chunk_tokens=chunk_tokens)
+            out.append((f"{name}, chunks of {chunk_tokens}", chunked, n * k))
+    return out
+
+
+def plan(
+    cores: int,
+    profiles: Mapping[int, Profile],
+    traffic: Traffic,
+    slo: Slo,
+    transfer_bytes_per_s: float = 0.0,
+    chunk_tokens: int = 0,
+    target: float = 0.9,
+) -> list[Prediction]:
+    """Every placement's predicted goodput, best per core first."""
+    results = []
+    for name, deployment, used in placements(cores, profiles, chunk_tokens):
+        if deployment.prefill:
+            deployment = replace(deployment, transfer_bytes_per_s=transfer_bytes_per_s)
+        rate, outcomes = goodput(deployment, traffic, slo, target)
+        ttft = [o.ttft for o in outcomes]
+        tpot = [t for o in outcomes if (t := o.tpot) is not None]
+        results.append(Prediction(name, used, rate, percentile(ttft, 90), percentile(tpot, 90)))
+    return sorted(results, key=lambda r: r.per_core, reverse=True)

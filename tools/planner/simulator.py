@@ -1,0 +1,274 @@
+"""A discrete-event simulation of the pools, driven by fitted profiles (``planner.profile``).
+
+Disaggregated: P prefill instances and D decode instances. A request goes to the prefill instance
+with the fewest prompt tokens waiting; an idle instance takes waiting prompts first come first served
+up to ``max_prefill_tokens`` per step (at least one) and samples each prompt's first token at the
+step's end (its TTFT). Its KV then moves to the decode instance with the fewest sequences, taking
+``prompt tokens x kv_bytes_per_token / transfer_bytes_per_s``; a decode instance steps all its
+sequences at once (at most ``max_batch``; the others wait their turn), one token each per step.
+
+Colocated: C instances that do both. An idle instance with prompts waiting prefills them (the
+sequences it is decoding wait: the interference disaggregation removes), else it takes a decode step;
+with ``chunk_tokens`` each step prefills at most that many prompt tokens beside its decode step.
+
+Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
+(the orchestrator's own cost, the token relay, CPU contention between pools sharing a core).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from disagg_tools.planner.lengths import LengthDist
+from disagg_tools.planner.profile import Profile
+
+
+@dataclass(frozen=True)
+class Job:
+    arrival: float
+    prompt: int
+    output: int  # tokens generated, the first (prefill's) included
+
+
+@dataclass
+class Outcome:
+    job: Job
+    first_token: float | None = None
+    last_token: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        """Seconds to the first token (infinite for a job the simulation did not reach)."""
+        return float("inf") if self.first_token is None else self.first_token - self.job.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.job.output < 2 or self.last_token is None or self.first_token is None:
+            return None
+        return (self.last_token - self.first_token) / (self.job.output - 1)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    prefill: tuple[Profile, ...] = ()
+    decode: tuple[Profile, ...] = ()
+    colocated: tuple[Profile, ...] = ()
+    max_prefill_tokens: int = 4096
+    max_batch: int = 64
+    transfer_bytes_per_s: float = 0.0  # 0: the KV hand-off takes no time
+    chunk_tokens: int = 0  # colocated: prompt tokens per step beside decode (0: whole prompts, alone)
+
+    def __post_init__(self) -> None:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("a deployment is disaggregated (prefill + decode) or colocated, not both")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("a disaggregated deployment needs prefill and decode instances")
+
+
+@dataclass
+class _Seq:
+    outcome: Outcome
+    left: int  # tokens still to generate
+    context: int
+
+
+@dataclass
+class _Instance:
+    profile: Profile
+    queue: deque[tuple[Outcome, int]] = field(default_factory=deque)  # (request, prompt tokens left)
+    active: list[_Seq] = field(default_factory=list)
+    joining: deque[_Seq] = field(default_factory=deque)
+    busy: bool = False
+    incoming: int = 0  # sequences on their way (KV in transfer)
+
+    def waiting_tokens(self) -> int:
+        return sum(left for _, left in self.queue)
+
+    def sequences(self) -> int:
+        return len(self.active) + len(self.joining) + self.incoming
+
+
+class Simulation:
+    def __init__(self, deployment: Deployment) -> None:
+        self.d = deployment
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.now = 0.0
+        self.prefill = [_Instance(p) for p in deployment.prefill]
+        self.decode = [_Instance(p) for p in deployment.decode]
+        self.colocated = [_Instance(p) for p in deployment.colocated]
+
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action))
+
+    def run(self, jobs: Sequence[Job]) -> list[Outcome]:
+        outcomes = [Outcome(job) for job in sorted(jobs, key=lambda j: j.arrival)]
+        for outcome in outcomes:
+            self._at(outcome.job.arrival, lambda o=outcome: self._arrive(o))
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        return outcomes
+
+    # ---- arrivals -----------------------------------------------------------------------------------
+
+    def _arrive(self, outcome: Outcome) -> None:
+        pools = self.colocated or self.prefill
+        target = min(pools, key=lambda i: i.waiting_tokens() + (i.sequences() if self.colocated else 0))
+        target.queue.append((outcome, outcome.job.prompt))
+        self._kick(target)
+
+    def _kick(self, instance: _Instance) -> None:
+        if instance.busy:
+            return
+        if instance in self.colocated:
+            self._colocated_step(instance)
+        elif instance in self.prefill:
+            self._prefill_step(instance)
+        else:
+            self._decode_step(instance)
+
+    # ---- prefill ------------------------------------------------------------------------------------
+
+    def _take_prompts(self, instance: _Instance, budget: int, whole: bool) -> list[tuple[Outcome, int, bool]]:
+        """Prompt pieces for one step: (request, tokens, its last piece)."""
+        taken: list[tuple[Outcome, int, bool]] = []
+        while instance.queue and budget > 0:
+            outcome, left = instance.queue[0]
+            if whole and taken and left > budget:
+                break
+            piece = left if whole else min(left, budget)
+            budget -= piece
+            if piece == left:
+                instance.queue.popleft()
+                taken.append((outcome, piece, True))
+            else:
+                instance.queue[0] = (outcome, left - piece)
+                taken.append((outcome, piece, False))
+        return taken
+
+    def _prefill_step(self, instance: _Instance) -> None:
+        if not instance.queue:
+            return
+        taken = self._take_prompts(instance, self.d.max_prefill_tokens, whole=True)
+        instance.busy = True
+        seconds = instance.profile.prefill_s([tokens for _, tokens, _ in taken])
+        self._at(self.now + seconds, lambda: self._prefilled(instance, taken))
+
+    def _prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
+        instance.busy = False
+        for outcome, _, _ in taken:
+            outcome.first_token = self.now
+            if outcome.job.output <= 1:
+                outcome.last_token = self.now
+                continue
+            target = min(self.decode, key=_Instance.sequences)
+            target.incoming += 1
+            bytes_ = outcome.job.prompt * instance.profile.kv_bytes_per_token
+            delay = bytes_ / self.d.transfer_bytes_per_s if self.d.transfer_bytes_per_s else 0.0
+            self._at(self.now + delay, lambda o=outcome, t=target: self._joined(t, o))
+        self._prefill_step(instance)
+
+    def _joined(self, instance: _Instance, outcome: Outcome) -> None:
+        instance.incoming -= 1
+        instance.joining.append(_Seq(outcome, outcome.job.output - 1, outcome.job.prompt + 1))
+        self._kick(instance)
+
+    # ---- decode -------------------------------------------------------------------------------------
+
+    def _admit(self, instance: _Instance) -> None:
+        while instance.joining and len(instance.active) < self.d.max_batch:
+            instance.active.append(instance.joining.popleft())
+
+    def _decode_step(self, instance: _Instance) -> None:
+        self._admit(instance)
+        if not instance.active:
+            return
+        instance.busy = True
+        seconds = instance.profile.decode_s(len(instance.active), sum(s.context for s in instance.active))
+        self._at(self.now + seconds, lambda: self._stepped(instance))
+
+    def _advance(self, instance: _Instance) -> None:
+        for seq in instance.active:
+            seq.left -= 1
+            seq.context += 1
+            if seq.left == 0:
+                seq.outcome.last_token = self.now
+        instance.active = [s for s in instance.active if s.left > 0]
+
+    def _stepped(self, instance: _Instance) -> None:
+        instance.busy = False
+        self._advance(instance)
+        self._decode_step(instance)
+
+    # ---- colocated ----------------------------------------------------------------------------------
+
+    def _colocated_step(self, instance: _Instance) -> None:
+        self._admit(instance)
+        chunked = self.d.chunk_tokens > 0
+        if instance.queue and not chunked:  # whole prompts, the decode batch waits
+            taken = self._take_prompts(instance, self.d.max_prefill_tokens, whole=True)
+            seconds, decoding = instance.profile.prefill_s([t for _, t, _ in taken]), False
+        elif instance.queue or instance.active:
+            taken = self._take_prompts(instance, self.d.chunk_tokens, whole=False) if chunked else []
+            seconds = instance.profile.prefill_s([t for _, t, _ in taken]) if taken else 0.0
+            if instance.active:
+                context = sum(s.context for s in instance.active)
+                seconds += instance.profile.decode_s(len(instance.active), context)
+            decoding = bool(instance.active)
+        else:
+            return
+        instance.busy = True
+        self._at(self.now + seconds, lambda: self._colocated_done(instance, taken, decoding))
+
+    def _colocated_done(
+        self, instance: _Instance, taken: list[tuple[Outcome, int, bool]], decoding: bool
+    ) -> None:
+        instance.busy = False
+        if decoding:
+            self._advance(instance)
+        for outcome, _, last in taken:
+            if not last:
+                continue
+            outcome.first_token = self.now
+            if outcome.job.output <= 1:
+                outcome.last_token = self.now
+            else:
+                instance.joining.append(_Seq(outcome, outcome.job.output - 1, outcome.job.prompt + 1))
+        self._colocated_step(instance)
+
+
+def simulate(deployment: Deployment, jobs: Sequence[Job]) -> list[Outcome]:
+    return Simulation(deployment).run(jobs)
+
+
+def poisson_jobs(rate: float, count: int, prompt: LengthDist, output: LengthDist, seed: int = 0) -> list[Job]:
+    """``count`` jobs arriving as a Poisson process of ``rate`` per second, lengths drawn per job."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=count)
+    times = np.cumsum(gaps) - gaps[0]
+    prompts = prompt.sample(np.random.default_rng(seed + 1), count)
+    outputs = output.sample(np.random.default_rng(seed + 2), count)
+    return [Job(float(t), p, o) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+
+def attainment(outcomes: Sequence[Outcome], slo: Slo) -> float:
+    """Share of the jobs meeting both SLOs (TPOT vacuous for one-token outputs)."""
+    good = sum(o.ttft <= slo.ttft_s and (o.tpot is None or o.tpot <= slo.tpot_s) for o in outcomes)
+    return good / len(outcomes) if outcomes else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
