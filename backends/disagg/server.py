@@ -159,8 +159,12 @@ class TritonServer:
 
     @property
     def returncode(self) -> int | None:
-        """Exit status once exited (negative: killed by that signal), else None."""
-        return None if self._process is None else self._process.poll()
+        """Exit status once exited (negative: killed by that signal), else None. Seen exited, the
+        server's model-control broker is stopped too."""
+        status = None if self._process is None else self._process.poll()
+        if status is not None:
+            self._retire_broker()
+        return status
 
     def start(self, files: TritonFiles | None = None) -> TritonServer:
         """Prepare the backend directory and launch the server; returns at once (see `wait_ready`)."""
@@ -261,9 +265,17 @@ class TritonServer:
         if self._process is None:
             raise ServerError("server not started")
         try:
-            return self._process.wait(timeout=timeout_s)
+            status = self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise ServerTimeout(f"tritonserver still running after {timeout_s} s") from None
+        self._retire_broker()
+        return status
+
+    def _retire_broker(self) -> None:
+        """The server is gone or going: nothing is left for its broker to control."""
+        if self._broker is not None:
+            self._broker.stop()
+            self._broker = None
 
     def stop(self, grace_s: float = KILL_GRACE_S) -> int:
         """SIGTERM the process group, wait up to the exit timeout plus `grace_s`, then SIGKILL the group.
@@ -272,9 +284,7 @@ class TritonServer:
         """
         if self._process is None:
             raise ServerError("server not started")
-        if self._broker is not None:
-            self._broker.stop()
-            self._broker = None
+        self._retire_broker()
         if self._process.poll() is None:
             self.signal(signal.SIGTERM)
             try:
