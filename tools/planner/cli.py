@@ -17,7 +17,7 @@ from pathlib import Path
 
 from disagg_tools.planner.lengths import parse_lengths
 from disagg_tools.planner.plan import Traffic, plan
-from disagg_tools.planner.profile import DecodePoint, PrefillPoint, Profile
+from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
 from disagg_tools.planner.simulator import Slo
 
 PREFILL_SHAPES = [(16,), (64,), (128,), (256,), (512,), (1024,), (128,) * 4, (256,) * 4, (64,) * 8]
@@ -72,8 +72,8 @@ def measure(model: Path, cores: tuple[int, ...], dtype: str, repeats: int, quick
     )
 
 
-def _fit_line(name: str, fit: object) -> str:
-    return f"{name} fit: mean error {fit.mean_error:.1%}, worst {fit.max_error:.1%}"  # type: ignore[attr-defined]
+def _fit_line(name: str, fit: Fit) -> str:
+    return f"{name} fit: mean error {fit.mean_error:.1%}, worst {fit.max_error:.1%}"
 
 
 def profile_main(argv: list[str] | None = None) -> int:

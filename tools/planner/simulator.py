@@ -78,7 +78,7 @@ class _Seq:
     context: int
 
 
-@dataclass
+@dataclass(eq=False)  # instances are told apart by identity: two idle ones are not the same
 class _Instance:
     profile: Profile
     queue: deque[tuple[Outcome, int]] = field(default_factory=deque)  # (request, prompt tokens left)
