@@ -102,3 +102,22 @@ def test_subcommands_are_wired(command, capsys):
         main([command, "--help"])
     assert exit_.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def test_serve_spec_refuses_an_invalid_spec_or_a_folder_it_did_not_write(tmp_path, monkeypatch, capsys):
+    from disagg.cli import SPEC_REPOSITORY, serve_main
+
+    monkeypatch.chdir(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: {decode: {cores: [0]}}\n")
+    assert serve_main(["--spec", str(bad), "--openai-port", "0"]) == 2
+    assert "pools.decode.cores: overlaps prefill.cores" in capsys.readouterr().err
+    assert not (tmp_path / ".triton" / SPEC_REPOSITORY).exists()
+    (tmp_path / ".triton" / SPEC_REPOSITORY / "mine").mkdir(parents=True)
+    good = tmp_path / "good.yaml"
+    good.write_text("dtype: float32\n")
+    assert serve_main(["--spec", str(good), "--openai-port", "0"]) == 2
+    assert "was not written by `disagg serve --spec`" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / ".triton" / SPEC_REPOSITORY).iterdir()] == ["mine"]
+    with pytest.raises(SystemExit):
+        serve_main(["--spec", str(good), "--model-repository", "elsewhere"])
