@@ -46,19 +46,19 @@ def test_a_colocated_prefill_stalls_the_decode_batch():
     profile = constant(prefill_s=0.5, step_s=0.01)
     jobs = [Job(0.0, 10, 11), Job(0.005, 2000, 1)]
     short, long_ = simulate(Deployment(colocated=(profile,)), jobs)
-    # the short prompt is prefilled by 0.5 s; the long one, waiting, is prefilled next (0.5 s) while the
-    # short one's decode waits; then its ten decode steps
-    assert (short.first_token, long_.first_token) == pytest.approx((0.5, 1.0))
-    assert short.last_token == pytest.approx(1.0 + 10 * 0.01)
+    # step 1: the short prompt (0.5 s), then a decode step (its 2nd token at 0.51); step 2: the long
+    # prompt, which arrived meanwhile (0.5 s), then a decode step (3rd token at 1.02); 8 more steps
+    assert (short.first_token, long_.first_token) == pytest.approx((0.5, 1.01))
+    assert short.last_token == pytest.approx(1.02 + 8 * 0.01)
     assert short.tpot == pytest.approx(0.06)
     # prefill time proportional to tokens, in chunks of 250 beside each decode step: the long prompt
-    # is spread over 8 steps (each 0.0625 s longer); the short one's decode waits as long in total
+    # is spread over 8 steps; the short one's decode waits as long in total, in smaller pieces
     linear = Profile(Fit((0.0, 2.5e-4, 0.0), 0, 0), Fit((0.01, 0.0, 0.0), 0, 0))
     whole = simulate(Deployment(colocated=(linear,)), jobs)
     chunked = simulate(Deployment(colocated=(linear,), chunk_tokens=250), jobs)
     assert chunked[0].tpot == pytest.approx(whole[0].tpot)
-    # (a step alone first: the long prompt arrives at 0.005, inside it)
-    assert chunked[1].first_token == pytest.approx(0.0025 + 0.01 + 8 * (0.0625 + 0.01))
+    # (the first step is the short prompt's alone: the long one arrives during it)
+    assert chunked[1].first_token == pytest.approx(0.0025 + 0.01 + 7 * (0.0625 + 0.01) + 0.0625)
     # disaggregated: the decode batch never waits for a prefill
     disagg = simulate(Deployment(prefill=(profile,), decode=(profile,)), jobs)
     assert disagg[0].tpot == pytest.approx(0.01)

@@ -7,9 +7,10 @@ step's end (its TTFT). Its KV then moves to the decode instance with the fewest 
 ``prompt tokens x kv_bytes_per_token / transfer_bytes_per_s``; a decode instance steps all its
 sequences at once (at most ``max_batch``; the others wait their turn), one token each per step.
 
-Colocated: C instances that do both. An idle instance with prompts waiting prefills them (the
-sequences it is decoding wait: the interference disaggregation removes), else it takes a decode step;
-with ``chunk_tokens`` each step prefills at most that many prompt tokens beside its decode step.
+Colocated: C instances that do both, stepping as the colocated scheduler plans: each step first
+prefills waiting prompts within the budget (whole prompts, however long: the decode batch waits for
+them, the interference disaggregation removes; or, with ``chunk_tokens``, at most that many prompt
+tokens), then one decode step over the whole batch.
 
 Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
 (the orchestrator's own cost, the token relay, CPU contention between pools sharing a core).
@@ -210,29 +211,19 @@ class Simulation:
     # ---- colocated ----------------------------------------------------------------------------------
 
     def _colocated_step(self, instance: _Instance) -> None:
+        """As the colocated scheduler plans a step: prompt work within the budget first (whole prompts,
+        or chunks), then one decode step over the whole batch, the prompts just completed included."""
         self._admit(instance)
-        chunked = self.d.chunk_tokens > 0
-        if instance.queue and not chunked:  # whole prompts, the decode batch waits
-            taken = self._take_prompts(instance, self.d.max_prefill_tokens, whole=True)
-            seconds, decoding = instance.profile.prefill_s([t for _, t, _ in taken]), False
-        elif instance.queue or instance.active:
-            taken = self._take_prompts(instance, self.d.chunk_tokens, whole=False) if chunked else []
-            seconds = instance.profile.prefill_s([t for _, t, _ in taken]) if taken else 0.0
-            if instance.active:
-                context = sum(s.context for s in instance.active)
-                seconds += instance.profile.decode_s(len(instance.active), context)
-            decoding = bool(instance.active)
-        else:
+        if not instance.queue and not instance.active:
             return
+        chunked = self.d.chunk_tokens > 0
+        budget = self.d.chunk_tokens if chunked else self.d.max_prefill_tokens
+        taken = self._take_prompts(instance, budget, whole=not chunked) if instance.queue else []
+        seconds = instance.profile.prefill_s([t for _, t, _ in taken]) if taken else 0.0
         instance.busy = True
-        self._at(self.now + seconds, lambda: self._colocated_done(instance, taken, decoding))
+        self._at(self.now + seconds, lambda: self._colocated_prefilled(instance, taken))
 
-    def _colocated_done(
-        self, instance: _Instance, taken: list[tuple[Outcome, int, bool]], decoding: bool
-    ) -> None:
-        instance.busy = False
-        if decoding:
-            self._advance(instance)
+    def _colocated_prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
         for outcome, _, last in taken:
             if not last:
                 continue
@@ -241,6 +232,17 @@ class Simulation:
                 outcome.last_token = self.now
             else:
                 instance.joining.append(_Seq(outcome, outcome.job.output - 1, outcome.job.prompt + 1))
+        self._admit(instance)
+        if not instance.active:
+            instance.busy = False
+            self._colocated_step(instance)
+            return
+        seconds = instance.profile.decode_s(len(instance.active), sum(s.context for s in instance.active))
+        self._at(self.now + seconds, lambda: self._colocated_decoded(instance))
+
+    def _colocated_decoded(self, instance: _Instance) -> None:
+        instance.busy = False
+        self._advance(instance)
         self._colocated_step(instance)
 
 
