@@ -77,7 +77,7 @@ def run_rollouts(
 
     config = RolloutConfig(f"http://{server.config.http_url}", server.config.metrics_url, 600.0, 600.0)
     control = ModelControl(server.config.http_url)
-    rollout = Rollout(TritonControl(config), control, RoutingFile(control.routing_path), steps.say)
+    rollout = Rollout(TritonControl(config), RoutingFile(control.routing_path), steps.say)
     at = args.rollout_at
     for name in ("rollout", "rollback"):
         delay = steps.start + at - time.perf_counter()

@@ -117,13 +117,12 @@ class Rollout:
     def __init__(
         self,
         triton: TritonControl,
-        control: ModelControl,
         routing: RoutingFile,
         say: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.triton, self.control, self.routing = triton, control, routing
+        self.triton, self.routing = triton, routing
         self.say, self._clock, self._wait = say, clock, wait
 
     def serving(self) -> tuple[dict[str, int], dict[str, list[int]], Routing]:
@@ -212,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     config = RolloutConfig(args.url, args.metrics_url, args.load_timeout, args.drain_timeout)
     try:
         server = urllib.parse.urlsplit(args.url).netloc or args.url
-        control = ModelControl(server, timeout_s=args.load_timeout)
-        rollout = Rollout(TritonControl(config), control, RoutingFile(control.routing_path))
+        control = ModelControl(server)  # names the server's routing file
+        rollout = Rollout(TritonControl(config), RoutingFile(control.routing_path))
         version = rollout.rollback_target() if args.rollback else args.to
         if version is None or version < 1:
             parser.error("--to must be a version number >= 1")

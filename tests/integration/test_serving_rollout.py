@@ -99,7 +99,7 @@ def _rollout(server, said: list[str]) -> Rollout:
     config = RolloutConfig(f"http://{server.config.http_url}", server.config.metrics_url, 120.0, 120.0)
     control = ModelControl(server.config.http_url)
     triton = TritonControl(config)  # through the server's broker: the launcher holds the key
-    return Rollout(triton, control, RoutingFile(control.routing_path), say=said.append)
+    return Rollout(triton, RoutingFile(control.routing_path), say=said.append)
 
 
 class Load(ClientThreads):

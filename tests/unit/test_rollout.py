@@ -59,7 +59,7 @@ def _rollout(tmp_path: Path, triton: FakeTriton, clock: Clock | None = None) -> 
     said: list[str] = []
     clock = clock or Clock()
     control = ModelControl("127.0.0.1:1", directory=tmp_path / "control")
-    rollout = Rollout(triton, control, RoutingFile(control.routing_path), said.append, clock, clock.wait)
+    rollout = Rollout(triton, RoutingFile(control.routing_path), said.append, clock, clock.wait)
     return rollout, said
 
 
