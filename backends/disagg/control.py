@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.kv.secret import default_secret_path
+from disagg.statefile import read_json_object, write_private
 
 WAIT_STEP_S = 0.05
 PYTHON_BASED_RUNTIME = "model.py"
@@ -119,14 +120,7 @@ class ModelControl:
         """Note a restart of ``model`` (call while holding ``owner``)."""
         journal = self._journal()
         journal[model] = {**journal.get(model, {}), "restarted_at": time.time() if at is None else at}
-        temporary = self.journal_path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(journal, sort_keys=True))
-        temporary.chmod(0o600)
-        temporary.replace(self.journal_path)
+        write_private(self.journal_path, json.dumps(journal, sort_keys=True))
 
     def _journal(self) -> dict[str, dict[str, float]]:
-        try:
-            data = json.loads(self.journal_path.read_text())
-        except (OSError, ValueError):  # none yet, or unreadable: nothing is known of past restarts
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_json_object(self.journal_path)  # none yet, or unreadable: no past restarts known

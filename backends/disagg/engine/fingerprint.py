@@ -22,14 +22,15 @@ anything, KV whose fingerprint is not its own (``disagg.kv.errors.IncompatibleKV
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from disagg.kv.layout import KVLayout
 from disagg.kv.secret import default_secret_path
+from disagg.statefile import read_json_object, write_private
 
 KV_FORMAT = 1
 CACHE_FILE = "checkpoints.json"
@@ -71,28 +72,15 @@ def checkpoint_id(model_dir: Path, cache: Path | None = None) -> str:
     files = checkpoint_files(model_dir)
     key = "\n".join(_identity(p) for p in files)
     path = cache if cache is not None else default_cache_path()
-    known = _read(path)
+    known = read_json_object(path)
     if isinstance(known.get(key), str):
         return known[key]
     value = _digest(files)
     kept = [(k, v) for k, v in known.items() if isinstance(v, str)][-(MAX_REMEMBERED - 1) :]
     known = {**dict(kept), key: value}
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(known, sort_keys=True))
-        temporary.replace(path)
-    except OSError:
-        pass  # a read-only home: hashed every time, still correct
+    with contextlib.suppress(OSError):  # a read-only home: hashed every time, still correct
+        write_private(path, json.dumps(known, sort_keys=True))
     return value
-
-
-def _read(path: Path) -> dict[str, object]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def kv_fingerprint(checkpoint: str, layout: KVLayout) -> str:

@@ -29,6 +29,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from disagg.statefile import write_private
+
 log = logging.getLogger(__name__)
 
 LATEST = -1  # BLS model_version: the server's choice
@@ -112,11 +114,7 @@ class RoutingFile:
 
     def write(self, routing: Routing) -> None:
         """Replace the file atomically (readers see the old routing or the new one, never a part)."""
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(routing.to_json())
-        temporary.chmod(0o600)
-        temporary.replace(self.path)
+        write_private(self.path, routing.to_json())
 
     def clear(self) -> None:
         """Remove the file: no pins (one version loaded)."""
