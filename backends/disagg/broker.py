@@ -42,7 +42,8 @@ OPS = ("index", "config", "load", "unload", "update")
 
 
 class BrokerError(RuntimeError):
-    """The broker could not be reached, or it (or Triton) refused the call; the message says why."""
+    """A model-control call failed: the broker could not be reached, or it (or Triton, called
+    directly through ``TritonRepository``) refused it; the message says why, never the key."""
 
 
 def socket_path(control: ModelControl) -> Path:
@@ -53,25 +54,31 @@ def socket_path(control: ModelControl) -> Path:
 class TritonRepository:
     """The model-repository HTTP calls, with the admin key on the restricted ones."""
 
-    def __init__(self, http_url: str, admin_key: str, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, http_url: str, admin_key: str, timeout_s: float = 300.0, admin_header: str = ADMIN_HEADER
+    ) -> None:
         self.base = http_url if "://" in http_url else f"http://{http_url}"
         self._key = admin_key
+        self._header = admin_header
         self.timeout_s = timeout_s
 
     def _call(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
-        if admin:
-            headers[ADMIN_HEADER] = self._key
+        if admin:  # only the restricted calls carry the key
+            headers[self._header] = self._key
         request = urllib.request.Request(self.base.rstrip("/") + path, data, headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 raw = reply.read()
         except urllib.error.HTTPError as exc:
             raise BrokerError(f"{method} {path}: HTTP {exc.code}: {_triton_error(exc)}") from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             raise BrokerError(f"server unreachable at {self.base} ({type(exc).__name__})") from None
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            raise BrokerError(f"{method} {path}: the server sent non-JSON") from None
 
     def call(self, op: str, model: str = "", config: dict[str, Any] | None = None) -> Any:
         quoted = urllib.parse.quote(model)

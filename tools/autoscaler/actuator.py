@@ -32,14 +32,11 @@ Kubernetes the pod's own shutdown drains: Triton stops accepting work on SIGTERM
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from disagg.broker import BrokerClient, BrokerError
+from disagg.broker import BrokerClient, BrokerError, TritonRepository
 from disagg.control import ModelControl, loadable_config
 from disagg_tools.autoscaler.clock import Clock
 from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, PoolConfig
@@ -109,50 +106,34 @@ class TritonActuator:
     ) -> None:
         env = os.environ if environ is None else environ
         key = env.get(config.admin_key_env, "")
-        # without the key, it asks the server's model-control broker, the key's one holder
+        # the model-repository calls: to Triton with the key, or without it through the server's
+        # model-control broker, the key's one holder (which takes the model-control lock itself)
         self._broker: BrokerClient | None = None
-        if not key:
+        self._calls: TritonRepository | BrokerClient
+        if key:
+            self._calls = TritonRepository(config.url, key, config.timeout_s, config.admin_header)
+        else:
             broker = broker if broker is not None else BrokerClient(config.url, config.timeout_s)
             if not broker.available():
                 raise ConfigError(
                     f"actuator.admin_key_env: environment variable {config.admin_key_env} is not set, "
                     f"and no model-control broker runs for {config.url} (disagg serve starts one)"
                 )
-            self._broker = broker
+            self._calls = self._broker = broker
         self._config = config
-        self._key = key
         self._clock = clock
         self._inflight = inflight
         # the server's model-control owner, shared with its pool watchers' restarts (same host)
         self._control = control if control is not None else ModelControl(config.url)
 
-    def _request(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
-        url = self._config.url.rstrip("/") + path
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        if admin:
-            # Only the restricted call carries the key.
-            headers[self._config.admin_header] = self._key
-        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    def _ask(self, op: str, model: str, config: dict[str, Any] | None = None) -> Any:
         try:
-            with urllib.request.urlopen(req, timeout=self._config.timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise ActuatorError(f"Triton answered HTTP {exc.code} to {method} {path}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ActuatorError(f"Triton unreachable ({type(exc).__name__})") from None
-        if not raw:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ActuatorError(f"Triton sent non-JSON to {method} {path}") from None
+            return self._calls.call(op, model, config)
+        except BrokerError as exc:
+            raise ActuatorError(str(exc)) from None
 
     def _model_config(self, pool: PoolConfig) -> dict[str, Any]:
-        if self._broker is not None:
-            found = self._ask("config", pool.name)
-        else:
-            found = self._request("GET", f"/v2/models/{pool.name}/config")
+        found = self._ask("config", pool.name)
         if not isinstance(found, dict):
             raise ActuatorError("model config is not an object")
         return found
@@ -173,12 +154,6 @@ class TritonActuator:
             if self._clock.wait(self._config.drain_poll_s):
                 raise DrainTimeout(f"{pool.name}: stopping while waiting for drain")
 
-    def _ask(self, op: str, model: str, config: dict[str, Any] | None = None) -> Any:
-        try:
-            return self._broker.call(op, model, config)  # type: ignore[union-attr]
-        except BrokerError as exc:
-            raise ActuatorError(str(exc)) from None
-
     def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
         if desired < current:
             self._drain(pool)
@@ -190,12 +165,7 @@ class TritonActuator:
             with self._control.owner():
                 # Re-read right before the load: the config may have changed since current() was read.
                 updated = with_instance_count(self._model_config(pool), desired)
-                self._request(
-                    "POST",
-                    f"/v2/repository/models/{pool.name}/load",
-                    {"parameters": {"config": json.dumps(updated)}},
-                    admin=True,
-                )
+                self._ask("load", pool.name, updated)
         except TimeoutError as exc:  # a restart or another actuator held model control
             raise ActuatorError(str(exc)) from None
 
