@@ -513,35 +513,37 @@ def write_owned(spec_path: Path, out: Path) -> Path:
     valid or ``out`` is not ours."""
     import shutil
 
-    from disagg_tools.spec import load_spec
-
-    spec = load_spec(spec_path)  # before anything is removed: an invalid spec changes nothing
-    layout = spec.layout()
+    parts = _from_spec(spec_path)  # before anything is removed: an invalid spec changes nothing
     if out.exists():
         if not (out / OWNED_MARKER).is_file():
             raise ValueError(f"{out} exists and was not written by `disagg serve --spec`; not touching it")
         shutil.rmtree(out)  # models of an earlier spec must not stay behind
     out.mkdir(parents=True)
     (out / OWNED_MARKER).write_text(f"generated from {Path(spec_path).resolve()}\n")
-    write(out, layout, spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,))
+    write(out, *parts)
     return out
 
 
 def write_spec(spec_path: Path, out: Path) -> int:
     """Write the repository of the spec at ``spec_path`` into ``out``; 2 with the error when the spec
     is not valid."""
-    from disagg_tools.spec import load_spec
-
     try:
-        spec = load_spec(spec_path)
-        layout = spec.layout()
+        parts = _from_spec(spec_path)
     except ValueError as exc:  # ConfigError included
         print(f"disagg repository: {exc}", file=sys.stderr)
         return 2
-    versions = spec.versions(Path(spec_path).resolve().parent)
-    for path in write(out, layout, versions, (spec.model.serving,)):
+    for path in write(out, *parts):
         print(path, file=sys.stderr)
     return 0
+
+
+def _from_spec(spec_path: Path) -> tuple[Layout, tuple[ModelVersion, ...], tuple[int, ...]]:
+    """What ``write`` takes, from the spec at ``spec_path`` (relative checkpoints from its folder);
+    ValueError (a ConfigError) when the spec is not valid."""
+    from disagg_tools.spec import load_spec
+
+    spec = load_spec(spec_path)
+    return spec.layout(), spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,)
 
 
 def _layout(args: argparse.Namespace) -> Layout:
