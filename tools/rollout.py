@@ -147,7 +147,8 @@ class Rollout:
             self.say(f"already serving version {target}")
             return
         models = sorted(current)
-        self.routing.write(Routing(current, routing.previous, time.time()))  # 1. pin
+        pin = Routing(current, routing.previous, time.time())
+        self.routing.write(pin)  # 1. pin
         self.say(f"pinned: new requests stay on {_describe(current)}")
         added: list[str] = []
         for model in models:  # 2. load beside
@@ -161,8 +162,7 @@ class Rollout:
                 ) from None
             added.append(model)
             self.say(f"loaded {model} version {target} beside {current[model]}")
-        pinned = Routing(current, routing.previous, time.time())
-        self.routing.write(pinned.switched(dict.fromkeys(models, target)))
+        self.routing.write(pin.switched(dict.fromkeys(models, target)))
         self.say(f"switched: new requests go to version {target}")  # 3. switch
         self._drain(current)  # 4. drain
         for model in models:  # 5. unload the old
