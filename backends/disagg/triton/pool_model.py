@@ -63,9 +63,7 @@ class PoolModel:
                 tokenizer = Tokenizer(self.config.engine.model_dir)
                 run_probe(self.loop.engine, tokenizer, manifest.probe, self.version)
             except BaseException:
-                self.loop.shutdown()
-                if self.transport is not None:
-                    self.transport.close()
+                self._release()
                 raise
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
             pin_process(self.config.engine.cores)
@@ -133,6 +131,10 @@ class PoolModel:
                 "%s pool instance unloads with work or KV leases still outstanding", self.config.role.value
             )
         self.reporter.retire()
+        self._release()
+
+    def _release(self) -> None:
+        """Stop the engine loop and close the transport (its KV regions go with it)."""
         self.loop.shutdown()
         if self.transport is not None:
             self.transport.close()
