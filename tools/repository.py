@@ -44,7 +44,7 @@ class Layout:
     decode_cores: str = "1"
     colocated_cores: str = "0,1"
     frontend_cores: str = "0"  # text steps and orchestrators: share prefill's core, not decode's
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     prefill_dtype: str = ""  # "": dtype
     decode_dtype: str = ""  # "": dtype
     kv_dtype: str = ""  # of the prefill/decode pair; "": the decode pool's compute dtype
@@ -74,6 +74,11 @@ class Layout:
     # between decode steps (0: off)
     conditional_prefill_tokens: int = 0
     conditional_chunk_tokens: int = 128
+    # the decode batch tuner (disagg.scheduling.tuner): on when decode_batch_tpot_slo_s > 0, the TPOT
+    # the decode pool's batch limit is tuned under, starting from decode_batch_start (0: the engine's
+    # max_batch_size; `disagg profile --tpot-slo` prints the measured knee)
+    decode_batch_tpot_slo_s: float = 0.0
+    decode_batch_start: int = 0
     # GPU ids ("0" or "0,1"); set: the pool is a KIND_GPU group with one instance per GPU
     prefill_gpus: str = ""
     decode_gpus: str = ""
@@ -97,6 +102,10 @@ class Layout:
             raise ValueError("conditional_prefill_tokens must be an integer >= 0 (0: off)")
         if not isinstance(self.conditional_chunk_tokens, int) or self.conditional_chunk_tokens < 1:
             raise ValueError("conditional_chunk_tokens must be a positive integer")
+        if not isinstance(self.decode_batch_tpot_slo_s, int | float) or self.decode_batch_tpot_slo_s < 0:
+            raise ValueError("decode_batch_tpot_slo_s must be a number of seconds >= 0 (0: off)")
+        if not isinstance(self.decode_batch_start, int) or self.decode_batch_start < 0:
+            raise ValueError("decode_batch_start must be an integer >= 0 (0: max_batch_size)")
         if not isinstance(self.hot_decode_nice, int) or not 0 <= self.hot_decode_nice <= 19:
             raise ValueError("hot_decode_nice must be an integer in [0, 19]")
         if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
@@ -243,6 +252,10 @@ def _pool(
         params["local_prefill_tokens"] = str(layout.conditional_prefill_tokens)
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.conditional_chunk_tokens)
+    if role == "decode" and layout.decode_batch_tpot_slo_s:
+        params["batch_tpot_slo_s"] = f"{layout.decode_batch_tpot_slo_s:g}"
+        if layout.decode_batch_start:
+            params["batch_start"] = str(layout.decode_batch_start)
     if role != "decode":
         params["prefix_cache"] = "true" if layout.prefix_cache else "false"
     if role == "colocated" and layout.colocated_chunk_tokens:
@@ -456,6 +469,18 @@ def main(argv: list[str] | None = None) -> int:
         help="decode pool: prompt tokens of such requests prefilled per step",
     )
     parser.add_argument(
+        "--decode-batch-tpot-slo",
+        type=float,
+        default=defaults.decode_batch_tpot_slo_s,
+        help="decode pool: tune its batch limit under this TPOT, seconds (0: a fixed max_batch_size)",
+    )
+    parser.add_argument(
+        "--decode-batch-start",
+        type=int,
+        default=defaults.decode_batch_start,
+        help="decode pool: the tuner's first batch limit (0: max_batch_size)",
+    )
+    parser.add_argument(
         "--prefix-cache",
         action="store_true",
         help="the prefill and colocated pools reuse the KV of prompt prefixes they computed before",
@@ -562,6 +587,8 @@ def _layout(args: argparse.Namespace) -> Layout:
         colocated_chunk_tokens=args.colocated_chunk_tokens,
         conditional_prefill_tokens=args.conditional_prefill_tokens,
         conditional_chunk_tokens=args.conditional_chunk_tokens,
+        decode_batch_tpot_slo_s=args.decode_batch_tpot_slo,
+        decode_batch_start=args.decode_batch_start,
         local_decode=not args.no_local_decode,
         prefix_cache=args.prefix_cache,
         hot_decode_cores=args.hot_decode_cores,

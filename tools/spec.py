@@ -15,8 +15,12 @@ A spec becomes a :class:`disagg_tools.repository.Layout` plus the model versions
 (:class:`disagg_tools.repository.ModelVersion`); the repository generator writes both. The committed
 ``model_repository/`` is generated from the committed ``deploy/spec.yaml`` (a test keeps them equal).
 
-``schedule`` (a time-of-day split of the cores) and ``remote`` (pools on other hosts) are reserved for
-what is not built yet: they must be absent or null.
+``schedule`` is the day/night split the autoscaler applies (``disagg autoscale --spec``): windows of
+the day, each sizing the ``prefill`` and ``decode`` pools in instances or shares of a total, within
+their ``autoscale`` bounds and under the autoscaler's guardrails (see
+:class:`disagg_tools.autoscaler.config.ScheduleConfig`). It does not change what the repository is
+generated with: the pools start at ``instances`` and the autoscaler moves them. ``remote`` (pools on
+other hosts) is reserved for what is not built yet: it must be absent or null.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Literal
 
 from disagg.config import ConfigError, build
 from disagg.triton.version import Probe
-from disagg_tools.autoscaler.config import load_file
+from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
 from disagg_tools.repository import Layout, ModelVersion
 
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
@@ -217,20 +221,21 @@ class Model:
 @dataclass(frozen=True)
 class Spec:
     model: Model = field(default_factory=Model)
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = "auto"
     entry_points: EntryPoints = field(default_factory=EntryPoints)
     pools: Pools = field(default_factory=Pools)
     kv: KV = field(default_factory=KV)
     hot_prompts: HotPrompts = field(default_factory=HotPrompts)
-    schedule: Any = None  # reserved: a time-of-day split of the pools
+    schedule: ScheduleConfig | None = None  # the autoscaler's day/night split of the pools
     remote: Any = None  # reserved: pools on other hosts
 
     def __post_init__(self) -> None:
         if not self.dtype:
             raise ValueError("dtype: must be one of bfloat16, float32, float16, auto")
-        for name in ("schedule", "remote"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: reserved, not supported yet (leave it out or null)")
+        if self.remote is not None:
+            raise ValueError("remote: reserved, not supported yet (leave it out or null)")
+        if self.schedule is not None:
+            check_schedule_pools(self.schedule, {"prefill", "decode"})
         hot = self.hot_prompts.pool
         if hot is not None and self.pools.decode.gpus:
             raise ValueError("hot_prompts.pool: a hot prompts' pool is a CPU pool (decode is on GPUs)")

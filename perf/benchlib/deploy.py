@@ -269,6 +269,37 @@ def start_triton(
     return server
 
 
+def spec_repository(
+    overlay: dict[str, Any],
+    model_dir: Path,
+    dtype: str,
+    scratch: Path,
+    pool_parameters: dict[str, dict[str, str]] | None = None,
+) -> Path:
+    """The repository `disagg repository --spec` writes (under `scratch`) for the default spec with
+    `overlay` laid over it (one model version: `model_dir`), then each pool of `pool_parameters` given
+    those parameters (settings the spec has no key for: per-instance cores, a batch size, ...)."""
+    import io
+
+    import yaml
+
+    from disagg_tools.repository import write_spec
+
+    spec: dict[str, Any] = {
+        "model": {"versions": [{"version": 1, "checkpoint": str(model_dir)}], "serving": 1}
+    }
+    spec["dtype"] = dtype
+    spec.update(overlay)
+    (scratch / "spec.yaml").write_text(yaml.safe_dump(spec))
+    with contextlib.redirect_stderr(io.StringIO()) as errors:
+        if write_spec(scratch / "spec.yaml", scratch / "repository") != 0:
+            raise DeployError(f"the spec did not validate: {errors.getvalue().strip()}")
+    repository = scratch / "repository"
+    for n, (pool, params) in enumerate((pool_parameters or {}).items()):
+        repository = with_pool_parameters(repository, scratch / f"with-{n}", pool, params)
+    return repository
+
+
 def with_orchestrator_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
     """A copy of `repository` (under `scratch`) whose orchestrators (ensemble steps and `llm`) carry
     `params`, replacing a parameter of the same name."""

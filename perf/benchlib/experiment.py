@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchlib.arrivals import count_for
-from benchlib.clients import StreamClient
+from benchlib.clients import ClientConfig, StreamClient, make_client
+from benchlib.cliutil import log
 from benchlib.cpuprobe import CpuProbe
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
@@ -128,6 +129,47 @@ async def search_goodput(
                 f"TPOT p90 {_ms(s.tpot_p90)}, max send lag {_ms(s.max_send_lag_s)}"
             )
     return GoodputResult(workload.name, state.best, cores, runs)
+
+
+async def goodput_runs(
+    url: str,
+    model: str,
+    workloads: list[str],
+    factory: PromptFactory,
+    frozen: dict[str, Any],
+    args: Any,
+) -> dict[str, list[dict[str, Any]]]:
+    """`args.runs` goodput searches per workload against the Triton entry point `model` at `url` (gRPC),
+    each judged by its frozen SLO (`benchlib.slo.FrozenSlo`) and started from its idle capacity; the
+    searches' sizes come from `args` (duration, min_requests, max_requests, rel_tol, max_probes).
+    Per workload: each run's goodput and its best probe's p90 TTFT / TPOT, and every probe."""
+    client = make_client(ClientConfig(kind="triton", url=url, model=model))
+    await client.open()
+    plan = RunPlan(args.duration, args.min_requests, args.max_requests, 60.0)
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for name in workloads:
+            workload, fz = WORKLOADS[name], frozen[name]
+            start = start_rate(fz.idle_ttft_s, fz.idle_tpot_s, workload.output.median())
+            search = SearchConfig(
+                start=start, min_rate=start / 16, max_rate=start * 64, rel_tol=args.rel_tol,
+                max_probes=args.max_probes,
+            )  # fmt: skip
+            for run in range(args.runs):
+                log(f"{model} {name} run {run + 1}/{args.runs}: goodput search from {start:.2f} req/s")
+                res = await search_goodput(client, workload, factory, fz.slo, search, plan, 1, log)
+                best = next((r for r in res.runs if r.rate == res.best_rate), None)
+                out.setdefault(name, []).append(
+                    {
+                        "goodput_rps": res.best_rate,
+                        "ttft_p90_s": best.summary.ttft_p90 if best else None,
+                        "tpot_p90_s": best.summary.tpot_p90 if best else None,
+                        "probes": [(r.rate, r.summary.attainment) for r in res.runs],
+                    }
+                )
+    finally:
+        await client.close()
+    return out
 
 
 def start_rate(idle_ttft_s: float, idle_tpot_s: float, output_tokens: int) -> float:

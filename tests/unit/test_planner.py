@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_tools.planner.lengths import LengthDist, parse_lengths
+from disagg_tools.planner.lengths import LengthDist, from_buckets, parse_lengths
 from disagg_tools.planner.plan import Traffic, goodput, placements, plan
 from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
 from disagg_tools.planner.simulator import Deployment, Job, Slo, poisson_jobs, simulate
@@ -115,6 +115,32 @@ def test_lengths_parse():
         parse_lengths("gamma:1")
 
 
+def test_lengths_from_a_histograms_buckets_keep_its_shape():
+    import numpy as np
+
+    inf = float("inf")
+    # a bimodal histogram: 80 short prompts in (16, 32], 20 long ones in (512, 1024], none between
+    bounds = (16.0, 32.0, 64.0, 512.0, 1024.0, inf)
+    cumulative = (0.0, 80.0, 80.0, 80.0, 100.0, 100.0)
+    dist = from_buckets(bounds, cumulative)
+    assert dist.kind == "buckets" and dist.buckets == ((16.0, 32.0, 80.0), (512.0, 1024.0, 20.0))
+    drawn = dist.sample(np.random.default_rng(0), 5000)
+    assert all(17 <= x <= 32 or 513 <= x <= 1024 for x in drawn), "only where the histogram saw lengths"
+    assert sum(x > 512 for x in drawn) / len(drawn) == pytest.approx(0.2, abs=0.02)
+    assert dist.sample(np.random.default_rng(7), 50) == dist.sample(np.random.default_rng(7), 50)
+    assert dist.median() == 26  # the 50th of 100 is the 50th of the 80 in (16, 32]: 16 + 16 x 50 / 80
+    # lengths past the highest finite bound (+Inf bucket) lie between it and the longest a request holds
+    tail = from_buckets((64.0, inf), (0.0, 10.0), hi=100)
+    assert tail.buckets == ((64.0, 100.0, 10.0),)
+    assert all(65 <= x <= 100 for x in tail.sample(np.random.default_rng(1), 200))
+    with pytest.raises(ValueError, match="nothing observed"):
+        from_buckets(bounds, (0.0,) * 6)
+    with pytest.raises(ValueError, match="ordered ranges"):
+        LengthDist("buckets", 0, buckets=((32.0, 16.0, 1.0),))
+    with pytest.raises(ValueError, match="only for kind buckets"):
+        LengthDist("fixed", 3, buckets=((0.0, 16.0, 1.0),))
+
+
 def test_profile_and_plan_commands(tmp_path, tiny_model_dir, capsys):
     import subprocess
     import sys
@@ -141,3 +167,12 @@ def test_profile_and_plan_commands(tmp_path, tiny_model_dir, capsys):
         plan_main(["--cores", "2", "--profile", f"1={tmp_path / 'none.json'}", "--ttft", "1", "--tpot", "1"])
         == 2
     )
+
+
+def test_a_busy_prefill_instance_counts_the_prompt_it_is_on():
+    """Two prefill instances, two prompts at once: the second goes to the idle instance, not behind
+    the first on the busy one (whose queue is empty while it works)."""
+    profile = Profile(Fit((0.0, 0.001, 0.0), 0, 0), Fit((0.001, 0.0, 0.0), 0, 0))
+    deployment = Deployment(prefill=(profile, profile), decode=(profile,))
+    first, second = simulate(deployment, [Job(0.0, 100, 1), Job(0.0, 100, 1)])
+    assert first.ttft == pytest.approx(0.1) and second.ttft == pytest.approx(0.1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.engine.device import auto_dtype
 from disagg.paths import REPO_ROOT
 from disagg.serving.text_api import ALL_INPUTS
 from disagg_tools.repository import Layout, main, render
@@ -42,7 +43,7 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
         )
-        assert config.role == name and config.engine.dtype == "bfloat16"
+        assert config.role == name and config.engine.dtype == auto_dtype("cpu"), "auto, resolved by its rule"
         assert config.engine.cores == tuple(int(c) for c in params["cores"].split(","))
         assert config.nice == (10 if name == "prefill" else 0)
 
@@ -127,7 +128,7 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
     assert params(mixed, "prefill")["dtype"] == "float32" and params(mixed, "decode")["dtype"] == "bfloat16"
     # unset: the decode pool's compute dtype, for both sides of the hand-off
     assert params(mixed, "prefill")["kv_dtype"] == params(mixed, "decode")["kv_dtype"] == "bfloat16"
-    assert params(mixed, "colocated")["dtype"] == "bfloat16" and "kv_dtype" not in params(mixed, "colocated")
+    assert params(mixed, "colocated")["dtype"] == "auto" and "kv_dtype" not in params(mixed, "colocated")
     chosen = render(Layout(dtype="float32", kv_dtype="bfloat16"))
     assert {params(chosen, p)["kv_dtype"] for p in ("prefill", "decode")} == {"bfloat16"}
     with pytest.raises(ValueError, match="kv_dtype must be one of"):

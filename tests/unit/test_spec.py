@@ -95,7 +95,20 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
             {"pools": {"prefill": {"autoscale": {"min_size": 3, "max_size": 2}}}},
             r"^pools\.prefill\.autoscale:",
         ),
-        ({"schedule": {"day": "09:00"}}, r"^schedule: reserved, not supported yet"),
+        ({"schedule": {"day": "09:00"}}, r"^schedule: unknown key\(s\) day$"),
+        (
+            {"schedule": {"windows": [{"start": "9:00", "sizes": {"decode": 2}}]}},
+            r"^schedule\.windows\[0\]\.start: ",
+        ),
+        (
+            {"schedule": {"windows": [{"start": "09:00", "sizes": {"decoder": 2}}]}},
+            r"^schedule\.windows\[0\]: no pool named 'decoder'$",
+        ),
+        (
+            {"schedule": {"windows": [{"start": "09:00", "shares": {"decode": 0.5}}]}},
+            r"^schedule\.windows\[0\]\.shares: shares need the schedule's total$",
+        ),
+        ({"remote": {"host": "x"}}, r"^remote: reserved, not supported yet"),
         ({"hot_prompts": {"pool": {"cores": []}}}, r"^hot_prompts\.pool\.cores: "),
     ],
 )

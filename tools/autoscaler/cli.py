@@ -12,6 +12,7 @@ from typing import Any
 from disagg_tools.autoscaler.actuator import Actuator, KubernetesActuator, LogActuator, TritonActuator
 from disagg_tools.autoscaler.clock import SystemClock
 from disagg_tools.autoscaler.config import AutoscalerConfig, ConfigError, build_config, load_file
+from disagg_tools.autoscaler.recommender import load_recommender
 from disagg_tools.autoscaler.runner import Runner, inflight_probe
 from disagg_tools.autoscaler.source import make_source
 from disagg_tools.autoscaler.telemetry import Telemetry
@@ -65,6 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--kubeconfig", help="kubeconfig file (default: the client's default)")
     ap.add_argument("--in-cluster", action="store_true", default=None, help="use the pod's service account")
     ap.add_argument("--port", type=int, help="port of the autoscaler's own /metrics (0: off; default 9105)")
+    ap.add_argument(
+        "--planner-profile",
+        type=Path,
+        help="`disagg profile` output for the planner (planner.profile; one pool instance)",
+    )
+    ap.add_argument(
+        "--planner-dry-run",
+        action="store_true",
+        help="run the planner (planner.enabled, mode dry_run): print each run's recommended instance "
+        "counts as a JSON line, acting on none of them",
+    )
     ap.add_argument("--once", action="store_true", help="run one interval and exit")
     return ap
 
@@ -97,10 +109,22 @@ def config_from_args(args: argparse.Namespace) -> AutoscalerConfig:
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     pools = [dict(p) if isinstance(p, dict) else p for p in (data.get("pools") or [])]
+    planner = dict(data.get("planner") or {})
+    if args.planner_profile is not None:
+        planner["profile"] = args.planner_profile
+    if args.planner_dry_run:
+        planner.update(enabled=True, mode="dry_run")
+    if planner:
+        data["planner"] = planner
     if args.spec is not None:
         from disagg_tools.spec import load_spec
 
-        for entry in load_spec(args.spec).autoscaler_pools():
+        spec = load_spec(args.spec)
+        if spec.schedule is not None:
+            if data.get("schedule") is not None:
+                raise ConfigError("schedule: given both in --config and in --spec (keep one)")
+            data["schedule"] = spec.schedule
+        for entry in spec.autoscaler_pools():
             same = [p for p in pools if isinstance(p, dict) and p.get("name") == entry["name"]]
             if same:
                 same[0].update(entry)
@@ -148,13 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"disagg autoscale: {exc}", file=sys.stderr)
         return 2
+    try:
+        recommender = load_recommender(config)
+    except ConfigError as exc:
+        print(f"disagg autoscale: {exc}", file=sys.stderr)
+        return 2
     telemetry = Telemetry()
     if config.metrics_port and not args.once:
         telemetry.serve(config.metrics_port, config.metrics_address)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-    runner = Runner(config, source, actuator, clock, telemetry, dry_run=config.actuator.kind == "log")
+    dry_run = config.actuator.kind == "log"
+    runner = Runner(config, source, actuator, clock, telemetry, dry_run=dry_run, recommender=recommender)
     try:
         runner.run(iterations=1 if args.once else None)
     finally:

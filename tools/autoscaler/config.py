@@ -3,13 +3,25 @@
 Every section is a frozen dataclass; :func:`build_config` turns a plain mapping (the parsed file with
 flags laid over it) into them, refusing unknown keys, wrong types and inconsistent values with a
 :class:`ConfigError` (the project's one, :class:`disagg.config.ConfigError`) whose message names the key.
+
+Two optional sections size pools from something other than the reactive rules:
+
+- ``schedule`` (:class:`ScheduleConfig`): pool sizes by time of day (the day/night split), applied
+  with guardrails by :mod:`~.schedule`;
+- ``planner`` (:class:`PlannerConfig`): the planner's simulation asked, every few intervals, for the
+  instance counts that meet the SLOs at the traffic observed (:mod:`~.recommender`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import zoneinfo
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta, tzinfo
+from datetime import timezone as fixed_zone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,13 +118,197 @@ class ActuatorConfig:
     in_cluster: bool = False
 
 
+_HHMM = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])$")
+_OFFSET = re.compile(r"^([+-])([01][0-9]|2[0-3]):([0-5][0-9])$")
+
+
+def _pool_numbers(value: Any, key: str, kind: type, low: float, high: float | None) -> dict[str, Any]:
+    """A ``{pool name: number}`` mapping checked entry by entry (`kind` int or float, in [low, high])."""
+    if value is None or value == ():
+        return {}
+    if isinstance(value, tuple):  # the stored form: sorted (pool, value) pairs
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: must be a mapping of pool name to number") from None
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"{key}: must be a non-empty mapping of pool name to number")
+    out: dict[str, Any] = {}
+    for name, number in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{key}: pool names must be non-empty strings")
+        is_int = isinstance(number, int) and not isinstance(number, bool)
+        ok = is_int if kind is int else (is_int or isinstance(number, float))
+        if not ok or not math.isfinite(number) or number < low or (high is not None and number > high):
+            span = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{key}.{name}: must be {what} {span}")
+        out[name] = kind(number)
+    return out
+
+
+@dataclass(frozen=True)
+class ScheduleWindow:
+    """From `start` (local "HH:MM") until the next window's start, these pools are sized so.
+
+    Each named pool gets either an instance count (`sizes: {decode: 7}`) or a share of the schedule's
+    `total` (`shares: {decode: 0.7}`, rounded to the nearest instance). `release: {decode: 0.5}` hands
+    that fraction of the pool's size to other work (rounded down, so the pool keeps the larger part):
+    the scheduled size is the size minus the released instances, which decisions report as
+    `released`. A pool the window does not name is left to the reactive rules while it lasts.
+    The mappings are stored as sorted `(pool, value)` pairs.
+    """
+
+    start: str
+    sizes: Any = None
+    shares: Any = None
+    release: Any = None
+    name: str = ""
+    """Label of the window in decisions (default: its start)."""
+    minute: int = field(init=False, default=0)
+    """Minutes after local midnight (from `start`)."""
+
+    def __post_init__(self) -> None:
+        found = _HHMM.match(self.start)
+        if not found:
+            raise ValueError('start: must be "HH:MM" (00:00 .. 23:59)')
+        object.__setattr__(self, "minute", int(found[1]) * 60 + int(found[2]))
+        sizes = _pool_numbers(self.sizes, "sizes", int, 0, None)
+        shares = _pool_numbers(self.shares, "shares", float, 0, 1)
+        release = _pool_numbers(self.release, "release", float, 0, 0.99)
+        if not sizes and not shares:
+            raise ValueError("sizes: a window needs sizes or shares (or both, for different pools)")
+        both = sorted(set(sizes) & set(shares))
+        if both:
+            raise ValueError(f"shares.{both[0]}: a pool takes sizes or shares, not both")
+        if sum(shares.values()) > 1 + 1e-9:
+            raise ValueError("shares: must add up to at most 1")
+        loose = sorted(set(release) - set(sizes) - set(shares))
+        if loose:
+            raise ValueError(f"release.{loose[0]}: release only from a pool the window sizes")
+        for key, value in (("sizes", sizes), ("shares", shares), ("release", release)):
+            object.__setattr__(self, key, tuple(sorted(value.items())))
+
+    @property
+    def label(self) -> str:
+        return self.name or self.start
+
+    def pools(self) -> tuple[str, ...]:
+        """The pools this window sizes."""
+        return tuple(sorted({name for name, _ in (*self.sizes, *self.shares)}))
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The day/night split: pool sizes by local time of day, each window lasting until the next one's
+    start (the last one until the first one's, the next day). Local time is `timezone` (an IANA name,
+    e.g. ``Europe/Paris``, daylight saving included) or a fixed `utc_offset` (``+02:00``); neither: UTC.
+
+    Guardrails (applied by :func:`disagg_tools.autoscaler.schedule.guard`): a scheduled size is kept in
+    the pool's [min_size, max_size]; a scheduled scale-in waits while the pool's windowed TTFT / TPOT
+    quantile is above its target, or its policy asks for more, or the pool changed less than its
+    `cooldown_in_s` ago; the reactive rules may scale a pool out above its scheduled size, and bring it
+    back down to it, never below it. Example (10 instances: 30 % prefill, 70 % decode by day; at night
+    half of decode released to batch work)::
+
+        schedule:
+          timezone: Europe/Paris
+          total: 10
+          windows:
+            - {start: "07:00", name: day, shares: {prefill: 0.3, decode: 0.7}}
+            - {start: "22:00", name: night, shares: {prefill: 0.3, decode: 0.7}, release: {decode: 0.5}}
+    """
+
+    windows: tuple[ScheduleWindow, ...]
+    timezone: str = ""
+    utc_offset: str = ""
+    total: int | None = None
+    """Instances the `shares` of the windows are of."""
+    tz: tzinfo = field(init=False, default=fixed_zone.utc, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.windows:
+            raise ValueError("windows: at least one window")
+        starts = [w.minute for w in self.windows]
+        if len(set(starts)) != len(starts):
+            raise ValueError("windows: two windows start at the same time")
+        if self.timezone and self.utc_offset:
+            raise ValueError("utc_offset: give timezone or utc_offset, not both")
+        if self.timezone:
+            try:
+                zone: tzinfo = zoneinfo.ZoneInfo(self.timezone)
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+                raise ValueError("timezone: not a known time zone name") from None
+        elif self.utc_offset:
+            found = _OFFSET.match(self.utc_offset)
+            if not found:
+                raise ValueError('utc_offset: must be "+HH:MM" or "-HH:MM"')
+            minutes = int(found[2]) * 60 + int(found[3])
+            zone = fixed_zone(timedelta(minutes=-minutes if found[1] == "-" else minutes))
+        else:
+            zone = fixed_zone.utc
+        object.__setattr__(self, "tz", zone)
+        if self.total is not None and self.total < 1:
+            raise ValueError("total: must be >= 1")
+        for i, window in enumerate(self.windows):
+            if window.shares and self.total is None:
+                raise ValueError(f"windows[{i}].shares: shares need the schedule's total")
+        object.__setattr__(self, "windows", tuple(sorted(self.windows, key=lambda w: w.minute)))
+
+
+def check_schedule_pools(schedule: ScheduleConfig, names: set[str], where: str = "schedule") -> None:
+    """ConfigError naming the key when a window sizes a pool that is not among `names`."""
+    for i, window in enumerate(schedule.windows):
+        for pool in window.pools():
+            if pool not in names:
+                raise ConfigError(f"{where}.windows[{i}]: no pool named {pool!r}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner in the loop: every `interval_s` it takes the request rate and the prompt / output
+    length histograms of the window, simulates the prefill and decode pools with the profiles
+    (``disagg profile`` output), and looks for the smallest (prefill, decode) instance counts within
+    the pools' bounds whose simulated attainment of both SLOs (the pools' `ttft_target_s` and
+    `tpot_target_s`) at `headroom` x the observed rate reaches `target`.
+
+    `mode: dry_run` only reports the recommendation (one JSON record per run beside the decisions);
+    `mode: floor` makes it a lower bound for the reactive rules: a pool below it is raised to it, a
+    reactive scale-in stops at it (the final size is max(reactive, planner), within the pool's bounds).
+    Needs exactly one prefill and one decode pool. The simulation is deterministic (`seed`) and small
+    (`requests` simulated requests per try), since it runs in the loop.
+    """
+
+    enabled: bool = False
+    mode: Literal["dry_run", "floor"] = "dry_run"
+    profile: Path | None = None
+    """Profile of one prefill instance (and of one decode instance unless `decode_profile` is set)."""
+    decode_profile: Path | None = None
+    target: float = 0.9
+    headroom: float = 1.0
+    """Plan for this multiple of the observed rate (>= 1)."""
+    interval_s: float | None = None
+    """Seconds between runs (default: every interval); at least the autoscaler's interval."""
+    requests: int = 300
+    min_requests: int = 20
+    """Fewer requests observed in the window: no recommendation (and no floor)."""
+    seed: int = 0
+    transfer_gbps: float = 0.0
+    """KV hand-off rate between the pools, GB/s (0: the hand-off is free)."""
+    max_prefill_tokens: int = 4096
+    max_batch: int = 64
+
+
 @dataclass(frozen=True)
 class AutoscalerConfig:
-    """The whole autoscaler."""
+    """The whole autoscaler: the pools and their reactive rules, where metrics come from, how sizes
+    are applied, and optionally a time-of-day `schedule` and the `planner` in the loop."""
 
     pools: tuple[PoolConfig, ...]
     source: SourceConfig = field(default_factory=SourceConfig)
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)
+    schedule: ScheduleConfig | None = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     interval_s: float = 15.0
     window_s: float = 60.0
     metrics_port: int = 9105
@@ -186,7 +382,32 @@ def build_config(data: Any) -> AutoscalerConfig:
         raise ConfigError("pools: names must be unique")
     for i, pool in enumerate(config.pools):
         _check_pool(pool, f"pools[{i}]", config.interval_s)
+    if config.schedule is not None:
+        check_schedule_pools(config.schedule, set(names))
+    _check_planner(config)
     return config
+
+
+def _check_planner(config: AutoscalerConfig) -> None:
+    planner = config.planner
+    if not 0 < planner.target <= 1:
+        raise ConfigError("planner.target: must be in (0, 1]")
+    if planner.headroom < 1:
+        raise ConfigError("planner.headroom: must be >= 1")
+    if planner.interval_s is not None and planner.interval_s < config.interval_s:
+        raise ConfigError("planner.interval_s: must be >= interval_s")
+    for key in ("requests", "min_requests", "max_prefill_tokens", "max_batch"):
+        if getattr(planner, key) < 1:
+            raise ConfigError(f"planner.{key}: must be >= 1")
+    if planner.transfer_gbps < 0:
+        raise ConfigError("planner.transfer_gbps: must be >= 0")
+    if not planner.enabled:
+        return
+    if planner.profile is None:
+        raise ConfigError("planner.profile: required when the planner is enabled")
+    roles = [p.role for p in config.pools]
+    if roles.count("prefill") != 1 or roles.count("decode") != 1:
+        raise ConfigError("planner: needs exactly one prefill and one decode pool")
 
 
 def load_file(path: Path) -> dict[str, Any]:

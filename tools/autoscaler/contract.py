@@ -71,6 +71,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_prefix_cache_misses_total": COUNTER,
         "disagg_prefix_cache_evictions_total": COUNTER,
         "disagg_hot_routes_total": COUNTER,  # label route: cold, hot_shared, hot_pool, hot_delayed, ...
+        "disagg_decode_batch_limit": GAUGE,  # per decode pool instance: the batch tuner's limit, or fixed
     }
 )
 """Every family the server must export: name -> kind. The serving side may import this."""
@@ -84,6 +85,9 @@ AUTOSCALER_METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_autoscaler_scrape_failures_total": COUNTER,
         "disagg_autoscaler_actuator_failures_total": COUNTER,
         "disagg_autoscaler_last_error_timestamp_seconds": GAUGE,
+        "disagg_autoscaler_scheduled_size": GAUGE,  # with a schedule: its window's size, bounded
+        "disagg_autoscaler_released_size": GAUGE,  # with a schedule: instances released now
+        "disagg_autoscaler_planned_size": GAUGE,  # with the planner: its last recommended size
     }
 )
 """The autoscaler's own families on its `/metrics` (label `pool`; `kind` on decisions, `reason` on

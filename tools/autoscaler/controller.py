@@ -5,6 +5,11 @@ deltas into per-pool sliding windows, reads the gauges, checks freshness, and as
 and governor. Any input that cannot be trusted for a pool -- scrape failed, garbage, a family missing,
 series stale, current size unknown, or the very first reading (no delta yet) -- gives a fail-static
 hold for that pool, with the reason.
+
+Beside the reactive rules, two optional inputs set floors and targets (applied by
+:func:`~.schedule.guard`, after the governor): the schedule's size for the window in force at the wall
+time passed in, and the planner's count (:class:`~.recommender.Recommender`, fed the window's request
+rate and length histograms here, run every planner interval).
 """
 
 from __future__ import annotations
@@ -13,21 +18,24 @@ from collections.abc import Mapping
 from typing import cast
 
 from disagg_tools.autoscaler.config import AutoscalerConfig, PoolConfig
-from disagg_tools.autoscaler.governor import Decision, Governor
+from disagg_tools.autoscaler.governor import HOLD, Decision, Governor
 from disagg_tools.autoscaler.histogram import Histogram, HistogramWindow, histogram_delta
 from disagg_tools.autoscaler.policy import DecodePolicy, DecodeSignals, PrefillPolicy, PrefillSignals
+from disagg_tools.autoscaler.recommender import Recommendation, Recommender, TrafficWindow
+from disagg_tools.autoscaler.schedule import Target, floor, guard, targets
 from disagg_tools.autoscaler.snapshot import GarbageMetrics, Snapshot
 
 TTFT = "disagg_time_to_first_token_seconds"
 TPOT = "disagg_time_per_output_token_seconds"
 PROMPT = "disagg_prompt_tokens"
+OUTPUT = "disagg_output_tokens"
 PENDING = "disagg_prefill_pending_tokens"
 QUEUE = "disagg_prefill_queue_requests"
 ACTIVE = "disagg_decode_active_sequences"
 KV_USED = "disagg_kv_blocks_used"
 KV_FREE = "disagg_kv_blocks_free"
 
-READS = (TTFT, TPOT, PROMPT, PENDING, QUEUE, ACTIVE, KV_USED, KV_FREE)
+READS = (TTFT, TPOT, PROMPT, OUTPUT, PENDING, QUEUE, ACTIVE, KV_USED, KV_FREE)
 """Contract families the autoscaler reads (checked against the contract by a test)."""
 
 GAUGES_BY_ROLE = {"prefill": (PENDING, QUEUE), "decode": (ACTIVE, KV_USED, KV_FREE)}
@@ -74,13 +82,18 @@ class _PoolState:
 
 
 class Controller:
-    """Holds the previous snapshot and the per-pool windows, governors and policies."""
+    """Holds the previous snapshot and the per-pool windows, governors and policies (and the planner's
+    recommender with its traffic window, when one is given)."""
 
-    def __init__(self, config: AutoscalerConfig) -> None:
+    def __init__(self, config: AutoscalerConfig, recommender: Recommender | None = None) -> None:
         self._config = config
         self._pools = {p.name: _PoolState(p, config.window_s) for p in config.pools}
         self._prev: Snapshot | None = None
         self._prev_now: float | None = None
+        self._recommender = recommender
+        self._traffic = TrafficWindow(config.window_s)
+        self.recommendation: Recommendation | None = None
+        """The planner's answer if it ran in the last step, else None."""
 
     @staticmethod
     def _delta(prev: Snapshot, cur: Snapshot, family: str, pool: PoolConfig) -> Histogram:
@@ -99,7 +112,14 @@ class Controller:
         return found
 
     def _prefill(
-        self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float, dt: float
+        self,
+        st: _PoolState,
+        prev: Snapshot,
+        cur: Snapshot,
+        size: int,
+        now: float,
+        dt: float,
+        lowest: int | None,
     ) -> Decision:
         p, policy = st.pool, cast(PrefillPolicy, st.policy)
         pending = gauge(cur, PENDING, model=p.name)
@@ -126,9 +146,11 @@ class Controller:
             processed_tokens_per_s=processed,
             busy=bool(prev_pending and pending > 0),
         )
-        return st.governor.decide(policy.propose(signals, size), size, now)
+        return st.governor.decide(policy.propose(signals, size), size, now, lowest)
 
-    def _decode(self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float) -> Decision:
+    def _decode(
+        self, st: _PoolState, prev: Snapshot, cur: Snapshot, size: int, now: float, lowest: int | None
+    ) -> Decision:
         p, policy = st.pool, cast(DecodePolicy, st.policy)
         kv = kv_match(p)
         used = gauge(cur, KV_USED, **kv)
@@ -143,7 +165,7 @@ class Controller:
             kv_free=free,
             active_sequences=active,
         )
-        return st.governor.decide(policy.propose(signals, size), size, now)
+        return st.governor.decide(policy.propose(signals, size), size, now, lowest)
 
     def _stale(self, cur: Snapshot, pool: PoolConfig) -> bool:
         if not cur.sample_times:
@@ -154,38 +176,82 @@ class Controller:
         # No timestamp for a series we read means Prometheus had no recent sample of it at all.
         return oldest is None or cur.taken_at - oldest > self._config.source.stale_after_s
 
+    def _plan(self, prev: Snapshot | None, cur: Snapshot | None, now: float, dt: float | None) -> None:
+        """Feed the traffic window (the planner's prefill pool's request families) and run the planner
+        when due; a failed read or a missing family adds nothing (the window ages)."""
+        self.recommendation = None
+        rec = self._recommender
+        if rec is None:
+            return
+        if prev is not None and cur is not None and dt is not None and dt > 0:
+            try:
+                prompts = self._delta(prev, cur, PROMPT, rec.prefill)
+                outputs = self._delta(prev, cur, OUTPUT, rec.prefill)
+            except (MissingMetric, GarbageMetrics):
+                pass
+            else:
+                self._traffic.add(now, dt, prompts, outputs)
+        if rec.due(now):
+            self.recommendation = rec.recommend(self._traffic.observed(), now)
+
+    def _reactive(
+        self,
+        st: _PoolState,
+        snapshot: Snapshot | None,
+        size: int | None,
+        now: float,
+        dt: float | None,
+        failure: str,
+        lowest: int | None,
+    ) -> Decision:
+        prev = self._prev
+        if size is None:
+            return st.governor.fail_static(None, "size_unknown")
+        if snapshot is None:
+            return st.governor.fail_static(size, failure)
+        if prev is None or dt is None or dt <= 0:
+            return st.governor.fail_static(size, "warmup")
+        if self._stale(snapshot, st.pool):
+            return st.governor.fail_static(size, "stale")
+        try:
+            if st.pool.role == "prefill":
+                return self._prefill(st, prev, snapshot, size, now, dt, lowest)
+            return self._decode(st, prev, snapshot, size, now, lowest)
+        except MissingMetric as exc:
+            return st.governor.fail_static(size, f"missing:{exc.args[0]}")
+        except GarbageMetrics:
+            return st.governor.fail_static(size, "garbage")
+
     def step(
         self,
         snapshot: Snapshot | None,
         sizes: Mapping[str, int | None],
         now: float,
         failure: str = "scrape_failed",
+        wall: float | None = None,
     ) -> list[Decision]:
         """One interval. `snapshot` None means the read failed (`failure` says how); `sizes` are the
-        pools' current sizes as the actuator reports them (None: unknown); `now` is monotonic seconds."""
-        decisions = []
-        prev = self._prev
+        pools' current sizes as the actuator reports them (None: unknown); `now` is monotonic seconds,
+        `wall` Unix seconds (needed with a schedule: the time of day picks its window)."""
+        schedule = self._config.schedule
+        if schedule is not None and wall is None:
+            raise ValueError("a controller with a schedule needs the wall time")
         dt = None if self._prev_now is None else now - self._prev_now
+        self._plan(self._prev, snapshot, now, dt)
+        wanted: dict[str, Target] = {} if schedule is None or wall is None else targets(schedule, wall)
+        decisions = []
         for st in self._pools.values():
+            target = wanted.get(st.pool.name)
+            planned = self._recommender.floor_for(st.pool) if self._recommender is not None else None
+            last = st.governor.last_change
+            since = None if last is None else now - last
+            lowest = floor(st.pool, target, planned)
             size = sizes.get(st.pool.name)
-            if size is None:
-                decisions.append(st.governor.fail_static(None, "size_unknown"))
-            elif snapshot is None:
-                decisions.append(st.governor.fail_static(size, failure))
-            elif prev is None or dt is None or dt <= 0:
-                decisions.append(st.governor.fail_static(size, "warmup"))
-            elif self._stale(snapshot, st.pool):
-                decisions.append(st.governor.fail_static(size, "stale"))
-            else:
-                try:
-                    if st.pool.role == "prefill":
-                        decisions.append(self._prefill(st, prev, snapshot, size, now, dt))
-                    else:
-                        decisions.append(self._decode(st, prev, snapshot, size, now))
-                except MissingMetric as exc:
-                    decisions.append(st.governor.fail_static(size, f"missing:{exc.args[0]}"))
-                except GarbageMetrics:
-                    decisions.append(st.governor.fail_static(size, "garbage"))
+            reactive = self._reactive(st, snapshot, size, now, dt, failure, lowest)
+            decision = guard(st.pool, reactive, target, planned, since)
+            if decision.kind != HOLD:
+                st.governor.changed(now)
+            decisions.append(decision)
         if snapshot is not None:
             self._prev, self._prev_now = snapshot, now
         return decisions

@@ -9,7 +9,8 @@ Plain Python, no I/O, time passed in. Guarantees, per pool:
 - a scale-out needs the out-signal on `scale_out_after` consecutive calls, a scale-in on
   `scale_in_after`; any hold, opposite signal or data gap resets the streak. With the policies'
   out/in threshold gap this bounds how often a signal oscillating around a threshold can move the pool;
-- when data is missing, stale or garbage (a fail-static call) the size is held and the decision says why.
+- when data is missing, stale or garbage (a fail-static call) the size is held and the decision says why;
+- with a `floor` (a scheduled size, the planner's count: see :mod:`~.schedule`) a scale-in stops there.
 """
 
 from __future__ import annotations
@@ -72,14 +73,27 @@ class Governor:
             detail=proposal.detail if proposal else {},
         )
 
+    @property
+    def last_change(self) -> float | None:
+        """When the last size change was decided (monotonic seconds), or None."""
+        return self._last_change
+
+    def changed(self, now: float) -> None:
+        """A change was decided outside the reactive rules (the schedule, the planner's floor): the
+        cooldowns count from it and the streaks restart."""
+        self._last_change = now
+        self._out_streak = self._in_streak = 0
+
     def fail_static(self, current: int | None, reason: str) -> Decision:
         """Hold because the inputs cannot be trusted; the streaks restart after the gap."""
         self._out_streak = self._in_streak = 0
         return Decision(self._pool.name, HOLD, current, current, reason, fail_static=True)
 
-    def decide(self, proposal: Proposal, current: int, now: float) -> Decision:
-        """Decision for a pool now at `current` instances, given the policy's proposal."""
+    def decide(self, proposal: Proposal, current: int, now: float, floor: int | None = None) -> Decision:
+        """Decision for a pool now at `current` instances, given the policy's proposal; a scale-in never
+        goes below `floor` (held there as `at_floor`). Raising a pool to its floor is not done here."""
         p = self._pool
+        lowest = p.min_size if floor is None else max(p.min_size, min(floor, p.max_size))
         if current < p.min_size or current > p.max_size:
             # Out of bounds (e.g. a restarted server came back with its file's count): repair first,
             # one step at a time, without waiting for a signal.
@@ -98,13 +112,15 @@ class Governor:
         elif proposal.direction == IN:
             self._in_streak, self._out_streak = self._in_streak + 1, 0
             streak, needed, cooldown = self._in_streak, p.scale_in_after, p.cooldown_in_s
-            blocked, kind = current <= p.min_size, SCALE_IN
-            desired = max(p.min_size, current - p.step)
+            blocked, kind = current <= lowest, SCALE_IN
+            desired = max(lowest, current - p.step)
         else:
             self._out_streak = self._in_streak = 0
             return self._hold(current, "in_band", proposal)
         if blocked:
-            return self._hold(current, "at_max" if kind == SCALE_OUT else "at_min", proposal)
+            if kind == SCALE_OUT:
+                return self._hold(current, "at_max", proposal)
+            return self._hold(current, "at_min" if lowest == p.min_size else "at_floor", proposal)
         if streak < needed:
             return self._hold(current, "confirming", proposal)
         if self._last_change is not None and now - self._last_change < cooldown:

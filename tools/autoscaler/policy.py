@@ -14,6 +14,15 @@ from disagg_tools.autoscaler.config import PoolConfig
 
 OUT, HOLD, IN = 1, 0, -1
 
+OUT_SIGNALS = (
+    "ttft_above_target",
+    "queue_wait_above_budget",
+    "token_load_high",
+    "tpot_above_target",
+    "kv_utilisation_high",
+)
+"""Every reason a policy gives for wanting more instances (a scheduled scale-in waits while one holds)."""
+
 # Weight of the newest busy-interval measurement in the per-instance capacity estimate.
 _CAPACITY_EWMA = 0.5
 

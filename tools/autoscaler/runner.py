@@ -16,6 +16,7 @@ from disagg_tools.autoscaler.clock import Clock
 from disagg_tools.autoscaler.config import AutoscalerConfig, PoolConfig
 from disagg_tools.autoscaler.controller import Controller, MissingMetric, inflight
 from disagg_tools.autoscaler.governor import HOLD, Decision
+from disagg_tools.autoscaler.recommender import Recommendation, Recommender
 from disagg_tools.autoscaler.snapshot import GarbageMetrics, Snapshot
 from disagg_tools.autoscaler.source import Source, SourceError
 from disagg_tools.autoscaler.telemetry import Telemetry
@@ -38,7 +39,8 @@ def inflight_probe(source: Source) -> Callable[[PoolConfig], float | None]:
 
 
 class Runner:
-    """Wires a source, a controller and an actuator; `emit` receives one record per decision."""
+    """Wires a source, a controller and an actuator; `emit` receives one record per decision, and one
+    per planner run (``{"planner": <mode>, ...}``: what it recommends and what that would change)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class Runner:
         telemetry: Telemetry | None = None,
         emit: Callable[[dict[str, Any]], None] = print_json_line,
         dry_run: bool = False,
+        recommender: Recommender | None = None,
     ) -> None:
         self._config = config
         self._source = source
@@ -57,7 +60,8 @@ class Runner:
         self.telemetry = telemetry or Telemetry()
         self._emit = emit
         self._dry_run = dry_run
-        self._controller = Controller(config)
+        self._controller = Controller(config, recommender)
+        self._recommender = recommender
 
     def _sizes(self) -> dict[str, int | None]:
         sizes: dict[str, int | None] = {}
@@ -103,12 +107,36 @@ class Runner:
             self.telemetry.error("actuator", str(exc), record["at"])
         return record
 
+    def _plan_record(
+        self, recommender: Recommender, rec: Recommendation, sizes: dict[str, int | None]
+    ) -> dict[str, Any]:
+        """The planner's answer beside the pools' sizes now, and what following it would do to each
+        (in floor mode only the raises happen: the count is a lower bound)."""
+        record: dict[str, Any] = {"planner": recommender.config.mode, **rec.as_record()}
+        record["at"] = self._clock.time()
+        current, would = {}, {}
+        for pool in (recommender.prefill, recommender.decode):
+            size, planned = sizes.get(pool.name), rec.size(pool.role)
+            current[pool.name] = size
+            if size is None or planned is None:
+                would[pool.name] = HOLD
+            else:
+                would[pool.name] = "scale_out" if planned > size else "scale_in" if planned < size else HOLD
+        record.update(current=current, would=would)
+        return record
+
     def run_once(self) -> list[Decision]:
         """One interval: sizes, snapshot, decisions, actions, records."""
         now = self._clock.monotonic()
         sizes = self._sizes()
         snapshot, failure = self._read()
-        decisions = self._controller.step(snapshot, sizes, now, failure or "scrape_failed")
+        decisions = self._controller.step(
+            snapshot, sizes, now, failure or "scrape_failed", wall=self._clock.time()
+        )
+        rec = self._controller.recommendation
+        if rec is not None and self._recommender is not None:
+            self.telemetry.record_plan(rec, self._recommender)
+            self._emit(self._plan_record(self._recommender, rec, sizes))
         for decision in decisions:
             self.telemetry.record(decision)
             self._emit(self._apply(decision))

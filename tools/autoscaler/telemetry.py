@@ -1,4 +1,5 @@
-"""The autoscaler's own `/metrics`: sizes, decisions, fail-static holds, failures, last error.
+"""The autoscaler's own `/metrics`: sizes, decisions, fail-static holds, failures, last error, and
+the sizes the schedule and the planner ask for (and the instances the schedule releases).
 
 A private registry per instance (tests create many). prometheus_client's metrics lock internally; the
 last-error text, read by the runner and by whoever asks for status, sits behind our own lock.
@@ -12,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from disagg_tools.autoscaler.governor import Decision
+from disagg_tools.autoscaler.recommender import Recommendation, Recommender
 
 
 class Telemetry:
@@ -36,6 +38,24 @@ class Telemetry:
         )
         self.actuator_failures = Counter(
             "disagg_autoscaler_actuator_failures", "Failed size reads or changes", ["pool"], registry=r
+        )
+        self.scheduled = Gauge(
+            "disagg_autoscaler_scheduled_size",
+            "Pool size the schedule's window in force asks for, within the pool's bounds",
+            ["pool"],
+            registry=r,
+        )
+        self.released = Gauge(
+            "disagg_autoscaler_released_size",
+            "Instances of the window's size handed to other work (released) now",
+            ["pool"],
+            registry=r,
+        )
+        self.planned_size = Gauge(
+            "disagg_autoscaler_planned_size",
+            "Pool size the planner last recommended (NaN: no recommendation)",
+            ["pool"],
+            registry=r,
         )
         self.last_error_ts = Gauge(
             "disagg_autoscaler_last_error_timestamp_seconds",
@@ -64,9 +84,21 @@ class Telemetry:
         if decision.desired is not None:
             self.desired.labels(pool=decision.pool).set(decision.desired)
         self.decisions.labels(pool=decision.pool, kind=decision.kind).inc()
+        schedule = decision.detail.get("schedule") or {}
+        if "scheduled_size" in schedule:
+            self.scheduled.labels(pool=decision.pool).set(schedule["scheduled_size"])
+            self.released.labels(pool=decision.pool).set(schedule.get("released", 0))
         if decision.fail_static:
             reason = decision.reason.split(":", 1)[0]  # "missing:<family>" -> "missing"
             self.fail_static.labels(pool=decision.pool, reason=reason).inc()
+
+    def record_plan(self, rec: Recommendation, recommender: Recommender | None) -> None:
+        """The planner's counts per pool (NaN when it had too little traffic to recommend)."""
+        if recommender is None:
+            return
+        for pool in (recommender.prefill, recommender.decode):
+            size = rec.size(pool.role)
+            self.planned_size.labels(pool=pool.name).set(float("nan") if size is None else size)
 
     def serve(self, port: int, address: str) -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0 in tests)."""

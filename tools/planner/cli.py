@@ -85,6 +85,14 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    parser.add_argument(
+        "--tpot-slo",
+        type=float,
+        default=0.0,
+        help="also print the decode batch knee under this TPOT (seconds): the batch tuner's start",
+    )
+    parser.add_argument("--context", type=int, default=256, help="the knee's context per sequence")
+    parser.add_argument("--max-batch", type=int, default=64, help="the knee's largest batch")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     from disagg.paths import ensure_model, resolve_model_dir
@@ -96,8 +104,27 @@ def profile_main(argv: list[str] | None = None) -> int:
     args.out.write_text(profile.to_json())
     print(_fit_line("prefill", profile.prefill))
     print(_fit_line("decode", profile.decode))
+    if args.tpot_slo > 0:
+        print(knee_line(profile, args.tpot_slo, args.context, args.max_batch))
     print(f"wrote {args.out}")
     return 0
+
+
+def knee_line(profile: Profile, tpot_slo_s: float, context: int, max_batch: int) -> str:
+    """The decode batch knee under a TPOT SLO on the fitted step-time curve at ``context`` tokens per
+    sequence (``disagg.scheduling.tuner.batch_knee``): the batch tuner's ``batch_start``."""
+    from disagg.scheduling.tuner import batch_knee
+
+    curve = [(b, profile.decode_s(b, b * context)) for b in range(1, max_batch + 1)]
+    try:
+        knee = batch_knee(curve, tpot_slo_s)
+    except ValueError as exc:
+        return f"decode batch knee: none ({exc})"
+    step = dict(curve)[knee]
+    return (
+        f"decode batch knee under a TPOT of {tpot_slo_s * 1000:.1f} ms at {context} tokens of context: "
+        f"{knee} (step {step * 1000:.1f} ms, {knee / step:.0f} tokens/s)"
+    )
 
 
 def plan_main(argv: list[str] | None = None) -> int:

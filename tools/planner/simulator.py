@@ -4,8 +4,8 @@ Disaggregated: P prefill instances and D decode instances. A request goes to the
 with the fewest prompt tokens waiting; an idle instance takes waiting prompts first come first served
 up to ``max_prefill_tokens`` per step (at least one) and samples each prompt's first token at the
 step's end (its TTFT). Its KV then moves to the decode instance with the fewest sequences, taking
-``prompt tokens x kv_bytes_per_token / transfer_bytes_per_s``; a decode instance steps all its
-sequences at once (at most ``max_batch``; the others wait their turn), one token each per step.
+``transfer_fixed_s + prompt tokens x kv_bytes_per_token / transfer_bytes_per_s``; a decode instance
+steps all its sequences at once (at most ``max_batch``; the others wait their turn), one token each per step.
 
 Colocated: C instances that do both, stepping as the colocated scheduler plans: each step first
 prefills waiting prompts within the budget (whole prompts, however long: the decode batch waits for
@@ -62,7 +62,8 @@ class Deployment:
     colocated: tuple[Profile, ...] = ()
     max_prefill_tokens: int = 4096
     max_batch: int = 64
-    transfer_bytes_per_s: float = 0.0  # 0: the KV hand-off takes no time
+    transfer_bytes_per_s: float = 0.0  # 0: the KV hand-off's bytes take no time
+    transfer_fixed_s: float = 0.0  # the hand-off's cost apart from its bytes (export, descriptor, ack)
     chunk_tokens: int = 0  # colocated: prompt tokens per step beside decode (0: whole prompts, alone)
 
     def __post_init__(self) -> None:
@@ -87,9 +88,11 @@ class _Instance:
     joining: deque[_Seq] = field(default_factory=deque)
     busy: bool = False
     incoming: int = 0  # sequences on their way (KV in transfer)
+    stepping: int = 0  # prompt tokens of the step running now
 
     def waiting_tokens(self) -> int:
-        return sum(left for _, left in self.queue)
+        """Prompt tokens not prefilled yet: the queue's and the running step's."""
+        return sum(left for _, left in self.queue) + self.stepping
 
     def sequences(self) -> int:
         return len(self.active) + len(self.joining) + self.incoming
@@ -159,11 +162,13 @@ class Simulation:
             return
         taken = self._take_prompts(instance, self.d.max_prefill_tokens, whole=True)
         instance.busy = True
+        instance.stepping = sum(tokens for _, tokens, _ in taken)
         seconds = instance.profile.prefill_s([tokens for _, tokens, _ in taken])
         self._at(self.now + seconds, lambda: self._prefilled(instance, taken))
 
     def _prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
         instance.busy = False
+        instance.stepping = 0
         for outcome, _, _ in taken:
             outcome.first_token = self.now
             if outcome.job.output <= 1:
@@ -172,7 +177,8 @@ class Simulation:
             target = min(self.decode, key=_Instance.sequences)
             target.incoming += 1
             bytes_ = outcome.job.prompt * instance.profile.kv_bytes_per_token
-            delay = bytes_ / self.d.transfer_bytes_per_s if self.d.transfer_bytes_per_s else 0.0
+            delay = self.d.transfer_fixed_s
+            delay += bytes_ / self.d.transfer_bytes_per_s if self.d.transfer_bytes_per_s else 0.0
             self._at(self.now + delay, lambda o=outcome, t=target: self._joined(t, o))
         self._prefill_step(instance)
 
@@ -219,11 +225,13 @@ class Simulation:
         chunked = self.d.chunk_tokens > 0
         budget = self.d.chunk_tokens if chunked else self.d.max_prefill_tokens
         taken = self._take_prompts(instance, budget, whole=not chunked) if instance.queue else []
+        instance.stepping = sum(t for _, t, _ in taken)
         seconds = instance.profile.prefill_s([t for _, t, _ in taken]) if taken else 0.0
         instance.busy = True
         self._at(self.now + seconds, lambda: self._colocated_prefilled(instance, taken))
 
     def _colocated_prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
+        instance.stepping = 0
         for outcome, _, last in taken:
             if not last:
                 continue

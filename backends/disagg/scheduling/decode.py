@@ -67,6 +67,7 @@ class DecodeScheduler(Scheduler[DecodeJob | GenerateJob]):
         chunks = []
         if self.config.local_prefill_tokens:
             chunks = self._prefill_chunks(slots=slots, kind=GenerateJob)
+        self.slot_waiting = self._slot_waiting(DecodeJob) if slots <= 0 else 0
         return Plan(
             imports=tuple(imports),
             prefill=tuple(chunks),

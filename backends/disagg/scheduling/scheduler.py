@@ -99,6 +99,10 @@ class Scheduler(ABC, Generic[J]):
         self._prefilling: dict[str, _Partial] = {}  # handle -> partial prefill, in admission order
         self._seq_of: dict[str, int] = {}  # handle -> seq id, while in the decode batch
         self._known: set[str] = set()  # handles of every job not yet ended
+        # sequences the batch may hold (the decode batch tuner lowers it; never above the engine's)
+        self.batch_limit = limits.max_batch_size
+        # after schedule(): jobs left waiting for a batch slot although their KV blocks were free
+        self.slot_waiting = 0
 
     # ------------------------------------------------------------- queries
 
@@ -182,7 +186,19 @@ class Scheduler(ABC, Generic[J]):
         self.ledger.reserve(job.handle, self.blocks_needed(job))
 
     def _free_slots(self) -> int:
-        return self.limits.max_batch_size - len(self._running) - len(self._prefilling)
+        limit = min(self.batch_limit, self.limits.max_batch_size)
+        return max(0, limit - len(self._running) - len(self._prefilling))
+
+    def _slot_waiting(self, kind: type) -> int:
+        """Jobs of ``kind`` at the queue's head whose blocks fit together now: what a batch slot
+        more would have admitted."""
+        free, count = self.ledger.free, 0
+        for job in self._waiting:
+            if not isinstance(job, kind) or (need := self.blocks_needed(job)) > free:
+                break
+            free -= need
+            count += 1
+        return count
 
     def _prefill_chunks(
         self, max_jobs: int | None = None, slots: int | None = None, kind: type | None = None

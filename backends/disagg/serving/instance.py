@@ -12,6 +12,7 @@ from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.kv.transport import Transport, TransportConfig, create_transport
 from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
+from disagg.scheduling.tuner import BatchTuner, TunerConfig
 from disagg.serving.loop import EngineLoop
 
 
@@ -48,6 +49,13 @@ class PoolConfig:
     # call's costs are paid before any request's, and the pool's prefill speed is in its first load
     # report, so admission by capacity has an estimate before traffic comes (0: off)
     warm_up_tokens: int = 256
+    # The decode batch tuner (disagg.scheduling.tuner), decode pools only: on when batch_tpot_slo_s > 0,
+    # the TPOT its limit is tuned under; batch_start is its first limit (0: max_batch_size; the knee
+    # that `disagg profile --tpot-slo` prints), batch_min its lowest, batch_interval_s its period
+    batch_tpot_slo_s: float = 0.0
+    batch_start: int = 0
+    batch_min: int = 1
+    batch_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -62,6 +70,18 @@ class PoolConfig:
             raise ValueError("nice must be an integer in [0, 19]")
         if not isinstance(self.warm_up_tokens, int) or not 0 <= self.warm_up_tokens <= 8192:
             raise ValueError("warm_up_tokens must be an integer in [0, 8192]")
+        if self.tuning().enabled and self.role is not Role.DECODE:
+            raise ValueError("batch_tpot_slo_s (the batch tuner) is a decode pool's setting")
+        if self.batch_start > self.engine.max_batch_size:
+            raise ValueError(f"batch_start must be at most max_batch_size ({self.engine.max_batch_size})")
+
+    def tuning(self) -> TunerConfig:
+        return TunerConfig(
+            tpot_slo_s=self.batch_tpot_slo_s,
+            start=self.batch_start,
+            min_batch=self.batch_min,
+            interval_s=self.batch_interval_s,
+        )
 
     def scheduling(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -124,7 +144,9 @@ def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Trans
             memory = transport.allocate_memory(num_blocks, layout.block_bytes)  # type: ignore[union-attr]
         engine = Engine(config.engine, kv_memory=memory)
         scheduler = create_scheduler(config.role, engine.limits, config.scheduling())
-        loop = EngineLoop(engine, scheduler, transport)
+        tuning = config.tuning()
+        tuner = BatchTuner(tuning, engine.limits.max_batch_size) if tuning.enabled else None
+        loop = EngineLoop(engine, scheduler, transport, tuner=tuner)
     except BaseException:
         if transport is not None:
             transport.close()

@@ -25,6 +25,7 @@ from disagg.engine.backend import EngineBackend
 from disagg.kv.errors import KVError
 from disagg.scheduling import Scheduler
 from disagg.scheduling.plan import Emission
+from disagg.scheduling.tuner import BatchTuner
 from disagg.serving.dispatcher import Dispatcher
 from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
 from disagg.serving.messages import (
@@ -66,6 +67,8 @@ class LoopStats:
     prefix_misses: int = 0
     prefix_evictions: int = 0
     kv_incompatible: int = 0  # KV imports refused as another model version's (engine.fingerprint)
+    batch_limit: int = 0  # sequences the decode batch may hold now (the batch tuner's limit)
+    batch_decisions: tuple[tuple[str, str, int], ...] = ()  # the tuner's (action, reason, count)
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
@@ -89,6 +92,7 @@ class EngineLoop:
         *,
         idle_wait_s: float = 0.05,
         clock: Callable[[], float] = time.time,
+        tuner: BatchTuner | None = None,
     ) -> None:
         self.role = scheduler.role
         if self.role.needs_transport and transport is None:
@@ -100,6 +104,9 @@ class EngineLoop:
         self.transfer_times = self.runner.transfer_times  # drained by the metrics reporter
         self.idle_wait_s = idle_wait_s
         self._clock = clock  # wall clock, as KV descriptors' expiry times are
+        self.tuner = tuner  # sets the scheduler's batch limit from what each interval measured
+        if tuner is not None:
+            scheduler.batch_limit = tuner.limit
         self._renewals = Renewals()  # imports waiting for decode blocks, and their leases
         self._cond = threading.Condition()
         self._inbox: deque[Message] = deque()
@@ -221,7 +228,10 @@ class EngineLoop:
                 for job in (*plan.imports, *(job for job, _ in plan.refused)):
                     self._renewals.forget(job.handle)
                 self._renew_waiting()
+                batch = self.scheduler.num_running + len(plan.imports) if plan.decode else 0
+                busy = self.runner.busy_s
                 emissions = self.scheduler.postprocess(self.runner.run(plan)) if not plan.empty else []
+                self._tune(batch, self.runner.busy_s - busy)
                 self._snapshot = self._measure()
                 for emission in emissions:
                     self._send(emission)
@@ -261,6 +271,24 @@ class EngineLoop:
             seq_id = self.scheduler.lease_released(message.lease_id)
             if seq_id is not None:
                 self.engine.free(seq_id)
+
+    def _tune(self, batch: int, busy_s: float) -> None:
+        if self.tuner is None:
+            return
+        waiting = self.scheduler.slot_waiting
+        decision = self.tuner.observe(
+            time.monotonic(), batch, busy_s, slot_bound=waiting > 0, demand=batch + waiting
+        )
+        if decision is None or decision.limit == self.scheduler.batch_limit:
+            return
+        log.info(
+            "%s batch limit %d -> %d (%s: utilisation %.2f, TPOT quantile %s, peak batch %d, demand %d)",
+            self.role.value, self.scheduler.batch_limit, decision.limit, decision.reason,
+            decision.utilisation,
+            "-" if decision.tpot_quantile_s is None else f"{decision.tpot_quantile_s * 1000:.1f} ms",
+            decision.peak_batch, decision.demand,
+        )  # fmt: skip
+        self.scheduler.batch_limit = decision.limit
 
     def _watch_lease(self, job: Job) -> None:
         if not isinstance(job, DecodeJob) or self.transport is None:
@@ -317,4 +345,10 @@ class EngineLoop:
             prefix_misses=usage.prefix_misses,
             prefix_evictions=usage.prefix_evictions,
             kv_incompatible=self.runner.kv_incompatible,
+            batch_limit=s.batch_limit,
+            batch_decisions=tuple(
+                (action, reason, n) for (action, reason), n in sorted(self.tuner.decisions.items())
+            )
+            if self.tuner is not None
+            else (),
         )

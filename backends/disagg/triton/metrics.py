@@ -109,6 +109,14 @@ DESCRIPTIONS = {
         "GAUGE",
         "Per entry point instance, pool model and version: requests in flight pinned to that version",
     ),
+    "disagg_decode_batch_limit": (
+        "GAUGE",
+        "Sequences the decode batch may hold now (the batch tuner's limit)",
+    ),
+    "disagg_batch_tuner_decisions_total": (
+        "COUNTER",
+        "Decode batch tuner decisions per interval, by action (grow, shrink, hold) and reason",
+    ),
     "disagg_engine_steps_total": (
         "COUNTER",
         "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",
@@ -409,6 +417,9 @@ class PoolReporter:
         self.queue = fam.gauge("disagg_prefill_queue_requests", labels) if role == "prefill" else None
         self.pending = fam.gauge("disagg_prefill_pending_tokens", labels) if role == "prefill" else None
         self.active = fam.gauge("disagg_decode_active_sequences", labels) if role != "prefill" else None
+        self._labels = labels
+        self.limit = fam.gauge("disagg_decode_batch_limit", labels) if role == "decode" else None
+        self.decisions: dict[tuple[str, str], SerialMetric] = {}
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
         self.incompatible = fam.metric("disagg_kv_incompatible_total", labels)
@@ -453,7 +464,16 @@ class PoolReporter:
             self.publish()  # the counters' last increments
         except Exception:
             log.warning("publishing pool metrics failed", exc_info=True)
-        for gauge in (self.used, self.free, self.cached, self.queue, self.pending, self.active, self.info):
+        for gauge in (
+            self.used,
+            self.free,
+            self.cached,
+            self.queue,
+            self.pending,
+            self.active,
+            self.limit,
+            self.info,
+        ):
             if gauge is not None:
                 gauge.set(0)
 
@@ -480,6 +500,17 @@ class PoolReporter:
         self._add(self.misses, "misses", stats.prefix_misses)
         self._add(self.evictions, "evictions", stats.prefix_evictions)
         self._add(self.incompatible, "incompatible", stats.kv_incompatible)
+        if self.limit is not None:
+            self.limit.set(stats.batch_limit)
+        for action, reason, count in stats.batch_decisions:
+            key = f"decisions/{action}/{reason}"
+            if (action, reason) not in self.decisions:
+                labels = {**self._labels, "action": action, "reason": reason}
+                self.decisions[action, reason] = self._fam.metric(
+                    "disagg_batch_tuner_decisions_total", labels
+                )
+                self._seen[key] = 0.0
+            self._add(self.decisions[action, reason], key, count)
         if self._transport is None:
             return
         snap = self._transport.stats.snapshot()

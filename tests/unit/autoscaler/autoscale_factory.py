@@ -258,3 +258,40 @@ def http_fake(
 
 def json_body(obj: Any, status: int = 200) -> tuple[int, str, bytes]:
     return status, "application/json", json.dumps(obj).encode()
+
+
+ADMIN_KEY = "k3y-for-tests-0123456789"
+
+
+def model_config(name: str, count: int) -> dict[str, Any]:
+    """A pool model's live config as Triton's `GET /v2/models/<name>/config` answers it."""
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": 0,
+        "instance_group": [{"name": f"{name}_0", "kind": "KIND_CPU", "count": count, "gpus": []}],
+        "parameters": {"pool": {"string_value": name}},
+    }
+
+
+def triton_repository(models: dict[str, dict[str, Any]], key: str = ADMIN_KEY):
+    """A handler for :func:`http_fake` acting as Triton's model configuration and repository API for
+    several models (`models`: name -> live config, updated by each load); a load without the admin
+    key is refused as the server does."""
+
+    def handle(method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+        parts = path.strip("/").split("/")
+        name = (
+            parts[2] if len(parts) == 4 and parts[:2] == ["v2", "models"] and parts[3] == "config" else None
+        )
+        if method == "GET" and name in models:
+            return json_body(models[name])
+        loading = len(parts) == 5 and parts[:3] == ["v2", "repository", "models"] and parts[4] == "load"
+        if method == "POST" and loading and parts[3] in models:
+            if headers.get("disagg-admin-key") != key:
+                return json_body({"error": "This API is restricted"}, 403)
+            models[parts[3]] = json.loads(json.loads(body)["parameters"]["config"])
+            return 200, "application/json", b""
+        return json_body({"error": "not found"}, 404)
+
+    return handle

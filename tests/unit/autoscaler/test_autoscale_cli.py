@@ -200,3 +200,51 @@ def test_the_deployment_spec_gives_bounds_and_targets(tmp_path: Path) -> None:
     prefill, decode = pools["prefill"], pools["decode"]
     assert (prefill.max_size, prefill.ttft_target_s, prefill.cooldown_in_s) == (3, 0.8, 20.0)
     assert (decode.min_size, decode.max_size, decode.tpot_target_s) == (2, 5, 0.05)
+
+
+def test_the_deployment_spec_carries_the_schedule_into_the_autoscaler(tmp_path: Path) -> None:
+    from disagg_tools.autoscaler.cli import _parser, config_from_args
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "entry_points: {slo: {ttft_s: 0.8, tpot_s: 0.05}}\n"
+        "pools:\n  prefill: {autoscale: {min_size: 1, max_size: 3}}\n"
+        "  decode: {autoscale: {min_size: 2, max_size: 8}}\n"
+        "schedule:\n  timezone: Europe/Paris\n  total: 10\n  windows:\n"
+        "    - {start: '07:00', name: day, shares: {prefill: 0.3, decode: 0.7}}\n"
+        "    - {start: '22:00', name: night, shares: {prefill: 0.3, decode: 0.7}, release: {decode: 0.5}}\n"
+    )
+    cfg = config_from_args(_parser().parse_args(["--spec", str(spec)]))
+    assert cfg.schedule is not None and [w.label for w in cfg.schedule.windows] == ["day", "night"]
+    assert cfg.schedule.windows[1].release == (("decode", 0.5),)
+    both = tmp_path / "autoscale.yaml"
+    both.write_text("schedule: {windows: [{start: '00:00', sizes: {decode: 2}}]}\n")
+    with pytest.raises(ConfigError, match="schedule: given both in --config and in --spec"):
+        config_from_args(_parser().parse_args(["--config", str(both), "--spec", str(spec)]))
+    # the spec's schedule names its pools prefill and decode; a config renaming them is refused
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text(
+        "pools:\n  - {name: prefill, role: prefill, ttft_target_s: 1}\n"
+        "  - {name: gen, role: decode, tpot_target_s: 0.05}\n"
+        "schedule: {windows: [{start: '00:00', sizes: {decode: 2}}]}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^schedule\.windows\[0\]: no pool named 'decode'$"):
+        config_from_args(_parser().parse_args(["--config", str(renamed)]))
+
+
+def test_planner_dry_run_flag_and_an_unreadable_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from disagg_tools.autoscaler.cli import _parser, config_from_args
+
+    argv = ["--ttft-target", "1", "--tpot-target", "0.05", "--planner-dry-run"]
+    argv += ["--planner-profile", str(tmp_path / "p.json")]
+    cfg = config_from_args(_parser().parse_args(argv))
+    assert (cfg.planner.enabled, cfg.planner.mode, cfg.planner.profile) == (
+        True,
+        "dry_run",
+        tmp_path / "p.json",
+    )
+    assert main([*argv, "--once"]) == 2
+    err = capsys.readouterr().err
+    assert "planner.profile: cannot read the profile" in err and str(tmp_path) not in err

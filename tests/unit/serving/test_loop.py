@@ -222,3 +222,54 @@ def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_mod
             loop.shutdown()
         for _, transport in built.values():
             transport.close()
+
+
+def test_the_batch_tuner_raises_a_slot_bound_limit_and_the_stats_show_it(tiny_model_dir):
+    """A decode pool whose tuner starts at a batch of 2, six hand-offs at once: four wait for a slot
+    with their blocks free, so the first interval that ends grows the limit to the demand; every
+    request completes, and the limit and the decisions are in the pool's stats (its /metrics)."""
+    secret, prefix = secrets.token_bytes(32), f"tune{secrets.token_hex(3)}"
+    built = {
+        role: build_instance(
+            PoolConfig(
+                role=role,
+                engine=EngineConfig(
+                    model_dir=tiny_model_dir, num_blocks=128, block_size=16, max_batch_size=8
+                ),
+                prefix=prefix,
+                lease_ttl_s=30.0,
+                **(
+                    {"batch_tpot_slo_s": 10.0, "batch_start": 2, "batch_interval_s": 0.05}
+                    if role == "decode"
+                    else {}
+                ),
+            ),
+            secret,
+        )
+        for role in ("prefill", "decode")
+    }
+    loops = {role: loop.start() for role, (loop, _) in built.items()}
+    try:
+        prefill, decode = loops["prefill"], loops["decode"]
+        assert decode.stats().batch_limit == 2
+        firsts = []
+        for n in range(6):
+            sink = Sink()
+            prefill.submit(PrefillJob(f"t{n}", sink, Request((1, 7 + n, 6), SamplingParams(max_tokens=100))))
+            assert sink.done.wait(30)
+            firsts.append(sink.events[-1])
+        outs = [Sink() for _ in firsts]
+        for n, (first, out) in enumerate(zip(firsts, outs, strict=True)):
+            decode.submit(DecodeJob(f"t{n}", out, first.state, first.descriptor))
+        for out in outs:
+            assert out.done.wait(60)
+            assert not any(isinstance(e, Failed) for e in out.events), out.events
+        stats = decode.stats()
+        decisions = {(action, reason): n for action, reason, n in stats.batch_decisions}
+        assert decisions.get(("grow", "under_slo"), 0) >= 1, decisions
+        assert decode.engine.kv.free_blocks == decode.engine.kv.num_blocks
+    finally:
+        for loop in loops.values():
+            loop.shutdown()
+        for _, transport in built.values():
+            transport.close()

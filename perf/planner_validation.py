@@ -1,0 +1,304 @@
+"""The planner against reality: predicted goodput and p90 TTFT / TPOT beside measured ones, side by side.
+
+For each deployment and workload, `disagg plan`'s simulator predicts goodput (the highest Poisson rate
+at which 90 % of the requests meet both frozen SLOs, perf/slos.json) from profiles taken here by
+`disagg profile` (or given), with the KV hand-off cost fitted from perf/results/kv_transfer.json; then
+a real Triton serving that deployment is measured with the serving benchmark's goodput search, `--runs`
+times, so the spread of the measurement stands beside the prediction's error.
+
+Deployments (two cores):
+  disagg       `ensemble`: prefill pool on core 0 (with the entry points), decode pool on core 1
+  colocated    `ensemble_colocated`: one colocated pool instance on both cores
+  colocated2   `ensemble_colocated`: two colocated instances, one per core
+
+    .venv/bin/python perf/planner_validation.py --model-dir .models/smollm2-135m-instruct
+
+Writes `<out-dir>/planner_validation.json` and `.md`, and its section of `--report` (perf/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib.cliutil import log, machine, write_json
+from benchlib.deploy import spec_repository, start_triton
+from benchlib.experiment import goodput_runs
+from benchlib.metrics import percentile
+from benchlib.report import with_section
+from benchlib.slo import SLO_FILE, load_frozen
+from benchlib.workload import WORKLOADS, PromptFactory
+
+from disagg_tools.planner.plan import Traffic, goodput
+from disagg_tools.planner.profile import Profile
+from disagg_tools.planner.simulator import Deployment, Slo
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SECTION = "planner-validation"
+TARGET = 0.9  # attainment, as the serving benchmark's search and the planner both judge goodput
+TARGET_ERROR = 0.15
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    model: str  # the Triton entry point measured
+    spec: dict[str, Any]  # laid over the default deployment spec
+    pool_parameters: dict[str, str]  # laid over the colocated pool's parameters after rendering
+    description: str
+
+
+SETUPS = {
+    "disagg": Setup(
+        "disagg", "ensemble", {}, {}, "prefill pool core 0 (entry points beside it), decode pool core 1"
+    ),
+    "colocated": Setup("colocated", "ensemble_colocated", {}, {}, "one colocated instance on cores 0 and 1"),
+    "colocated2": Setup(
+        "colocated2",
+        "ensemble_colocated",
+        {"pools": {"colocated": {"instances": 2}}},
+        {"cores": "0;1"},
+        "two colocated instances, one on core 0 (entry points beside it), one on core 1",
+    ),
+}
+
+
+def transfer_cost(path: Path, transport: str = "shm") -> tuple[float, float]:
+    """(fixed seconds, bytes per second) of one KV hand-off, least squares over the measured rows of
+    `perf/kv_transfer_bench.py` (time = fixed + bytes / rate)."""
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["transport"] == transport]
+    xs = [r["mib"] * 2**20 for r in rows]
+    ys = [x / (r["gbps"] * 1e9) for x, r in zip(xs, rows, strict=True)]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def profiles(args: argparse.Namespace) -> dict[int, Profile]:
+    """The 1- and 2-core profiles: given (`--profile K=FILE`), else measured now by `disagg profile`."""
+    given = {int(k): Path(v) for k, _, v in (item.partition("=") for item in args.profile)}
+    for cores, spec in ((1, "0"), (2, "0,1")):
+        if cores in given:
+            continue
+        out = args.out_dir / f"profile-{cores}.json"
+        log(f"disagg profile on cores {spec} -> {out}")
+        subprocess.run(
+            [str(REPO_ROOT / ".venv" / "bin" / "disagg"), "profile", "--model", str(args.model_dir),
+             "--cores", spec, "--dtype", args.dtype, "--out", str(out)],
+            check=True,
+        )  # fmt: skip
+        given[cores] = out
+    return {k: Profile.load(p) for k, p in given.items()}
+
+
+def simulated(name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float) -> Deployment:
+    one, two = found[1], found[2]
+    if name == "disagg":
+        return Deployment(
+            prefill=(one,), decode=(one,), transfer_bytes_per_s=rate_bps, transfer_fixed_s=fixed_s
+        )
+    if name == "colocated":
+        return Deployment(colocated=(two,))
+    return Deployment(colocated=(one, one))
+
+
+def predict(deployment: Deployment, workload: str, slo: Slo, requests: int) -> dict[str, Any]:
+    w = WORKLOADS[workload]
+    rate, outcomes = goodput(deployment, Traffic(w.prompt, w.output, requests), slo, TARGET)
+    tpots = [t for o in outcomes if (t := o.tpot) is not None]
+    return {
+        "goodput_rps": rate,
+        "ttft_p90_s": percentile([o.ttft for o in outcomes], 90),
+        "tpot_p90_s": percentile(tpots, 90) if tpots else None,
+    }
+
+
+def repository(setup: Setup, model_dir: Path, dtype: str, scratch: Path) -> Path:
+    pools = {"colocated": setup.pool_parameters} if setup.pool_parameters else {}
+    return spec_repository(setup.spec, model_dir, dtype, scratch, pools)
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def _err(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1.0
+
+
+def cells(out: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for setup, by_workload in out["measured"].items():
+        for workload, runs in by_workload.items():
+            pred = out["predicted"][setup][workload]
+            values = [r["goodput_rps"] for r in runs]
+            mean = statistics.fmean(values)
+            spread = (max(values) - min(values)) / mean if mean and len(values) > 1 else None
+
+            def med(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
+                got = [r[key] for r in runs if r[key] is not None]
+                return statistics.median(got) if got else None
+
+            rows.append(
+                {
+                    "deployment": setup,
+                    "workload": workload,
+                    "predicted_rps": pred["goodput_rps"],
+                    "measured_rps": values,
+                    "measured_mean_rps": mean,
+                    "spread": spread,
+                    "error": _err(pred["goodput_rps"], mean),
+                    "ttft_p90": (pred["ttft_p90_s"], med("ttft_p90_s")),
+                    "tpot_p90": (pred["tpot_p90_s"], med("tpot_p90_s")),
+                }
+            )
+    return rows
+
+
+def markdown(out: dict[str, Any]) -> str:
+    rows = cells(out)
+    met = [r for r in rows if r["error"] is not None and abs(r["error"]) <= TARGET_ERROR]
+    lines = [
+        "# Planner vs measured",
+        "",
+        f"`{out['command']}` on {out['machine']}, {out['model']} {out['dtype']}. "
+        "Predictions: `disagg plan`'s simulator on the profiles below "
+        f"({out['requests']} simulated requests per rate), KV hand-off "
+        f"{out['transfer']['fixed_ms']:.2f} ms + {out['transfer']['gbps']:.2f} GB/s (fitted to "
+        "perf/results/kv_transfer.json). Measured: the serving benchmark's goodput search on a real Triton, "
+        f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe. Goodput: the highest "
+        f"rate with {TARGET:.0%} of requests meeting both frozen SLOs. p90s are at the goodput rate "
+        "(measured: the median over the runs).",
+        "",
+        "| deployment | workload | predicted (req/s) | measured (req/s) | spread of runs | error "
+        "| TTFT p90 pred / meas (ms) | TPOT p90 pred / meas (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        measured = " / ".join(f"{v:.2f}" for v in r["measured_rps"])
+        spread = "–" if r["spread"] is None else f"{r['spread']:.0%}"
+        error = "–" if r["error"] is None else f"{r['error']:+.0%}"
+        (pt, mt), (pp, mp) = r["ttft_p90"], r["tpot_p90"]
+        lines.append(
+            f"| {r['deployment']} | {r['workload']} | {r['predicted_rps']:.2f} | {measured} | {spread} | "
+            f"{error} | {_ms(pt)} / {_ms(mt)} | {_ms(pp)} / {_ms(mp)} |"
+        )
+    lines += [
+        "",
+        f"Target (goodput error ≤ {TARGET_ERROR:.0%} in every cell): met in {len(met)} of {len(rows)} cells.",
+        "",
+        "Deployments: " + "; ".join(f"`{s}`: {SETUPS[s].description}" for s in out["measured"]) + ".",
+        "",
+        "Profiles: "
+        + "; ".join(
+            f"{k} core(s): prefill fit {p['prefill_error']:.1%}, decode fit {p['decode_error']:.1%} "
+            "mean error"
+            for k, p in out["profiles"].items()
+        )
+        + ".",
+        "",
+        "SLOs: " + "; ".join(f"`{w}` {s}" for w, s in out["slos"].items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--profile", action="append", default=[], metavar="K=FILE")
+    parser.add_argument("--deployments", default="disagg,colocated,colocated2")
+    parser.add_argument("--workloads", default="codegen,chat")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per probe")
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--max-requests", type=int, default=150)
+    parser.add_argument("--max-probes", type=int, default=5)
+    parser.add_argument("--rel-tol", type=float, default=0.1)
+    parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
+    parser.add_argument(
+        "--kv-transfer", type=Path, default=REPO_ROOT / "perf" / "results" / "kv_transfer.json"
+    )
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "planner")
+    parser.add_argument("--report", type=Path, default=REPO_ROOT / "perf" / "RESULTS.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.model_dir = args.model_dir.resolve()
+    frozen = load_frozen(SLO_FILE, args.model_dir.name)
+    workloads = args.workloads.split(",")
+    setups = [SETUPS[name] for name in args.deployments.split(",")]
+    found = profiles(args)
+    fixed_s, rate_bps = transfer_cost(args.kv_transfer)
+    out: dict[str, Any] = {
+        "command": "python perf/planner_validation.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+        "model": args.model_dir.name,
+        "dtype": args.dtype,
+        "runs": args.runs,
+        "duration": args.duration,
+        "requests": args.requests,
+        "transfer": {"fixed_ms": fixed_s * 1000, "gbps": rate_bps / 1e9},
+        "profiles": {
+            k: {"prefill_error": p.prefill.mean_error, "decode_error": p.decode.mean_error}
+            for k, p in sorted(found.items())
+        },
+        "slos": {
+            w: f"TTFT {frozen[w].slo.ttft_s * 1000:.0f} ms, TPOT {frozen[w].slo.tpot_s * 1000:.1f} ms"
+            for w in workloads
+        },
+        "predicted": {},
+        "measured": {},
+    }
+    for setup in setups:
+        deployment = simulated(setup.name, found, fixed_s, rate_bps)
+        out["predicted"][setup.name] = {
+            w: predict(deployment, w, Slo(frozen[w].slo.ttft_s, frozen[w].slo.tpot_s), args.requests)
+            for w in workloads
+        }
+        log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
+    factory = PromptFactory.from_model_dir(args.model_dir)
+    for setup in setups:
+        with tempfile.TemporaryDirectory(prefix="planner-") as name:
+            scratch = Path(name)
+            repo = repository(setup, args.model_dir, args.dtype, scratch)
+            started = time.perf_counter()
+            server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
+            log(f"{setup.name}: ready in {time.perf_counter() - started:.0f} s")
+            try:
+                out["measured"][setup.name] = asyncio.run(
+                    goodput_runs(server.config.grpc_url, setup.model, workloads, factory, frozen, args)
+                )
+            finally:
+                server.stop(grace_s=5)
+        write_json(args.out_dir / "planner_validation.json", out)  # each deployment as it ends
+    report = markdown(out)
+    (args.out_dir / "planner_validation.md").write_text(report)
+    if args.report is not None and args.report.is_file():
+        body = report.replace("# Planner vs measured", "## Planner vs measured", 1)
+        args.report.write_text(with_section(args.report.read_text(), SECTION, body))
+    log(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
