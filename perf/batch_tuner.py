@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.cliutil import log, machine, write_json
 from benchlib.deploy import spec_repository, start_triton
-from benchlib.experiment import goodput_runs
+from benchlib.experiment import calibrations, goodput_runs
 from benchlib.report import with_section
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import PromptFactory
@@ -88,8 +88,11 @@ def markdown(out: dict[str, Any]) -> str:
     lines = [
         "# Decode batch tuner",
         "",
-        f"`{out['command']}` on {out['machine']}, {out['model']} {out['dtype']}, `ensemble` (prefill core 0, "
-        f"decode core 1). Workloads {', '.join(out['workloads'])}, SLOs {out['slos']}. Goodput: the highest "
+        f"`{out['command']}` on {out['machine']}, {out['model']} {out['dtype']}, "
+        "`ensemble` (prefill core 0, "
+        f"decode core 1). Workloads {', '.join(out['workloads'])}; "
+        f"SLOs ({out['slo_source']}): {out['slos']}. "
+        "Goodput: the highest "
         "Poisson rate at which 90 % of requests meet both SLOs, by the serving benchmark's search, "
         f"{out['runs']} search(es) per cell, {out['duration']:g} s of arrivals per probe. Tuner start: "
         f"{out['start_line']}.",
@@ -115,7 +118,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--slos",
+        choices=("here", "frozen"),
+        default="here",
+        help="here: by the project's rule from `ensemble_colocated`'s idle figures, measured on the first "
+        "server of this run; frozen: perf/slos.json",
+    )
     parser.add_argument("--workloads", default="decode,chat")
     parser.add_argument("--fixed", type=lambda t: [int(x) for x in t.split(",")], default=[8, 16, 32])
     parser.add_argument("--start", type=int, default=0, help="the tuner's first limit (0: the knee)")
@@ -136,27 +146,40 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.model_dir = args.model_dir.resolve()
-    frozen = load_frozen(SLO_FILE, args.model_dir.name)
     workloads = args.workloads.split(",")
-    tpot_slo_s = min(frozen[w].slo.tpot_s for w in workloads)  # the tighter: it holds for both
-    start, start_line = knee(args, tpot_slo_s)
     factory = PromptFactory.from_model_dir(args.model_dir)
+    slos: dict[str, Any] = load_frozen(SLO_FILE, args.model_dir.name) if args.slos == "frozen" else {}
     out: dict[str, Any] = {
         "command": "python perf/batch_tuner.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "model": args.model_dir.name,
         "dtype": args.dtype,
         "workloads": workloads,
-        "slos": "; ".join(
-            f"`{w}` TTFT {frozen[w].slo.ttft_s * 1000:.0f} ms, TPOT {frozen[w].slo.tpot_s * 1000:.1f} ms"
-            for w in workloads
-        ),
-        "tuner_tpot_slo_s": tpot_slo_s,
-        "start_line": start_line,
         "runs": args.runs,
         "duration": args.duration,
         "results": {},
     }
+    with tempfile.TemporaryDirectory(prefix="tuner-slos-") as scratch_name:
+        if not slos:  # the rule's reference is the colocated entry point of the default repository
+            scratch = Path(scratch_name)
+            repo = spec_repository({}, args.model_dir, args.dtype, scratch)
+            server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
+            try:
+                url = server.config.grpc_url
+                slos = asyncio.run(calibrations(url, "ensemble_colocated", workloads, factory))
+            finally:
+                server.stop(grace_s=5)
+    out["slos"] = "; ".join(
+        f"`{w}` TTFT {slos[w].slo.ttft_s * 1000:.0f} ms, TPOT {slos[w].slo.tpot_s * 1000:.1f} ms"
+        for w in workloads
+    )
+    out["slo_source"] = "frozen, perf/slos.json" if args.slos == "frozen" else (
+        "by the project's rule (4 x idle TTFT, 2 x idle TPOT of `ensemble_colocated`), measured at the start "
+        "of this run"
+    )  # fmt: skip
+    tpot_slo_s = min(slos[w].slo.tpot_s for w in workloads)  # the tighter: it holds for both
+    out["tuner_tpot_slo_s"] = tpot_slo_s
+    start, out["start_line"] = knee(args, tpot_slo_s)
     for name, params in configurations(args, start, tpot_slo_s):
         with tempfile.TemporaryDirectory(prefix="tuner-") as scratch_name:
             scratch = Path(scratch_name)
@@ -167,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: ready in {time.perf_counter() - began:.0f} s")
             try:
                 runs = asyncio.run(
-                    goodput_runs(server.config.grpc_url, "ensemble", workloads, factory, frozen, args)
+                    goodput_runs(server.config.grpc_url, "ensemble", workloads, factory, slos, args)
                 )
                 metrics = scrape(server.config.metrics_url) if "batch_tpot_slo_s" in params else {}
             finally:

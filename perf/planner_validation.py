@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.cliutil import log, machine, write_json
 from benchlib.deploy import spec_repository, start_triton
-from benchlib.experiment import goodput_runs
+from benchlib.experiment import calibrations, goodput_runs
 from benchlib.metrics import percentile
 from benchlib.report import with_section
 from benchlib.slo import SLO_FILE, load_frozen
@@ -48,6 +48,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "planner-validation"
 TARGET = 0.9  # attainment, as the serving benchmark's search and the planner both judge goodput
 TARGET_ERROR = 0.15
+SLO_SOURCES = {
+    "here": "by the project's rule (4 x idle TTFT, 2 x idle TPOT) from `colocated`'s idle figures, "
+    "measured at the start of this run",
+    "frozen": "frozen, perf/slos.json",
+}
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,8 @@ SETUPS = {
 def transfer_cost(path: Path, transport: str = "shm") -> tuple[float, float]:
     """(fixed seconds, bytes per second) of one KV hand-off, least squares over the measured rows of
     `perf/kv_transfer_bench.py` (time = fixed + bytes / rate)."""
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["transport"] == transport]
-    xs = [r["mib"] * 2**20 for r in rows]
+    rows = [r for r in json.loads(path.read_text())["results"] if r["transport"] == transport]
+    xs = [float(r["bytes"]) for r in rows]
     ys = [x / (r["gbps"] * 1e9) for x, r in zip(xs, rows, strict=True)]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
@@ -180,7 +185,7 @@ def markdown(out: dict[str, Any]) -> str:
         f"{out['transfer']['fixed_ms']:.2f} ms + {out['transfer']['gbps']:.2f} GB/s (fitted to "
         "perf/results/kv_transfer.json). Measured: the serving benchmark's goodput search on a real Triton, "
         f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe. Goodput: the highest "
-        f"rate with {TARGET:.0%} of requests meeting both frozen SLOs. p90s are at the goodput rate "
+        f"rate with {TARGET:.0%} of requests meeting both SLOs. p90s are at the goodput rate "
         "(measured: the median over the runs).",
         "",
         "| deployment | workload | predicted (req/s) | measured (req/s) | spread of runs | error "
@@ -210,7 +215,7 @@ def markdown(out: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "SLOs: " + "; ".join(f"`{w}` {s}" for w, s in out["slos"].items()) + ".",
+        f"SLOs ({out['slo_source']}): " + "; ".join(f"`{w}` {s}" for w, s in out["slos"].items()) + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -220,7 +225,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--slos",
+        choices=sorted(SLO_SOURCES),
+        default="here",
+        help="here: by the project's rule from the colocated deployment's idle figures, measured first "
+        "in this run; frozen: perf/slos.json",
+    )
     parser.add_argument("--profile", action="append", default=[], metavar="K=FILE")
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
@@ -239,15 +251,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def slo_line(slo: Any) -> str:
+    return f"TTFT {slo.slo.ttft_s * 1000:.0f} ms, TPOT {slo.slo.tpot_s * 1000:.1f} ms"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.model_dir = args.model_dir.resolve()
-    frozen = load_frozen(SLO_FILE, args.model_dir.name)
     workloads = args.workloads.split(",")
     setups = [SETUPS[name] for name in args.deployments.split(",")]
+    if args.slos == "here":  # derived on the colocated deployment: it runs first
+        setups.sort(key=lambda s: s.name != "colocated")
     found = profiles(args)
     fixed_s, rate_bps = transfer_cost(args.kv_transfer)
+    slos: dict[str, Any] = load_frozen(SLO_FILE, args.model_dir.name) if args.slos == "frozen" else {}
     out: dict[str, Any] = {
         "command": "python perf/planner_validation.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -262,20 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             k: {"prefill_error": p.prefill.mean_error, "decode_error": p.decode.mean_error}
             for k, p in sorted(found.items())
         },
-        "slos": {
-            w: f"TTFT {frozen[w].slo.ttft_s * 1000:.0f} ms, TPOT {frozen[w].slo.tpot_s * 1000:.1f} ms"
-            for w in workloads
-        },
+        "slo_source": SLO_SOURCES[args.slos],
+        "slos": {},
         "predicted": {},
         "measured": {},
     }
-    for setup in setups:
-        deployment = simulated(setup.name, found, fixed_s, rate_bps)
-        out["predicted"][setup.name] = {
-            w: predict(deployment, w, Slo(frozen[w].slo.ttft_s, frozen[w].slo.tpot_s), args.requests)
-            for w in workloads
-        }
-        log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
     factory = PromptFactory.from_model_dir(args.model_dir)
     for setup in setups:
         with tempfile.TemporaryDirectory(prefix="planner-") as name:
@@ -285,11 +294,23 @@ def main(argv: list[str] | None = None) -> int:
             server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
             log(f"{setup.name}: ready in {time.perf_counter() - started:.0f} s")
             try:
+                url = server.config.grpc_url
+                if not slos:
+                    slos = asyncio.run(calibrations(url, setup.model, workloads, factory))
+                    out["slos"] = {w: slo_line(slos[w]) for w in workloads}
+                    log(f"SLOs by the rule, measured on {setup.name}: {out['slos']}")
                 out["measured"][setup.name] = asyncio.run(
-                    goodput_runs(server.config.grpc_url, setup.model, workloads, factory, frozen, args)
+                    goodput_runs(url, setup.model, workloads, factory, slos, args)
                 )
             finally:
                 server.stop(grace_s=5)
+        out["slos"] = {w: slo_line(slos[w]) for w in workloads}
+        deployment = simulated(setup.name, found, fixed_s, rate_bps)
+        out["predicted"][setup.name] = {
+            w: predict(deployment, w, Slo(slos[w].slo.ttft_s, slos[w].slo.tpot_s), args.requests)
+            for w in workloads
+        }
+        log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
         write_json(args.out_dir / "planner_validation.json", out)  # each deployment as it ends
     report = markdown(out)
     (args.out_dir / "planner_validation.md").write_text(report)

@@ -81,6 +81,10 @@ class DecodePool:
     # conditional disaggregation: short prompts prefilled here while prefill is backlogged (0: off)
     conditional_prefill_tokens: int = 0
     conditional_chunk_tokens: int = 128
+    # the decode batch tuner (disagg.scheduling.tuner): tunes the batch limit under this TPOT (0: off),
+    # starting from batch_start (0: the engine's max_batch_size)
+    batch_tpot_slo_s: float = 0.0
+    batch_start: int = 0
     autoscale: Autoscale = field(default_factory=Autoscale)
 
     def __post_init__(self) -> None:
@@ -269,6 +273,8 @@ class Spec:
             hot_group_rate=self.hot_prompts.group_rate,
             conditional_prefill_tokens=d.conditional_prefill_tokens,
             conditional_chunk_tokens=d.conditional_chunk_tokens,
+            decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
+            decode_batch_start=d.batch_start,
             prefill_gpus=_cores(p.gpus),
             decode_gpus=_cores(d.gpus),
             colocated_gpus=_cores(c.gpus),

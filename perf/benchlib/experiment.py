@@ -19,6 +19,7 @@ from benchlib.cpuprobe import CpuProbe
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
 from benchlib.search import RateSearch, SearchConfig
+from benchlib.slo import calibrate
 from benchlib.workload import WORKLOADS, PromptFactory, Workload, build_trace, new_salt
 
 
@@ -131,6 +132,21 @@ async def search_goodput(
     return GoodputResult(workload.name, state.best, cores, runs)
 
 
+async def calibrations(
+    url: str, model: str, workloads: list[str], factory: PromptFactory, reps: int = 3
+) -> dict[str, Any]:
+    """SLOs by the project's rule from idle figures measured now on the Triton entry point `model` at
+    `url` (`benchlib.slo.calibrate`, per workload): for a comparison that needs SLOs this machine can
+    meet, where the frozen ones came from another machine. Each `Calibration` has the attributes
+    `goodput_runs` reads of a frozen SLO."""
+    client = make_client(ClientConfig(kind="triton", url=url, model=model))
+    await client.open()
+    try:
+        return {w: await calibrate(client, WORKLOADS[w], factory, model, reps=reps) for w in workloads}
+    finally:
+        await client.close()
+
+
 async def goodput_runs(
     url: str,
     model: str,
@@ -140,7 +156,8 @@ async def goodput_runs(
     args: Any,
 ) -> dict[str, list[dict[str, Any]]]:
     """`args.runs` goodput searches per workload against the Triton entry point `model` at `url` (gRPC),
-    each judged by its frozen SLO (`benchlib.slo.FrozenSlo`) and started from its idle capacity; the
+    each judged by its SLO (a `benchlib.slo.FrozenSlo`, or a `Calibration` made here) and started from
+    its idle capacity; the
     searches' sizes come from `args` (duration, min_requests, max_requests, rel_tol, max_probes).
     Per workload: each run's goodput and its best probe's p90 TTFT / TPOT, and every probe."""
     client = make_client(ClientConfig(kind="triton", url=url, model=model))

@@ -64,12 +64,13 @@ class Greedy:
 def engine_greedy(
     prompts: Iterable[str],
     max_tokens: int,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     min_length: int = 0,
     model_dir: Path | None = None,
 ) -> dict[str, Greedy]:
     """Greedy output of each prompt from the reference engine, one prompt at a time (batch size 1),
-    as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with."""
+    as `disagg generate --dtype <dtype>` prints it: the oracle the entry points are compared with
+    (``auto``, the default repository's dtype, resolves by the same rule as its pools)."""
     from disagg.engine.engine import Engine, EngineConfig
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
@@ -104,7 +105,7 @@ def engine_greedy(
 
 
 def engine_texts(
-    prompts: Iterable[str], max_tokens: int, dtype: str = "bfloat16", model_dir: Path | None = None
+    prompts: Iterable[str], max_tokens: int, dtype: str = "auto", model_dir: Path | None = None
 ) -> dict[str, str]:
     """Greedy text of each prompt from the reference engine (`engine_greedy`), on ``model_dir``
     (default: the suite's model)."""

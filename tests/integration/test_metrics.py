@@ -56,6 +56,13 @@ HISTOGRAMS = (
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def resolved(dtype: str) -> str:
+    """A configured dtype as the engine resolves it (``auto`` by its fixed rule)."""
+    from disagg.engine.device import auto_dtype
+
+    return auto_dtype("cpu") if dtype == "auto" else dtype
+
+
 @pytest.fixture(scope="module")
 def server(triton_factory: TritonFactory) -> TritonServer:
     return triton_factory.start(REPO_ROOT / "model_repository", exit_timeout_s=10)
@@ -79,7 +86,7 @@ def block_bytes(server: TritonServer) -> tuple[int, int]:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     block = int(params["block_size"])
     per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim
-    return block, per_token * DTYPE_BYTES[params["dtype"]] * block
+    return block, per_token * DTYPE_BYTES[resolved(params.get("kv_dtype", params["dtype"]))] * block
 
 
 def pool_baseline(samples: dict) -> dict:
@@ -130,12 +137,13 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
         params = {k: v["string_value"] for k, v in model_config(server, pool)["parameters"].items()}
         mine = [info for info in infos if info["model"] == pool]
         assert len(mine) == model_config(server, pool)["instance_group"][0].get("count", 1), mine
-        bf16 = params["dtype"] == "bfloat16"
+        dtype = resolved(params["dtype"])
+        bf16 = dtype == "bfloat16"
         kernels = bf16 and kernel.library() is not None
         projections = "kernel" if kernels else "onednn-packed" if bf16 and onednn_bf16() else "torch"
         for info in mine:
-            assert info["dtype"] == params["dtype"]
-            assert info["kv_dtype"] == params.get("kv_dtype", params["dtype"])
+            assert info["dtype"] == dtype
+            assert info["kv_dtype"] == resolved(params.get("kv_dtype", params["dtype"]))
             assert info["projections"] == projections
             assert info["attention"] == ("kernel" if kernels else "torch")
 

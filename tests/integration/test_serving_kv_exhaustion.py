@@ -75,6 +75,7 @@ def server(
 ) -> TritonServer:
     out = tmp_path_factory.mktemp("exhaustion") / "repository"
     command = ["--out", str(out), "--kv-cache-mb", str(KV_CACHE_MB), "--lease-ttl-s", str(LEASE_TTL_S)]
+    command += ["--kv-dtype", "bfloat16"]  # the block counts above, whatever dtype the pools compute in
     assert write_repository(command) == 0
     return triton_factory.start(out, exit_timeout_s=10, model_dir=long_context_model)
 

@@ -141,3 +141,18 @@ def test_the_spec_gives_the_autoscaler_its_bounds_and_targets():
     assert (prefill["name"], prefill["max_size"], prefill["ttft_target_s"]) == ("prefill", 1, 0.8)
     assert (decode["min_size"], decode["max_size"], decode["tpot_target_s"]) == (1, 3, 0.05)
     assert json.loads(json.dumps(spec.autoscaler_pools())) == [prefill, decode]
+
+
+def test_the_decode_batch_tuner_is_a_decode_pool_setting_that_reaches_its_parameters(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"pools": {"decode": {"batch_tpot_slo_s": 0.05, "batch_start": 24}}}))
+    assert repository_main(["--spec", str(spec_file), "--out", str(tmp_path / "repo")]) == 0
+    text = (tmp_path / "repo" / "decode" / "config.pbtxt").read_text()
+    params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+    assert params["batch_tpot_slo_s"] == "0.05" and params["batch_start"] == "24"
+    config = pool_config({**params, "model_dir": "/nonexistent"}, {"model_instance_name": "decode_0"})
+    assert config.tuning().enabled and config.tuning().start == 24
+    for pool in ("prefill", "colocated"):
+        assert "batch_tpot_slo_s" not in (tmp_path / "repo" / pool / "config.pbtxt").read_text()
+    with pytest.raises(ConfigError, match="batch_start"):
+        parse_spec({"pools": {"decode": {"batch_start": "many"}}})

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from disagg_tools.planner.lengths import parse_lengths
-from disagg_tools.planner.plan import Traffic, plan
+from disagg_tools.planner.machine import describe, gpu_placements, load_machine
+from disagg_tools.planner.plan import Prediction, Traffic, plan, rank
 from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
 from disagg_tools.planner.simulator import Slo
 
@@ -129,10 +130,17 @@ def knee_line(profile: Profile, tpot_slo_s: float, context: int, max_batch: int)
 
 def plan_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cores", type=int, required=True, help="cores of the machine")
+    parser.add_argument("--cores", type=int, help="cores of the machine (with --profile)")
     parser.add_argument(
-        "--profile", action="append", required=True, metavar="K=FILE", help="the profile of a K-core pool"
+        "--profile", action="append", default=[], metavar="K=FILE", help="the profile of a K-core pool"
     )
+    parser.add_argument(
+        "--machine",
+        type=Path,
+        help="a GPU machine description (YAML, e.g. deploy/machines/8xa100.yaml) instead of --cores and "
+        "--profile: its instances' step times are predicted from the GPUs and the model's shape",
+    )
+    parser.add_argument("--context", type=int, default=2048, help="with --machine: context per sequence")
     parser.add_argument(
         "--prompt", default="lognormal:300:0.5", help="prompt lengths (fixed, uniform, lognormal)"
     )
@@ -143,7 +151,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-gbps", type=float, default=0.0, help="KV hand-off rate, GB/s (0: free)")
     parser.add_argument("--chunk-tokens", type=int, default=0, help="also try colocated in chunks of this")
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
+    parser.add_argument("--top", type=int, default=None, help="print only the best N placements")
     args = parser.parse_args(argv)
+    if args.machine is not None:
+        return _plan_machine(args)
+    if args.cores is None or not args.profile:
+        parser.error("give --cores and --profile K=FILE (measured here), or --machine FILE")
     try:
         profiles = {}
         for item in args.profile:
@@ -165,13 +178,39 @@ def plan_main(argv: list[str] | None = None) -> int:
         chunk_tokens=args.chunk_tokens,
         target=args.attainment,
     )
-    print("\n| placement | cores | goodput (req/s) | per core | TTFT p90 (ms) | TPOT p90 (ms) |")
+    _table(results, "cores", "per core")
+    return 0
+
+
+def _table(results: list[Prediction], unit: str, per: str, top: int | None = None) -> None:
+    print(f"\n| placement | {unit} | goodput (req/s) | {per} | TTFT p90 (ms) | TPOT p90 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
-    for r in results:
+    for r in results[:top]:
         ttft = "–" if r.ttft_p90_s is None else f"{r.ttft_p90_s * 1000:.0f}"
         tpot = "–" if r.tpot_p90_s is None else f"{r.tpot_p90_s * 1000:.1f}"
         print(f"| {r.name} | {r.cores} | {r.goodput_rps:.2f} | {r.per_core:.2f} | {ttft} | {tpot} |")
     best = results[0] if results else None
     if best is not None:
         print(f"\nrecommended (predicted, not measured): {best.name}, {best.goodput_rps:.2f} req/s")
+
+
+def _plan_machine(args: argparse.Namespace) -> int:
+    """``disagg plan --machine``: every placement of the machine's GPUs, from predicted step times."""
+    try:
+        machine = load_machine(args.machine)
+        traffic = Traffic(parse_lengths(args.prompt), parse_lengths(args.output), args.requests)
+    except (ValueError, OSError) as exc:
+        print(f"disagg plan: {exc}", file=sys.stderr)
+        return 2
+    about = describe(machine)
+    print(
+        f"{about['machine']}: {about['gpus']} GPUs, {about['model']} ({about['params_b']} B parameters, "
+        f"{about['kv_kb_per_token']} KiB of KV per token); tensor-parallel sizes that fit: "
+        f"{about['tp_that_fit']}. Step times are PREDICTED from the GPUs' peak, bandwidth and links "
+        "(tools/planner/machine.py), not measured."
+    )
+    placements = gpu_placements(machine, args.context)
+    slo = Slo(args.ttft, args.tpot)
+    results = rank(placements, traffic, slo, args.attainment, per_instance=True, steps=8)
+    _table(results, "GPUs", "per GPU", top=args.top)
     return 0

@@ -105,11 +105,31 @@ def plan(
     target: float = 0.9,
 ) -> list[Prediction]:
     """Every placement's predicted goodput, best per core first."""
-    results = []
+    found = []
     for name, deployment, used in placements(cores, profiles, chunk_tokens):
         if deployment.prefill:
             deployment = replace(deployment, transfer_bytes_per_s=transfer_bytes_per_s)
-        rate, outcomes = goodput(deployment, traffic, slo, target)
+        found.append((name, deployment, used))
+    return rank(found, traffic, slo, target)
+
+
+def rank(
+    found: list[tuple[str, Deployment, int]],
+    traffic: Traffic,
+    slo: Slo,
+    target: float = 0.9,
+    per_instance: bool = False,
+    steps: int = 14,
+) -> list[Prediction]:
+    """The goodput of each (name, deployment, devices used), best per device first. With
+    ``per_instance`` each placement simulates ``traffic.count`` requests per instance it has: at a
+    fixed count, a placement of many instances would see so short a trace at its high rates that no
+    backlog could build, and would look better than it is."""
+    results = []
+    for name, deployment, used in found:
+        instances = len(deployment.colocated) + len(deployment.prefill) + len(deployment.decode)
+        sized = replace(traffic, count=traffic.count * instances) if per_instance else traffic
+        rate, outcomes = goodput(deployment, sized, slo, target, steps)
         ttft = [o.ttft for o in outcomes]
         tpot = [t for o in outcomes if (t := o.tpot) is not None]
         results.append(Prediction(name, used, rate, percentile(ttft, 90), percentile(tpot, 90)))

@@ -19,8 +19,10 @@ Each interval gives one decision, in this order:
    least one), and growth stays below the limit that breached until the traffic eases (utilisation
    under ``low_utilisation`` again);
 2. ``shrink/low_utilisation``: the engine was busy less than ``low_utilisation`` (70 %) of the
-   interval and the limit is above the largest batch the interval used: it drops by ``shrink``, never
-   below that batch (the article's rule, kept from ever making a running request wait);
+   interval and the limit is above both the largest batch the interval used and the start: it drops
+   by ``shrink``, never below either (the article's rule, kept from making a running request wait,
+   and from leaving an idle pool too small for the next burst: sequences waiting for a slot count
+   the wait in their time per output token);
 3. ``grow/under_slo``: the interval was slot-bound and its TPOT quantile was under the SLO (with
    ``margin``), or too few tokens to judge: the limit rises to the demand, or by ``grow`` (at least
    one) if that is more, below the ceiling a breach left;
@@ -52,7 +54,7 @@ class TunerConfig:
     tpot_slo_s: float = 0.0
     start: int = 0  # the first limit (0: the engine's max_batch_size)
     min_batch: int = 1
-    interval_s: float = 2.0
+    interval_s: float = 1.0
     shrink: float = 0.10
     grow: float = 0.10
     low_utilisation: float = 0.70
@@ -127,6 +129,7 @@ class BatchTuner:
         self.config = config
         self.max_batch = max_batch
         self.limit = min(max_batch, max(config.min_batch, config.start or max_batch))
+        self.start = self.limit  # where a pool whose traffic eased comes back to
         self.decisions: dict[tuple[str, str], int] = {}
         self.last: Decision | None = None
         self._ceiling = max_batch
@@ -171,9 +174,9 @@ class BatchTuner:
         if quantile is not None and quantile > c.tpot_slo_s and self.limit > c.min_batch:
             self._ceiling = self.limit - 1
             limit, action, reason = self._shrunk(c.min_batch), SHRINK, "tpot_slo"
-        elif utilisation < c.low_utilisation and self.limit > max(c.min_batch, self._peak):
+        elif utilisation < c.low_utilisation and self.limit > (floor := max(self.start, self._peak)):
             self._ceiling = self.max_batch  # the traffic eased: a breach's ceiling no longer holds
-            limit, action, reason = self._shrunk(max(c.min_batch, self._peak)), SHRINK, "low_utilisation"
+            limit, action, reason = self._shrunk(floor), SHRINK, "low_utilisation"
         elif self._bound and (quantile is None or quantile <= (1 - c.margin) * c.tpot_slo_s):
             grown = max(self._demand, self.limit + max(1, math.ceil(c.grow * self.limit)))
             limit = min(grown, self._ceiling, self.max_batch)

@@ -55,7 +55,7 @@ class PoolConfig:
     batch_tpot_slo_s: float = 0.0
     batch_start: int = 0
     batch_min: int = 1
-    batch_interval_s: float = 2.0
+    batch_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))

@@ -109,8 +109,8 @@ def test_a_target_out_of_reach_stops_at_the_bound_of_the_pool_that_misses() -> N
 
 def test_headroom_plans_for_more_than_the_observed_rate_and_a_quiet_window_recommends_nothing() -> None:
     plain = recommender(planner_config()).recommend(observed({512.0: 120}, {32.0: 120}), 0.0)
-    ahead = recommender(planner_config(headroom=2.0)).recommend(observed({512.0: 120}, {32.0: 120}), 0.0)
-    assert (plain.rate_rps, plain.planned_rps, ahead.planned_rps) == (2.0, 2.0, 4.0)
+    ahead = recommender(planner_config(headroom=3.0)).recommend(observed({512.0: 120}, {32.0: 120}), 0.0)
+    assert (plain.rate_rps, plain.planned_rps, ahead.planned_rps) == (2.0, 2.0, 6.0)
     assert ahead.prefill is not None and plain.prefill is not None and ahead.prefill > plain.prefill
     quiet = recommender(planner_config()).recommend(observed({512.0: 5}, {32.0: 5}), 0.0)
     assert (quiet.prefill, quiet.decode, quiet.reason) == (None, None, TOO_LITTLE)

@@ -77,7 +77,8 @@ def test_a_tpot_breach_shrinks_by_ten_percent_and_caps_growth_below_it():
 
 
 def test_low_utilisation_shrinks_toward_the_batch_in_use_never_below_it():
-    t = tuner(start=32)
+    t = tuner(start=8)
+    assert interval(t, batch=8, step_s=0.020, bound=True, demand=32).limit == 32
     d = interval(t, batch=20, step_s=0.020, busy=0.5)
     assert (d.action, d.reason, d.limit) == ("shrink", "low_utilisation", 28)
     for _ in range(5):
@@ -85,14 +86,13 @@ def test_low_utilisation_shrinks_toward_the_batch_in_use_never_below_it():
     assert t.limit == 20 and d.action == "hold", "the floor is the largest batch the interval used"
 
 
-def test_an_idle_pool_shrinks_to_its_minimum_and_a_burst_grows_it_to_the_demand_at_once():
-    t = tuner(start=32, min_batch=4)
-    now = 0.0
+def test_an_idle_pool_comes_back_to_its_start_and_a_burst_grows_it_to_the_demand_at_once():
+    t = tuner(start=8)
+    assert interval(t, batch=8, step_s=0.015, bound=True, demand=40).limit == 40
     for _ in range(40):
-        now += 0.5
-        t.observe(now, 0, 0.0)
-    assert t.limit == 4
-    d = interval(t, batch=4, step_s=0.015, bound=True, demand=24)
+        t.observe(t.now + 0.5, 0, 0.0)
+    assert t.limit == 8, "never below the start: the next burst would wait for slots"
+    d = interval(t, batch=8, step_s=0.015, bound=True, demand=24)
     assert (d.action, d.reason, d.limit) == ("grow", "under_slo", 24)
 
 
