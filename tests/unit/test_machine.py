@@ -63,7 +63,7 @@ def test_the_committed_8xa100_description_loads_and_its_placements_use_at_most_i
 def test_a_machine_description_error_names_the_key(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text(yaml.safe_dump({"gpu": {"peak_tflops": "fast"}}))
-    with pytest.raises(ConfigError, match="gpu.peak_tflops"):
+    with pytest.raises(ConfigError, match=r"gpu\.peak_tflops"):
         load_machine(bad)
     bad.write_text(yaml.safe_dump({"tp_sizes": [16]}))
     with pytest.raises(ValueError, match="tp_sizes"):
