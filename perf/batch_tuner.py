@@ -28,10 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import add_search_args, log, machine, write_json
 from benchlib.deploy import spec_repository, start_triton
 from benchlib.experiment import calibrations, goodput_runs
-from benchlib.report import with_section
+from benchlib.report import publish
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import PromptFactory
 
@@ -131,12 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=0, help="the tuner's first limit (0: the knee)")
     parser.add_argument("--profile", type=Path, help="a 1-core decode profile (default: measured now)")
     parser.add_argument("--context", type=int, default=128, help="context per sequence for the knee")
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per probe")
-    parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--max-requests", type=int, default=200)
-    parser.add_argument("--max-probes", type=int, default=5)
-    parser.add_argument("--rel-tol", type=float, default=0.1)
+    add_search_args(parser, runs=1, max_requests=200)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "batch_tuner")
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "perf" / "RESULTS.md")
     return parser.parse_args(argv)
@@ -199,12 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         means = {w: statistics.fmean(r["goodput_rps"] for r in v) for w, v in runs.items()}
         log(f"{name}: goodput {means}")
         write_json(args.out_dir / "batch_tuner.json", out)
-    report = markdown(out)
-    (args.out_dir / "batch_tuner.md").write_text(report)
-    if args.report is not None and args.report.is_file():
-        body = report.replace("# Decode batch tuner", "## Decode batch tuner", 1)
-        args.report.write_text(with_section(args.report.read_text(), SECTION, body))
-    log(report)
+    publish(markdown(out), args.out_dir / "batch_tuner.md", args.report, SECTION)
     return 0
 
 

@@ -32,11 +32,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import add_search_args, log, machine, write_json
 from benchlib.deploy import spec_repository, start_triton
 from benchlib.experiment import calibrations, goodput_runs
 from benchlib.metrics import percentile
-from benchlib.report import with_section
+from benchlib.report import publish
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory
 
@@ -236,12 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="append", default=[], metavar="K=FILE")
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per probe")
-    parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--max-requests", type=int, default=150)
-    parser.add_argument("--max-probes", type=int, default=5)
-    parser.add_argument("--rel-tol", type=float, default=0.1)
+    add_search_args(parser, runs=2, max_requests=150)
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     parser.add_argument(
         "--kv-transfer", type=Path, default=REPO_ROOT / "perf" / "results" / "kv_transfer.json"
@@ -312,12 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
         write_json(args.out_dir / "planner_validation.json", out)  # each deployment as it ends
-    report = markdown(out)
-    (args.out_dir / "planner_validation.md").write_text(report)
-    if args.report is not None and args.report.is_file():
-        body = report.replace("# Planner vs measured", "## Planner vs measured", 1)
-        args.report.write_text(with_section(args.report.read_text(), SECTION, body))
-    log(report)
+    publish(markdown(out), args.out_dir / "planner_validation.md", args.report, SECTION)
     return 0
 
 

@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.arrivals import poisson_arrivals
 from benchlib.clients import ClientConfig
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import machine, write_json
 from benchlib.deploy import start_triton
 from benchlib.metrics import RequestRecord, Slo
-from benchlib.report import with_section
+from benchlib.report import publish
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import PromptFactory, RequestSpec, new_salt
 from hot_prompts import latency, replay
@@ -209,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "windows": windows(records, spans, slo) if spans else {},
     }
     write_json(args.out_dir / "rollout.json", out)
-    report = markdown(out)
-    (args.out_dir / "rollout.md").write_text(report)
-    if args.report is not None and args.report.is_file():
-        body = report.replace("# Rollout under load", "## Rollout under load", 1)
-        args.report.write_text(with_section(args.report.read_text(), SECTION, body))
-    log(report)
+    publish(markdown(out), args.out_dir / "rollout.md", args.report, SECTION)
     return 0 if not errors else 1
 
 

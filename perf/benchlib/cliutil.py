@@ -34,6 +34,17 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint (tokenizer)")
 
 
+def add_search_args(parser: argparse.ArgumentParser, runs: int = 1, max_requests: int = 150) -> None:
+    """The sizes of `benchlib.experiment.goodput_runs`' searches: searches per cell, seconds of
+    arrivals per probe (clamped to a request count), probes per search and the rate tolerance."""
+    parser.add_argument("--runs", type=int, default=runs, help="goodput searches per cell")
+    parser.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per probe")
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--max-requests", type=int, default=max_requests)
+    parser.add_argument("--max-probes", type=int, default=5)
+    parser.add_argument("--rel-tol", type=float, default=0.1)
+
+
 def client_config(args: argparse.Namespace) -> ClientConfig:
     return ClientConfig(kind=args.kind, url=args.url, model=args.model, count_tokens=args.count_tokens)
 

@@ -290,6 +290,7 @@ def spec_repository(
     }
     spec["dtype"] = dtype
     spec.update(overlay)
+    scratch.mkdir(parents=True, exist_ok=True)
     (scratch / "spec.yaml").write_text(yaml.safe_dump(spec))
     with contextlib.redirect_stderr(io.StringIO()) as errors:
         if write_spec(scratch / "spec.yaml", scratch / "repository") != 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 UNIQUE_PROMPTS_NOTE = (
@@ -283,6 +284,18 @@ def render(
 
 def section_markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}: start -->", f"<!-- {name}: end -->"
+
+
+def publish(report: str, out: Path, results: Path | None, section: str) -> None:
+    """A benchmark's markdown `report` written to `out`, and, with its title one level down, to its
+    `section` of `results` (perf/RESULTS.md) when that file exists; then printed."""
+    from benchlib.cliutil import log
+
+    out.write_text(report)
+    if results is not None and results.is_file():
+        body = report.replace("# ", "## ", 1) if report.startswith("# ") else report
+        results.write_text(with_section(results.read_text(), section, body))
+    log(report)
 
 
 def with_section(report: str, name: str, body: str) -> str:

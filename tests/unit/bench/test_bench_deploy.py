@@ -42,3 +42,15 @@ def test_validation_and_missing_venv(tiny_model_dir, tmp_path):
     with pytest.raises(DeployError, match="install it with"):
         server.start()
     assert server.stop() is None
+
+
+def test_a_spec_repository_lays_the_overlay_and_pool_parameters_over_the_default(tiny_model_dir, tmp_path):
+    from benchlib.deploy import spec_repository
+
+    overlay = {"pools": {"colocated": {"instances": 2}}}
+    repo = spec_repository(overlay, tiny_model_dir, "float32", tmp_path, {"colocated": {"cores": "0;1"}})
+    text = (repo / "colocated" / "config.pbtxt").read_text()
+    assert "count: 2" in text and 'key: "cores", value: { string_value: "0;1" }' in text
+    assert 'string_value: "float32"' in (repo / "decode" / "config.pbtxt").read_text()
+    with pytest.raises(DeployError, match="did not validate"):
+        spec_repository({"pools": {"colocated": {"instances": 0}}}, tiny_model_dir, "auto", tmp_path / "x")

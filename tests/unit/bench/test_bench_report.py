@@ -124,3 +124,15 @@ def test_a_full_run_keeps_the_sections_other_benchmarks_wrote():
     assert new.startswith("# new table") and "old table" not in new
     assert sections(new) == sections(old)
     assert keeping_sections(new, old) == new, "idempotent"
+
+
+def test_publish_writes_the_report_and_its_section_one_level_down(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nkept\n")
+    report.publish("# Tuner\n\nfirst\n", tmp_path / "tuner.md", results, "tuner")
+    report.publish("# Tuner\n\nsecond\n", tmp_path / "tuner.md", results, "tuner")
+    assert (tmp_path / "tuner.md").read_text() == "# Tuner\n\nsecond\n"
+    text = results.read_text()
+    assert "kept" in text and "## Tuner\n\nsecond" in text and "first" not in text
+    report.publish("# Alone\n", tmp_path / "alone.md", tmp_path / "missing.md", "alone")
+    assert not (tmp_path / "missing.md").exists(), "a results file that is not there is not created"
