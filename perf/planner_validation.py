@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -234,6 +235,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "in this run; frozen: perf/slos.json",
     )
     parser.add_argument("--profile", action="append", default=[], metavar="K=FILE")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        help="an earlier run's planner_validation.json: its deployments and SLOs are kept, and the "
+        "deployments given here are measured beside them with the same SLOs",
+    )
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
     add_search_args(parser, runs=2, max_requests=150)
@@ -250,6 +257,30 @@ def slo_line(slo: Any) -> str:
     return f"TTFT {slo.slo.ttft_s * 1000:.0f} ms, TPOT {slo.slo.tpot_s * 1000:.1f} ms"
 
 
+@dataclass(frozen=True)
+class GivenSlo:
+    """An SLO carried over from an earlier run's report (`--resume`), with the attributes a frozen or
+    calibrated one has."""
+
+    slo: Any
+    idle_ttft_s: float
+    idle_tpot_s: float
+
+
+def resumed(path: Path) -> tuple[dict[str, Any], dict[str, GivenSlo]]:
+    """An earlier run's results and the SLOs it derived (its `slos` lines: 4 x idle TTFT, 2 x idle
+    TPOT, so the idle figures the searches start from come back too)."""
+    from benchlib.metrics import Slo as Judged
+
+    earlier = json.loads(path.read_text())
+    slos = {}
+    for workload, line in earlier["slos"].items():
+        ttft_ms, tpot_ms = (float(x) for x in re.findall(r"([0-9.]+) ms", line))
+        slo = Judged(ttft_s=ttft_ms / 1000, tpot_s=tpot_ms / 1000)
+        slos[workload] = GivenSlo(slo, slo.ttft_s / 4, slo.tpot_s / 2)
+    return earlier, slos
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     found = profiles(args)
     fixed_s, rate_bps = transfer_cost(args.kv_transfer)
     slos: dict[str, Any] = load_frozen(SLO_FILE, args.model_dir.name) if args.slos == "frozen" else {}
+    earlier: dict[str, Any] = {}
+    if args.resume is not None:  # the deployments measured before, and their SLOs
+        earlier, slos = resumed(args.resume)
     out: dict[str, Any] = {
         "command": "python perf/planner_validation.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -277,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "slo_source": SLO_SOURCES[args.slos],
         "slos": {},
-        "predicted": {},
-        "measured": {},
+        "predicted": dict(earlier.get("predicted", {})),
+        "measured": dict(earlier.get("measured", {})),
     }
+    if earlier:
+        out["command"] = f"{earlier['command']}, then {out['command']}"
     factory = PromptFactory.from_model_dir(args.model_dir)
     for setup in setups:
         with tempfile.TemporaryDirectory(prefix="planner-") as name:

@@ -43,6 +43,13 @@ def add_search_args(parser: argparse.ArgumentParser, runs: int = 1, max_requests
     parser.add_argument("--max-requests", type=int, default=max_requests)
     parser.add_argument("--max-probes", type=int, default=5)
     parser.add_argument("--rel-tol", type=float, default=0.1)
+    parser.add_argument(
+        "--lowest-rate",
+        type=float,
+        default=0.125,
+        help="a search goes no lower than this fraction of its start (the idle capacity): a probe's "
+        "minimum of requests at a low rate takes minutes",
+    )
 
 
 def client_config(args: argparse.Namespace) -> ClientConfig:

@@ -169,7 +169,7 @@ async def goodput_runs(
             workload, fz = WORKLOADS[name], frozen[name]
             start = start_rate(fz.idle_ttft_s, fz.idle_tpot_s, workload.output.median())
             search = SearchConfig(
-                start=start, min_rate=start / 16, max_rate=start * 64, rel_tol=args.rel_tol,
+                start=start, min_rate=start * args.lowest_rate, max_rate=start * 64, rel_tol=args.rel_tol,
                 max_probes=args.max_probes,
             )  # fmt: skip
             for run in range(args.runs):

@@ -1,8 +1,8 @@
 """Model versions on a real Triton (RELIABILITY D6, B7): `disagg rollout` moves a server from
-checkpoint A (version 1) to checkpoint B (version 2), back, and to B again, under a steady load of
+checkpoint A (version 1) to checkpoint B (version 2) and back, under a steady load of
 streaming `llm` and `ensemble` requests, without one failed request and with every text exactly A's or
 B's greedy text (fp32 pools, so that greedy text under concurrency is exact). A broken version 3
-(missing weights) stops its rollout with Triton's reason while version 2 keeps serving. A request
+(missing weights) stops its rollout with Triton's reason while version 1 keeps serving. A request
 pinned to a prefill of one version and a decode of the other has its KV refused by decode with the
 named, counted error, and is served on the fallback ladder's local rung instead."""
 
@@ -143,7 +143,7 @@ def test_rollout_rollback_and_a_broken_version_under_load(server, triton_factory
     with Load(server) as load:
         wait_until(lambda: load.count() >= 3, 120, "the load's first requests")
         windows = []  # (version, from the end of its rollout, to the start of the next one)
-        for target in (2, 1, 2):  # roll out B, roll back to A, roll out B again
+        for target in (2, 1):  # roll out B, then roll back to A
             before = _regions()
             if windows:
                 windows[-1][2] = time.monotonic()
@@ -156,18 +156,18 @@ def test_rollout_rollback_and_a_broken_version_under_load(server, triton_factory
             assert rollout.triton.loaded_versions()["decode"] == [target]
 
         with pytest.raises(
-            RolloutError, match=r"version 3 of \w+ failed to load; still serving version 2"
+            RolloutError, match=r"version 3 of \w+ failed to load; still serving version 1"
         ) as broken:
             rollout.run(3)
         print(f"\nthe broken version's rollout: {broken.value}")
         assert "safetensors" in str(broken.value), "Triton's reason, from the pool's own error, is kept"
-        assert rollout.triton.loaded_versions()["decode"] == [2], "the old version kept serving"
-        windows[-1][2] = time.monotonic() + 3600  # after the failed rollout: still version 2
+        assert rollout.triton.loaded_versions()["decode"] == [1], "the old version kept serving"
+        windows[-1][2] = time.monotonic() + 3600  # after the failed rollout: still version 1
         started = load.count()
         wait_until(lambda: load.count() >= started + 3, 120, "requests after the failed rollout")
 
     outcomes = load.results
-    assert len(outcomes) >= 12, len(outcomes)
+    assert len(outcomes) >= 9, len(outcomes)
     failed = [r for r in outcomes if r[3] is not None or not r[4]]
     assert failed == [], failed
     a, b = expected["a"], expected["b"]
