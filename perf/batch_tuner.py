@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.cliutil import add_search_args, log, machine, write_json
 from benchlib.deploy import spec_repository, start_triton
 from benchlib.experiment import calibrations, goodput_runs
+from benchlib.metrics import Slo
 from benchlib.report import publish
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import PromptFactory
@@ -61,6 +64,22 @@ def knee(args: argparse.Namespace, tpot_slo_s: float) -> tuple[int, str]:
         return int(line.split(": ", 1)[1].split(" ", 1)[0]), line
     except ValueError:
         return DEFAULT_BATCH, line
+
+
+@dataclass(frozen=True)
+class GivenSlo:
+    """An SLO carried over from an earlier run (`--resume`), with the idle figures the rule derived it
+    from (4 x idle TTFT, 2 x idle TPOT), where a search starts."""
+
+    slo: Slo
+
+    @property
+    def idle_ttft_s(self) -> float:
+        return self.slo.ttft_s / 4
+
+    @property
+    def idle_tpot_s(self) -> float:
+        return self.slo.tpot_s / 2
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -131,6 +150,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=0, help="the tuner's first limit (0: the knee)")
     parser.add_argument("--profile", type=Path, help="a 1-core decode profile (default: measured now)")
     parser.add_argument("--context", type=int, default=128, help="context per sequence for the knee")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        help="an earlier run's batch_tuner.json: its fixed configurations and SLOs are kept, and only "
+        "the tuned one is measured again (after a change to the tuner)",
+    )
     add_search_args(parser, runs=1, max_requests=200)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "batch_tuner")
     parser.add_argument("--report", type=Path, default=REPO_ROOT / "perf" / "RESULTS.md")
@@ -154,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         "duration": args.duration,
         "results": {},
     }
+    earlier: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
+    if earlier:
+        slos = {w: GivenSlo(Slo(*earlier["slo_values"][w])) for w in workloads}
+        out["results"] = {n: r for n, r in earlier["results"].items() if not n.startswith("tuned")}
+        out["command"] = f"{earlier['command']}, then {out['command']}"
     with tempfile.TemporaryDirectory(prefix="tuner-slos-") as scratch_name:
         if not slos:  # the rule's reference is the colocated entry point of the default repository
             scratch = Path(scratch_name)
@@ -172,10 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         "by the project's rule (4 x idle TTFT, 2 x idle TPOT of `ensemble_colocated`), measured at the start "
         "of this run"
     )  # fmt: skip
+    out["slo_values"] = {w: (slos[w].slo.ttft_s, slos[w].slo.tpot_s) for w in workloads}
     tpot_slo_s = min(slos[w].slo.tpot_s for w in workloads)  # the tighter: it holds for both
     out["tuner_tpot_slo_s"] = tpot_slo_s
     start, out["start_line"] = knee(args, tpot_slo_s)
     for name, params in configurations(args, start, tpot_slo_s):
+        if name in out["results"]:
+            continue  # measured by the earlier run
         with tempfile.TemporaryDirectory(prefix="tuner-") as scratch_name:
             scratch = Path(scratch_name)
             pools = {"decode": params} if params else {}

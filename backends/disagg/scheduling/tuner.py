@@ -7,15 +7,17 @@ measurement of this pool, made by its engine loop:
 
 - **utilisation**: the share of the interval the engine spent inside its calls (the busy counter
   behind ``disagg_engine_busy_seconds_total``);
-- **TPOT quantile**: every decode step gives each sequence of its batch one token, so the time from
-  one step's end to the next one's is the time per output token of every sequence in both; the
-  quantile (p99 by default) is taken over the interval's tokens;
+- **TPOT**: every decode step gives each sequence of its batch one token, so the time from one
+  step's end to the next one's is a gap between two tokens of every sequence in both. A request's
+  TPOT is the mean of its gaps, so the interval's token-weighted mean gap is what a sequence running
+  through it gets. (A high quantile of the gaps would judge the batch by one KV import's or one
+  prompt's hiccup, which no batch limit removes: measured, it held the limit at 1);
 - **slot-bound**: a sequence waited for a batch slot while the KV blocks it needs were free, so the
   limit, not the memory, held it back; ``demand`` is how many sequences would have run.
 
 Each interval gives one decision, in this order:
 
-1. ``shrink/tpot_slo``: the TPOT quantile is over the SLO: the limit drops by ``shrink`` (10 %, at
+1. ``shrink/tpot_slo``: the TPOT is over the SLO: the limit drops by ``shrink`` (10 %, at
    least one), and growth stays below the limit that breached until the traffic eases (utilisation
    under ``low_utilisation`` again);
 2. ``shrink/low_utilisation``: the engine was busy less than ``low_utilisation`` (70 %) of the
@@ -23,7 +25,7 @@ Each interval gives one decision, in this order:
    by ``shrink``, never below either (the article's rule, kept from making a running request wait,
    and from leaving an idle pool too small for the next burst: sequences waiting for a slot count
    the wait in their time per output token);
-3. ``grow/under_slo``: the interval was slot-bound and its TPOT quantile was under the SLO (with
+3. ``grow/under_slo``: the interval was slot-bound and its TPOT was under the SLO (with
    ``margin``), or too few tokens to judge: the limit rises to the demand, or by ``grow`` (at least
    one) if that is more, below the ceiling a breach left;
 4. ``hold``: otherwise.
@@ -58,9 +60,8 @@ class TunerConfig:
     shrink: float = 0.10
     grow: float = 0.10
     low_utilisation: float = 0.70
-    quantile: float = 0.99
-    margin: float = 0.10  # grow only while the quantile is this share under the SLO
-    min_tokens: int = 32  # fewer tokens in an interval: its TPOT quantile is not judged
+    margin: float = 0.10  # grow only while the TPOT is this share under the SLO
+    min_tokens: int = 32  # fewer tokens in an interval: its TPOT is not judged
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tpot_slo_s, int | float) and 0 <= self.tpot_slo_s <= 60):
@@ -76,8 +77,6 @@ class TunerConfig:
         for name in ("shrink", "grow", "low_utilisation", "margin"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"batch_{name} must be in [0, 1)")
-        if not 0 < self.quantile < 1:
-            raise ValueError("batch_quantile must be in (0, 1)")
 
     @property
     def enabled(self) -> bool:
@@ -92,22 +91,9 @@ class Decision:
     action: str  # grow, shrink or hold
     reason: str
     utilisation: float
-    tpot_quantile_s: float | None  # None: too few tokens in the interval
+    tpot_s: float | None  # the interval's mean gap between tokens (None: too few tokens)
     peak_batch: int
     demand: int
-
-
-def weighted_quantile(samples: list[tuple[float, int]], q: float) -> float | None:
-    """The ``q`` quantile of values each counted ``weight`` times (None when there are none)."""
-    total = sum(weight for _, weight in samples)
-    if total <= 0:
-        return None
-    rank, seen = q * total, 0
-    for value, weight in sorted(samples):
-        seen += weight
-        if seen >= rank:
-            return value
-    return max(value for value, _ in samples)
 
 
 def batch_knee(points: list[tuple[int, float]], tpot_slo_s: float, share: float = 0.9) -> int:
@@ -169,22 +155,22 @@ class BatchTuner:
         span = max(now - (self._started if self._started is not None else now), 1e-9)
         utilisation = min(1.0, self._busy / span)
         tokens = sum(weight for _, weight in self._gaps)
-        quantile = weighted_quantile(self._gaps, c.quantile) if tokens >= c.min_tokens else None
+        tpot = sum(gap * n for gap, n in self._gaps) / tokens if tokens >= c.min_tokens else None
         limit, action, reason = self.limit, HOLD, "steady"
-        if quantile is not None and quantile > c.tpot_slo_s and self.limit > c.min_batch:
+        if tpot is not None and tpot > c.tpot_slo_s and self.limit > c.min_batch:
             self._ceiling = self.limit - 1
             limit, action, reason = self._shrunk(c.min_batch), SHRINK, "tpot_slo"
         elif utilisation < c.low_utilisation and self.limit > (floor := max(self.start, self._peak)):
             self._ceiling = self.max_batch  # the traffic eased: a breach's ceiling no longer holds
             limit, action, reason = self._shrunk(floor), SHRINK, "low_utilisation"
-        elif self._bound and (quantile is None or quantile <= (1 - c.margin) * c.tpot_slo_s):
+        elif self._bound and (tpot is None or tpot <= (1 - c.margin) * c.tpot_slo_s):
             grown = max(self._demand, self.limit + max(1, math.ceil(c.grow * self.limit)))
             limit = min(grown, self._ceiling, self.max_batch)
             if limit > self.limit:
                 action, reason = GROW, "under_slo"
             else:
                 limit = self.limit
-        decision = Decision(limit, action, reason, utilisation, quantile, self._peak, self._demand)
+        decision = Decision(limit, action, reason, utilisation, tpot, self._peak, self._demand)
         self.limit, self.last = limit, decision
         self.decisions[(action, reason)] = self.decisions.get((action, reason), 0) + 1
         self._started, self._busy, self._gaps = now, 0.0, []

@@ -282,10 +282,10 @@ class EngineLoop:
         if decision is None or decision.limit == self.scheduler.batch_limit:
             return
         log.info(
-            "%s batch limit %d -> %d (%s: utilisation %.2f, TPOT quantile %s, peak batch %d, demand %d)",
+            "%s batch limit %d -> %d (%s: utilisation %.2f, TPOT %s, peak batch %d, demand %d)",
             self.role.value, self.scheduler.batch_limit, decision.limit, decision.reason,
             decision.utilisation,
-            "-" if decision.tpot_quantile_s is None else f"{decision.tpot_quantile_s * 1000:.1f} ms",
+            "-" if decision.tpot_s is None else f"{decision.tpot_s * 1000:.1f} ms",
             decision.peak_batch, decision.demand,
         )  # fmt: skip
         self.scheduler.batch_limit = decision.limit

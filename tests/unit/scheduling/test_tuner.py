@@ -7,7 +7,7 @@ import pytest
 from scheduler_fakes import FakeBackend, decode_job
 
 from disagg.scheduling import DecodeScheduler
-from disagg.scheduling.tuner import BatchTuner, TunerConfig, batch_knee, weighted_quantile
+from disagg.scheduling.tuner import BatchTuner, TunerConfig, batch_knee
 from disagg.serving.errors import UNAVAILABLE
 from disagg.serving.messages import Failed
 from disagg.serving.runner import Runner
@@ -49,12 +49,6 @@ def interval(
     raise AssertionError("the interval never ended")
 
 
-def test_weighted_quantile_counts_each_value_its_weight():
-    assert weighted_quantile([(0.01, 99), (0.2, 1)], 0.99) == 0.01
-    assert weighted_quantile([(0.01, 98), (0.2, 2)], 0.99) == 0.2
-    assert weighted_quantile([], 0.5) is None
-
-
 def test_the_knee_is_the_smallest_batch_near_the_best_throughput_under_the_slo():
     # step times of a bandwidth-bound decode: 10 ms + 1 ms per sequence
     points = [(b, 0.010 + 0.001 * b) for b in (1, 2, 4, 8, 16, 32, 64)]
@@ -70,7 +64,7 @@ def test_a_tpot_breach_shrinks_by_ten_percent_and_caps_growth_below_it():
     t = tuner(start=40)
     d = interval(t, batch=40, step_s=0.080, bound=True, demand=50)
     assert (d.action, d.reason, d.limit) == ("shrink", "tpot_slo", 36)
-    assert d.tpot_quantile_s == pytest.approx(0.080)
+    assert d.tpot_s == pytest.approx(0.080)
     # under the SLO again and slot-bound: it grows, but never back to the limit that breached
     d = interval(t, batch=36, step_s=0.030, bound=True, demand=60)
     assert (d.action, d.reason, d.limit) == ("grow", "under_slo", 39)
@@ -119,11 +113,11 @@ def test_too_few_tokens_are_not_judged_against_the_slo():
     t = tuner(start=8, min_tokens=32)
     # one sequence, slow steps: 9 tokens in the interval, fewer than min_tokens
     d = interval(t, batch=1, step_s=0.100, bound=True, demand=2)
-    assert d.tpot_quantile_s is None and d.action == "grow"
+    assert d.tpot_s is None and d.action == "grow"
 
 
 def test_the_config_refuses_what_it_cannot_mean():
-    for bad in ({"tpot_slo_s": -1}, {"min_batch": 0}, {"shrink": 1.5}, {"interval_s": 0}, {"quantile": 1}):
+    for bad in ({"tpot_slo_s": -1}, {"min_batch": 0}, {"shrink": 1.5}, {"interval_s": 0}):
         with pytest.raises(ValueError):
             TunerConfig(**bad)
     assert not TunerConfig().enabled
