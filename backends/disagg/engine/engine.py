@@ -65,7 +65,9 @@ class EngineConfig:
     cores: tuple[int, ...] | None = None
     num_threads: int | None = None
     # bf16 on a CPU with AVX-512-BF16: the engine's own kernels for the projections and the paged
-    # decode attention (disagg.engine.kernel); a sequence's output does not depend on its batch
+    # decode attention (disagg.engine.kernel); fp32 on block-coded weights (a checkpoint converted
+    # from a Q4_1 / Q8_0 GGUF) with AVX2: the decode rows' projections read the codes
+    # (disagg.engine.blockcode). Either way a sequence's output does not depend on its batch
     native_kernels: bool = True
     pack_weights: bool = True  # bf16 on CPU without the kernels: prepack for oneDNN (same bits, faster)
     # reuse the KV of full prompt blocks another prompt computed (``disagg.engine.kvcache``): a prompt
@@ -189,7 +191,13 @@ class Engine:
 
     def describe(self) -> dict[str, str]:
         head = self.model.lm_head
-        projections = "kernel" if head.native is not None else "onednn-packed" if head.packed else "torch"
+        layer = self.model.layers[0].gate_up if self.model.layers else head
+        if head.native is not None:
+            projections = "kernel"
+        elif layer.blocks is not None:  # the head's code may differ from the layers' (Q8_0 vs Q4_1)
+            projections = f"blocks-{layer.blocks.name}"
+        else:
+            projections = "onednn-packed" if head.packed else "torch"
         attention = "kernel" if self.model.paged_attention else "torch"
         return {
             "dtype": self.config.dtype,

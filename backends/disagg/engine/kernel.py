@@ -70,15 +70,16 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile the kernel unless a build of this very source exists; returns the library's path.
+def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
+    """Compile a kernel source (``kernels/bf16.c`` unless told) unless a build of this very source
+    exists; returns the library's path.
 
     Raises RuntimeError naming what failed (no compiler, compiler error). Safe to call from several
     processes at once: each compiles to a temporary name and renames it into place."""
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"bf16-{digest}.so"
+    target = directory / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -88,10 +89,13 @@ def build(directory: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         partial = Path(scratch) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, check=False
+            [compiler, *FLAGS, "-o", str(partial), str(source_path)],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+            raise RuntimeError(f"compiling {source_path.name} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, target)
     return target
 

@@ -13,6 +13,12 @@
 - **bf16 elsewhere** (``pack``): the weight reordered once, at load, into oneDNN's blocked layout and
   called through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for frozen bf16
   linears): the same bits as ``F.linear``, which reorders on every call, and faster.
+- **fp32 on block-coded weights** (``native``, a CPU with AVX2, FMA and F16C): where the weight is
+  exactly a Q4_1 or Q8_0 code (a checkpoint converted from a quantized GGUF file, the default SmolLM2
+  among them; ``disagg.engine.blockcode``), decode rows go to the block-code kernel, which reads the
+  codes (4.5 or 8.5 bits a weight) instead of the fp32 values, and prompt rows (compute-bound) to
+  ``F.linear`` on the fp32 weight kept beside them. A projection that only sees a few rows (the
+  output head, ``split`` off) keeps the codes alone.
 - **fp32 and the rest**: ``F.linear``. fp32 is the token-exact reference; MKL's packed fp32 GEMM was
   slower at batch 8 here.
 """
@@ -22,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import kernel
+from disagg.engine import blockcode, kernel
 from disagg.engine.device import onednn_bf16
 
 
@@ -53,8 +59,13 @@ class Projection:
         gemm = kernel.gemm() if native and on_cpu_bf16 and weight.shape[1] % 2 == 0 else None
         self._gemm = gemm
         self.native = kernel.pack(weight) if gemm is not None else None
-        # oneDNN's weight: the only path without the kernel; beside it for prompt rows on AMX
-        onednn = gemm is None or (split and kernel.cpu_has_amx())
+        on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        block_gemm = blockcode.gemm() if native and on_cpu_fp32 else None
+        self.blocks = blockcode.recover(weight) if block_gemm is not None else None
+        self._block_gemm = block_gemm if self.blocks is not None else None
+        # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX, and for
+        # prompt rows beside the block codes
+        onednn = (gemm is None or (split and kernel.cpu_has_amx())) and (self.blocks is None or split)
         self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
         if not onednn:
             self.weight = None
@@ -66,14 +77,19 @@ class Projection:
     def __call__(self, x: torch.Tensor, native_rows: int | None = None) -> torch.Tensor:
         """``native_rows``: how many leading rows are decode rows, the rest being prompt rows
         (None: all decode rows). Only a projection holding both paths (AMX) tells them apart."""
-        if self.native is None:
+        if self.native is None and self.blocks is None:
             return self._onednn(x)
         if self.weight is None or native_rows is None or native_rows >= x.shape[0]:
-            return self._gemm(x, self.native, self.bias, self.wide)
+            return self._kernel(x)
         if native_rows == 0:
             return self._onednn(x)
-        decode = self._gemm(x[:native_rows], self.native, self.bias, self.wide)
+        decode = self._kernel(x[:native_rows])
         return torch.cat([decode, self._onednn(x[native_rows:]).to(decode.dtype)])
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return self._block_gemm(x, self.blocks, self.bias)
+        return self._gemm(x, self.native, self.bias, self.wide)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         """In the weight's dtype: oneDNN rounds its outputs whatever ``wide`` says."""
@@ -85,4 +101,5 @@ class Projection:
     def nbytes(self) -> int:
         """Bytes of weight held (both layouts where prompt rows go to oneDNN)."""
         held = [t for t in (self.weight, None if self.native is None else self.native.tiles) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
+        codes = 0 if self.blocks is None else self.blocks.nbytes
+        return codes + sum(t.numel() * t.element_size() for t in held)

@@ -1,0 +1,223 @@
+"""Block-coded weights: fp32 projection weights that are exactly llama.cpp's Q4_1 or Q8_0 codes, read
+in that code by the engine's kernel (``kernels/blocks.c``) instead of as fp32.
+
+A checkpoint converted from a quantized GGUF file (``tools/converter.py``, the default SmolLM2 model
+among them) stores every weight as the fp32 value its block decodes to: per run of 32 inputs of an
+output row, ``d * q + m`` (Q4_1: q in 0..15, fp16 scale d and min m) or ``d * q`` (Q8_0: q in
+-128..127). ``recover`` finds those codes from the fp32 values alone and keeps them only when every
+weight of the tensor decodes back to its fp32 value bit for bit, so nothing is guessed: a weight that
+is not such a code (the random tiny model, a bf16 or fp32 checkpoint) stays fp32. The kernel then
+reads 4.5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32, which is what a decode step, bound by
+reading the weights, pays for: ``perf/engine_bench.py`` measures it.
+
+What the kernel computes is the code's own value, exact: per run, ``d * sum(x q) + m * sum(x)`` in
+fp32. It differs from the fp32 weights' product by rounding only (the converter rounded ``d q + m`` to
+fp32 once per weight; the sums are in another order than MKL's), the same order of difference as
+between two fp32 GEMM libraries, and a row's result does not depend on the rows batched with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from disagg.engine import kernel
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.c"
+RUN = 32  # inputs per block (one scale, one min); kernels/blocks.c's RUN
+TILE = 16  # outputs per tile of the layout; kernels/blocks.c's COLS
+NEEDS = frozenset({"avx2", "fma", "f16c"})
+SAMPLE = 16  # rows tried first: a weight that is no code is refused without reading the rest
+
+
+@dataclass(frozen=True)
+class BlockCode:
+    """A weight [N, K] in the layout ``gemm`` reads: ``codes`` [ceil(N / TILE), K, TILE * bits / 8]
+    (4-bit: outputs 0..7 in the low nibbles, 8..15 in the high), ``scales`` and ``mins`` fp16
+    [ceil(N / TILE), K / RUN, TILE] (``mins`` None for Q8_0); outputs zero-padded to whole tiles."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    out_features: int
+    in_features: int
+
+    @property
+    def name(self) -> str:
+        return "q4_1" if self.bits == 4 else "q8_0"
+
+    @property
+    def nbytes(self) -> int:
+        held = [t for t in (self.codes, self.scales, self.mins) if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+def _fp16_exact(values: torch.Tensor) -> bool:
+    return bool((values.half().float() == values).all())
+
+
+def _neighbours(estimate: torch.Tensor) -> list[torch.Tensor]:
+    """``estimate`` rounded to fp16, and the fp16 values one and two steps either side (as fp32)."""
+    bits = estimate.clamp(min=0).half().view(torch.int16).to(torch.int32)
+    out = []
+    for step in (0, -1, 1, -2, 2):
+        moved = (bits + step).clamp(0, 0x7BFF).to(torch.int16).view(torch.float16)
+        out.append(moved.float())
+    return out
+
+
+def _pick(blocks: torch.Tensor, candidates: list[torch.Tensor], decode: Callable) -> tuple | None:
+    """The first candidate scale per block whose codes decode to every value exactly; None if a block
+    has none. ``decode(scale [.., 1]) -> (codes, values)``."""
+    chosen = torch.zeros(blocks.shape[:-1])
+    found = torch.zeros(blocks.shape[:-1], dtype=torch.bool)
+    for scale in candidates:
+        _, values = decode(scale[..., None])
+        exact = (values == blocks).all(-1) & ~found
+        chosen = torch.where(exact, scale, chosen)
+        found |= exact
+        if bool(found.all()):
+            codes, values = decode(chosen[..., None])
+            return (codes, chosen) if bool((values == blocks).all()) else None
+    return None
+
+
+def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes 0..15, scales and mins of blocks [N, R, RUN] whose values are fl32(d q + m), or None."""
+    low = blocks.amin(-1)  # the min's code is 0, so the block's min is m itself
+    if not _fp16_exact(low):
+        return None
+    mins = low[..., None]
+
+    def decode(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.where(scale > 0, torch.round((blocks - mins) / safe), 0).clamp(0, 15)
+        return codes, scale * codes + mins  # the converter's order: the product, then the min
+
+    picked = _pick(blocks, _neighbours((blocks.amax(-1) - low) / 15), decode)
+    return None if picked is None else (picked[0].to(torch.uint8), picked[1], low)
+
+
+def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes -128..127 and scales of blocks [N, R, RUN] whose values are fl32(d q), or None."""
+
+    def decode(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.where(scale > 0, torch.round(blocks / safe), 0).clamp(-128, 127)
+        return codes, scale * codes
+
+    picked = _pick(blocks, _neighbours(blocks.abs().amax(-1) / 127), decode)
+    return None if picked is None else (picked[0].to(torch.int8), picked[1])
+
+
+def _tiled(per_output: torch.Tensor) -> torch.Tensor:
+    """[N, X] -> [ceil(N / TILE), X, TILE], outputs zero-padded to whole tiles."""
+    padded = F.pad(per_output, (0, 0, 0, -per_output.shape[0] % TILE))
+    return padded.view(-1, TILE, per_output.shape[1]).transpose(1, 2).contiguous()
+
+
+@torch.inference_mode()
+def recover(weight: torch.Tensor) -> BlockCode | None:
+    """``weight`` [N, K] fp32 as a Q4_1 or Q8_0 block code, when every value is exactly one; else None."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    n, k = weight.shape
+    if k % RUN or not bool(torch.isfinite(weight).all()):
+        return None
+    if n > SAMPLE and _recovered(weight[:SAMPLE]) is None:  # most weights that are not codes fail here
+        return None
+    return _recovered(weight)
+
+
+def _recovered(weight: torch.Tensor) -> BlockCode | None:
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // RUN, RUN)
+    q4 = _q4_1(blocks)
+    if q4 is not None:
+        codes, scales, mins = q4
+        tiled = _tiled(codes.reshape(n, k))  # [T, K, 16]
+        packed = tiled[..., :8] | (tiled[..., 8:] << 4)
+        return BlockCode(packed.contiguous(), _tiled(scales.half()), _tiled(mins.half()), 4, n, k)
+    q8 = _q8_0(blocks)
+    if q8 is not None:
+        codes, scales = q8
+        tiled = _tiled(codes.reshape(n, k).view(torch.uint8))
+        return BlockCode(tiled, _tiled(scales.half()), None, 8, n, k)
+    return None
+
+
+def cpu_supports() -> bool:
+    """AVX2 with FMA and F16C: what ``kernels/blocks.c`` needs."""
+    return kernel.cpu_flags() >= NEEDS
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot run or be built."""
+    if not cpu_supports():
+        log.info("block-code kernel off: this CPU has no AVX2, FMA and F16C")
+        return None
+    try:
+        loaded = ctypes.CDLL(str(kernel.build(source_path=SOURCE)))
+    except (RuntimeError, OSError) as exc:
+        log.warning("block-code kernel off: %s", exc)
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    loaded.gemm_blocks_f32.argtypes = [pointer] * 6 + [size] * 5
+    loaded.gemm_blocks_f32.restype = size
+    loaded.blocks_tile_cols.restype = size
+    loaded.blocks_run.restype = size
+    if (loaded.blocks_tile_cols(), loaded.blocks_run()) != (TILE, RUN):
+        log.warning("block-code kernel off: %s does not match this module's layout", SOURCE.name)
+        return None
+    return loaded
+
+
+BlockGemm = Callable[[torch.Tensor, BlockCode, "torch.Tensor | None"], torch.Tensor]
+
+
+def gemm() -> BlockGemm | None:
+    """``gemm(x [M, K] fp32, code: BlockCode, bias [N] fp32 | None) -> y [M, N] fp32``, any M; a row's
+    bits do not depend on M or on the other rows. None where the kernel is off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.gemm_blocks_f32
+
+    def call(x: torch.Tensor, code: BlockCode, bias: torch.Tensor | None) -> torch.Tensor:
+        rows, width = x.shape
+        if x.dtype != torch.float32 or width != code.in_features:
+            raise ValueError(f"block gemm takes fp32 rows of width {code.in_features}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (code.out_features,)):
+            raise ValueError(f"block gemm takes an fp32 bias of {code.out_features}")
+        x = x.contiguous()
+        out = torch.empty(rows, code.out_features, dtype=torch.float32)
+        if rows:
+            status = function(
+                x.data_ptr(),
+                code.codes.data_ptr(),
+                code.scales.data_ptr(),
+                None if code.mins is None else code.mins.data_ptr(),
+                None if bias is None else bias.contiguous().data_ptr(),
+                out.data_ptr(),
+                rows,
+                code.out_features,
+                width,
+                code.bits,
+                torch.get_num_threads(),
+            )
+            if status:
+                raise MemoryError("block gemm could not allocate its scratch")
+        return out
+
+    return call
