@@ -464,12 +464,20 @@ def _check_attention(q: torch.Tensor, cache: torch.Tensor, heads: int, kv_heads:
         raise ValueError("attention kernels take bf16, head_dim a multiple of 32 up to 256, groups up to 8")
 
 
-if __name__ == "__main__":  # `make`: build now rather than at the first engine start
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not cpu_supports():
-        print("bf16 CPU kernels: not built, this CPU has no AVX-512-BF16")
-        sys.exit(0)
+def _build_for_make(name: str, supported: bool, why_not: str, source_path: Path) -> None:
+    if not supported:
+        print(f"{name}: not built, this CPU has no {why_not}")
+        return
     try:
-        print(f"bf16 CPU kernels: {build()}")
-    except RuntimeError as exc:  # the engine falls back to oneDNN; make goes on
-        print(f"bf16 CPU kernels: not built ({exc})")
+        print(f"{name}: {build(source_path=source_path)}")
+    except RuntimeError as exc:  # the engine falls back to oneDNN / MKL; make goes on
+        print(f"{name}: not built ({exc})")
+
+
+if __name__ == "__main__":  # `make`: build now rather than at the first engine start
+    from disagg.engine import blockcode
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _build_for_make("bf16 CPU kernels", cpu_supports(), "AVX-512-BF16", SOURCE)
+    _build_for_make("block-code kernel", blockcode.cpu_supports(), "AVX2, FMA and F16C", blockcode.SOURCE)
+    sys.exit(0)
