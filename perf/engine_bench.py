@@ -2,11 +2,14 @@
 
 Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32, for
   - transformers (fp32, SDPA attention, eager): the baseline,
-  - this engine in fp32 (the token-exact reference configuration),
-  - this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
-    pack_weights: false``),
-  - this engine in bf16 with weights prepacked for oneDNN (``native_kernels: false``),
-  - this engine in bf16 as the pools run it: its own projection and paged decode attention kernels,
+  - this engine in fp32 on the fp32 weights through MKL (``native_kernels: false``, the token-exact
+    reference configuration),
+  - this engine in fp32 reading block-coded weights in its decode rows (``native_kernels: true``, as
+    the pools run fp32), when the checkpoint's weights are Q4_1 / Q8_0 codes and the CPU has AVX2,
+  - on a CPU whose oneDNN runs bf16 (AVX-512-BF16 or AMX; elsewhere bf16 is emulated and left out):
+    this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
+    pack_weights: false``), with weights prepacked for oneDNN (``native_kernels: false``), and as the
+    pools run it, with its own projection and paged decode attention kernels,
   - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed.
 Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
 median of each is reported, and ratios against the baseline from the same run.
@@ -14,8 +17,10 @@ median of each is reported, and ratios against the baseline from the same run.
     python perf/engine_bench.py [--model DIR ...] [--cores 0[,1]] [--reps R]
 
 Each ``--model`` gets its own table (the tiny model and SmolLM2-135M-Instruct by ``make
-bench-engine``), followed by what bounds the bf16 decode step: the time to read the weights once at
-these cores' measured read-only bandwidth, and the output head's share of the step.
+bench-engine``), followed by what bounds the decode step of the pools' configuration on this CPU (bf16
+with its kernels where oneDNN runs bf16, else fp32 as the pools run it): the time to read the weights
+once, in the layout that step reads, at these cores' measured read-only bandwidth, and the output
+head's share of the step.
 
 Writes engine_bench.json and engine_bench.md into --out-dir (default perf/results/; `make
 bench-engine` uses perf/results/engine_1core and perf/results/engine_2core).
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 from benchlib.timing import median_time
 
+from disagg.engine.device import onednn_bf16
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
@@ -91,6 +97,8 @@ class EngineRunner:
             model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack, native_kernels=kernel
         )
         self.engine = Engine(config)
+        if dtype == "float32" and self.engine.model.lm_head.blocks is not None:
+            self.name += ", block codes"
 
     def prefill(self, prompt: list[int]) -> None:
         (out,) = self.engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=1))], decode=False)
@@ -188,13 +196,17 @@ def run(
     def tokens(n: int) -> list[int]:
         return [1, *torch.randint(3, 1000, (n - 1,), generator=gen).tolist()]
 
-    runners = [
-        HFRunner(model_dir),
-        EngineRunner(model_dir, "float32"),
-        EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
-        EngineRunner(model_dir, "bfloat16", kernel=False),
-        EngineRunner(model_dir, "bfloat16"),
-    ]
+    runners = [HFRunner(model_dir), EngineRunner(model_dir, "float32", kernel=False)]
+    coded = EngineRunner(model_dir, "float32")  # fp32 as the pools run it
+    if coded.engine.model.lm_head.blocks is not None:
+        runners.append(coded)
+    del coded
+    if onednn_bf16():  # elsewhere bf16 is emulated, many times slower than fp32: not a pool's choice
+        runners += [
+            EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
+            EngineRunner(model_dir, "bfloat16", kernel=False),
+            EngineRunner(model_dir, "bfloat16"),
+        ]
     baseline = runners[0].name
     dtypes = {r.name: r.dtype for r in runners}
     prompt = tokens(prompt_len)
@@ -224,7 +236,8 @@ def run(
                     dtype=dtypes[name],
                 )
             )
-    limit = limits(runners[-1].engine, reps)
+    limit = limits(runners[-1].engine, reps)  # the pools' configuration on this CPU: the last one
+    limit["runner"] = runners[-1].name
     runners.clear()  # free their memory before vLLM loads
     gc.collect()
     for dtype in vllm_dtypes:
@@ -263,10 +276,11 @@ def run(
 
 
 def limits(engine: Engine, reps: int) -> dict:
-    """What bounds one bf16 decode step at batch 1, measured on these cores in this run.
+    """What bounds one decode step of ``engine`` at batch 1, measured on these cores in this run.
 
-    - ``weight_bytes``: the weights a step reads whole, in the compute dtype: the layers, the final
-      norm and the output head (the embedding table is only looked up, one row per token);
+    - ``weight_bytes``: the weights a step reads whole, in the layout its decode rows read (the
+      kernel's tiles, the block codes, else the compute dtype's): the layers, the final norm and the
+      output head (the embedding table is only looked up, one row per token);
     - ``read_gb_s``: summing a 256 MiB float32 tensor, the read-only bandwidth these cores reach;
     - ``copy_gb_s``: a plain 256 MiB copy (bytes copied per second), for reference;
     - ``floor_ms``: weight_bytes / read bandwidth, the step time if only reading the weights counted;
@@ -279,8 +293,11 @@ def limits(engine: Engine, reps: int) -> dict:
         tensors.update({id(t): t for t in (layer.ln_attn, layer.ln_mlp)})
         projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
     for projection in projections:  # the layout a decode step reads
-        read = projection.weight if projection.native is None else projection.native.tiles
-        for t in (read, projection.bias):
+        if projection.blocks is not None:
+            read = [projection.blocks.codes, projection.blocks.scales, projection.blocks.mins]
+        else:
+            read = [projection.weight if projection.native is None else projection.native.tiles]
+        for t in (*read, projection.bias):
             if t is not None:
                 tensors[id(t)] = t
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -338,15 +355,14 @@ def section(result: dict) -> str:
         ratios = [f"{r['vs_baseline']:.2f}", "–" if r.get("vs_vllm") is None else f"{r['vs_vllm']:.2f}"]
         lines.append(table_row(r, ratios))
     lim = result["limits"]
+    bounded = lim.get("runner", "disagg engine bfloat16")
     step = next(
-        r
-        for r in result["rows"]
-        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"] == "disagg engine bfloat16"
+        r for r in result["rows"] if r["phase"] == "decode" and r["batch"] == 1 and r["runner"] == bounded
     )
     step_ms = _ms_per_call(step)
     lines += [
         "",
-        f"What bounds the bf16 decode step at batch 1 ({step_ms:.1f} ms): its weights are "
+        f"What bounds the decode step of `{bounded}` at batch 1 ({step_ms:.1f} ms): its weights are "
         f"{lim['weight_bytes'] / 1e6:.0f} MB, which stream in {lim['floor_ms']:.1f} ms at these cores' "
         f"read-only bandwidth ({lim['read_gb_s']:.1f} GB/s; a copy moves {lim['copy_gb_s']:.1f} GB/s), "
         f"so the step takes {step_ms / lim['floor_ms']:.2f}x the weight-streaming bound; "
@@ -366,14 +382,14 @@ def markdown(results: list[dict]) -> str:
 
 
 def cpu_flags() -> str:
-    """The CPU features that decide bf16 speed here (AMX or only AVX-512-BF16)."""
+    """The CPU features that decide the engine's paths here (AMX, AVX-512-BF16, or AVX2 only)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
     flags = set(text.split())
-    kinds = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f") if f in flags]
-    return ", ".join(kinds) or "no AVX-512"
+    kinds = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return ", ".join(kinds) or "no AVX2"
 
 
 def main(argv: list[str] | None = None) -> int:

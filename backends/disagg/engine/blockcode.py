@@ -76,47 +76,58 @@ def _neighbours(estimate: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _pick(blocks: torch.Tensor, candidates: list[torch.Tensor], decode: Callable) -> tuple | None:
-    """The first candidate scale per block whose codes decode to every value exactly; None if a block
-    has none. ``decode(scale [.., 1]) -> (codes, values)``."""
-    chosen = torch.zeros(blocks.shape[:-1])
-    found = torch.zeros(blocks.shape[:-1], dtype=torch.bool)
+Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pick(
+    blocks: torch.Tensor, offsets: torch.Tensor, candidates: list[torch.Tensor], decode: Decode
+) -> tuple | None:
+    """Codes and, per block, the first candidate scale whose codes decode to every value exactly;
+    None if a block has none. ``blocks`` [B, RUN], ``offsets`` [B] (the mins, or zeros), candidates
+    [B] each; ``decode(blocks, scale [b, 1], offset [b, 1]) -> (codes, values)``. Each candidate is
+    tried on the blocks the ones before it left, so a tensor costs about one decoding pass."""
+    codes = torch.empty_like(blocks)
+    chosen = torch.empty(blocks.shape[0])
+    left = torch.arange(blocks.shape[0])
     for scale in candidates:
-        _, values = decode(scale[..., None])
-        exact = (values == blocks).all(-1) & ~found
-        chosen = torch.where(exact, scale, chosen)
-        found |= exact
-        if bool(found.all()):
-            codes, values = decode(chosen[..., None])
-            return (codes, chosen) if bool((values == blocks).all()) else None
+        part, offset, tried = blocks[left], offsets[left, None], scale[left]
+        got, values = decode(part, tried[:, None], offset)
+        exact = (values == part).all(-1)
+        done = left[exact]
+        codes[done], chosen[done] = got[exact], tried[exact]
+        left = left[~exact]
+        if not left.numel():
+            return codes, chosen
     return None
 
 
 def _q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Codes 0..15, scales and mins of blocks [N, R, RUN] whose values are fl32(d q + m), or None."""
+    """Codes 0..15, scales and mins of blocks [B, RUN] whose values are fl32(d q + m), or None."""
     low = blocks.amin(-1)  # the min's code is 0, so the block's min is m itself
     if not _fp16_exact(low):
         return None
-    mins = low[..., None]
 
-    def decode(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        part: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.where(scale > 0, torch.round((blocks - mins) / safe), 0).clamp(0, 15)
+        codes = torch.where(scale > 0, torch.round((part - mins) / safe), 0).clamp(0, 15)
         return codes, scale * codes + mins  # the converter's order: the product, then the min
 
-    picked = _pick(blocks, _neighbours((blocks.amax(-1) - low) / 15), decode)
+    picked = _pick(blocks, low, _neighbours((blocks.amax(-1) - low) / 15), decode)
     return None if picked is None else (picked[0].to(torch.uint8), picked[1], low)
 
 
 def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Codes -128..127 and scales of blocks [N, R, RUN] whose values are fl32(d q), or None."""
+    """Codes -128..127 and scales of blocks [B, RUN] whose values are fl32(d q), or None."""
 
-    def decode(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(part: torch.Tensor, scale: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.where(scale > 0, torch.round(blocks / safe), 0).clamp(-128, 127)
+        codes = torch.where(scale > 0, torch.round(part / safe), 0).clamp(-128, 127)
         return codes, scale * codes
 
-    picked = _pick(blocks, _neighbours(blocks.abs().amax(-1) / 127), decode)
+    zeros = torch.zeros(blocks.shape[0])
+    picked = _pick(blocks, zeros, _neighbours(blocks.abs().amax(-1) / 127), decode)
     return None if picked is None else (picked[0].to(torch.int8), picked[1])
 
 
@@ -141,18 +152,20 @@ def recover(weight: torch.Tensor) -> BlockCode | None:
 
 def _recovered(weight: torch.Tensor) -> BlockCode | None:
     n, k = weight.shape
-    blocks = weight.reshape(n, k // RUN, RUN)
+    blocks = weight.reshape(-1, RUN)
+    runs = k // RUN
     q4 = _q4_1(blocks)
     if q4 is not None:
         codes, scales, mins = q4
         tiled = _tiled(codes.reshape(n, k))  # [T, K, 16]
         packed = tiled[..., :8] | (tiled[..., 8:] << 4)
-        return BlockCode(packed.contiguous(), _tiled(scales.half()), _tiled(mins.half()), 4, n, k)
+        per_run = (_tiled(t.reshape(n, runs).half()) for t in (scales, mins))
+        return BlockCode(packed.contiguous(), *per_run, 4, n, k)
     q8 = _q8_0(blocks)
     if q8 is not None:
         codes, scales = q8
         tiled = _tiled(codes.reshape(n, k).view(torch.uint8))
-        return BlockCode(tiled, _tiled(scales.half()), None, 8, n, k)
+        return BlockCode(tiled, _tiled(scales.reshape(n, runs).half()), None, 8, n, k)
     return None
 
 
