@@ -475,9 +475,10 @@ def _build_for_make(name: str, supported: bool, why_not: str, source_path: Path)
 
 
 if __name__ == "__main__":  # `make`: build now rather than at the first engine start
-    from disagg.engine import blockcode
+    from disagg.engine import blockcode, fp32kernel
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _build_for_make("bf16 CPU kernels", cpu_supports(), "AVX-512-BF16", SOURCE)
     _build_for_make("block-code kernel", blockcode.cpu_supports(), "AVX2, FMA and F16C", blockcode.SOURCE)
+    _build_for_make("fp32 CPU kernels", fp32kernel.cpu_supports(), "AVX2 and FMA", fp32kernel.SOURCE)
     sys.exit(0)

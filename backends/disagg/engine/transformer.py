@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import kernel
+from disagg.engine import fp32kernel, kernel
 from disagg.engine.checkpoint import ModelConfig
 from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
@@ -126,6 +126,15 @@ class Transformer:
         # attention kernels only, which read the new keys and values from the cache
         fused = self.prompt is not None and cfg.head_dim % 32 == 0
         self.rope_kernel = kernel.rope_cache() if fused else None
+        # fp32 beside block-coded projections (AVX2): the work between them in one call each, where
+        # PyTorch's per-operation cost is half a decode step (disagg.engine.fp32kernel); prompt rows
+        # read their keys and values back from the cache, exactly as written
+        coded = bool(self.layers) and self.layers[0].qkv.blocks is not None
+        fp32_cache = dtype == torch.float32 and self.kv_dtype == torch.float32
+        if native and device.type == "cpu" and coded and fp32_cache and cfg.head_dim % 8 == 0:
+            self.norm_kernel = fp32kernel.rms_norm()
+            self.paged = fp32kernel.decode_attention()
+            self.rope_kernel = fp32kernel.rope_cache() if self.paged is not None else None
 
     @property
     def paged_attention(self) -> bool:
@@ -238,7 +247,8 @@ class Transformer:
                 elif kind == "prompt":
                     outs.append(self.prompt(q[rows], cache, n, *how))
                 else:
-                    outs.append(self._attend_chunk(q[rows], k[rows], v[rows], cache, n, *how))
+                    k_rows, v_rows = (None, None) if k is None else (k[rows], v[rows])
+                    outs.append(self._attend_chunk(q[rows], k_rows, v_rows, cache, n, *how))
                 row += count
             x = self._finish_layer(layer, x, _joined(outs).reshape(-1, self.q_size), decode_rows)
         decode_logits = None
@@ -264,8 +274,8 @@ class Transformer:
     def _attend_chunk(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         cache: torch.Tensor,
         layer: int,
         start: int,
@@ -274,8 +284,9 @@ class Transformer:
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """A prompt chunk's rows q [T, nh, hd]: causal over itself, and over the positions already
-        cached when it is not the first chunk (its KV is in the cache by now) -> [T, nh, hd]."""
-        if start:  # the earlier chunks' KV comes from the cache: [span] positions of this sequence
+        cached when it is not the first chunk (its KV is in the cache by now) -> [T, nh, hd]. ``k`` and
+        ``v`` None: the chunk's own are in the cache too (written there by the rotary kernel)."""
+        if start or k is None:  # the earlier chunks' KV comes from the cache: [span] positions
             k = cache[:, layer, 0].index_select(0, table).flatten(0, 1)[:span].to(q.dtype)  # [span, nkv, hd]
             v = cache[:, layer, 1].index_select(0, table).flatten(0, 1)[:span].to(q.dtype)
         # 4-D inputs: the CPU backend runs its fused kernel only for [batch, heads, T, hd].

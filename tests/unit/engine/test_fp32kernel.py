@@ -1,0 +1,194 @@
+"""The fp32 kernels between projections (RMSNorm, rotary + cache writes, paged decode attention) against
+PyTorch, a row's bits independent of its batch, and an engine on a block-coded checkpoint running them
+with the tokens of the plain fp32 engine."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from margins import TIE, record_margins
+from safetensors.torch import load_file, save_file
+
+from disagg.engine import blockcode, fp32kernel, kernel
+from disagg.engine.checkpoint import RopeConfig
+from disagg.engine.engine import Engine, EngineConfig
+from disagg.engine.params import SamplingParams
+from disagg.engine.rope import RotaryTable
+from disagg.engine.sequence import Request
+
+needs_kernels = pytest.mark.skipif(
+    fp32kernel.library() is None or blockcode.gemm() is None, reason="no AVX2 / FMA / F16C, or no C compiler"
+)
+pytestmark = needs_kernels
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 3, 2, 16, 4
+
+
+def _cache(blocks: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=generator)
+
+
+def test_rms_norm_matches_the_formula_and_a_row_its_own_bits() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 100, generator=generator), torch.randn(100, generator=generator)
+    norm = fp32kernel.rms_norm()
+    y = norm(x, weight, 1e-5)
+    x64 = x.double()
+    reference = weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(norm(x[3:4], weight, 1e-5), y[3:4])
+    with pytest.raises(ValueError, match="fp32 rows"):
+        norm(x.bfloat16(), weight, 1e-5)
+
+
+def test_rope_cache_gives_the_rotary_tables_bits_and_writes_the_slots() -> None:
+    heads, rows = 4, 6
+    table = RotaryTable(RopeConfig(theta=10000.0), HEAD_DIM, 64, torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(rows, (heads + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    positions = torch.tensor([0, 5, 9, 10, 33, 63])
+    slot_block, slot_offset = torch.tensor([3, 1, 1, 0, 2, 4]), torch.tensor([0, 1, 2, 3, 0, 3])
+    cache = _cache(5, 2)
+    expected = cache.clone()
+    q = fp32kernel.rope_cache()(
+        qkv, cache, 1, positions, slot_block, slot_offset, table.cos, table.sin, heads, 2
+    )
+    q_ref, k, v = qkv.split([heads * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    assert torch.equal(q, table.apply(q_ref.view(rows, heads, HEAD_DIM), positions))
+    expected[slot_block, 1, 0, slot_offset] = table.apply(k.reshape(rows, KV_HEADS, HEAD_DIM), positions)
+    expected[slot_block, 1, 1, slot_offset] = v.reshape(rows, KV_HEADS, HEAD_DIM)
+    assert torch.equal(cache, expected)  # and nothing else of the cache was touched
+
+
+def _reference_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, table: list[int], position: int):
+    """One row q [heads, hd] over positions 0..position of its blocks, in float64."""
+    span = position + 1
+    rows = cache[torch.tensor(table), layer].double()  # [blocks, 2, bs, kv, hd]
+    keys = rows[:, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:span].transpose(0, 1)  # [kv, span, hd]
+    values = rows[:, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:span].transpose(0, 1)
+    group = q.shape[0] // KV_HEADS
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    scores = torch.softmax((q.double()[:, None, :] @ keys.transpose(-1, -2))[:, 0] * HEAD_DIM**-0.5, -1)
+    return (scores[:, None, :] @ values)[:, 0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_reads_each_rows_own_blocks(threads: int) -> None:
+    heads = 6  # three query heads per kv head
+    cache = _cache(40, 3)
+    tables = [
+        [7, 3, 0, 0, 0, 0, 0, 0],
+        [1, 2, 4, 5, 6, 8, 9, 10],
+        [11, 0, 0, 0, 0, 0, 0, 0],
+        [39, 20, 21, 0, 0, 0, 0, 0],
+    ]
+    positions = torch.tensor([5, 31, 0, 10])  # mixed lengths: one 32-position row among short ones
+    block_table = torch.tensor(tables)
+    q = torch.randn(4, heads, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    attend = fp32kernel.decode_attention()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attend(q, cache, 2, block_table, positions, kernel.decode_plan(block_table, positions, 3))
+        alone = attend(q[1:2], cache, 2, block_table[1:2], positions[1:2])
+    finally:
+        torch.set_num_threads(previous)
+    for row in range(4):
+        reference = _reference_attention(q[row], cache, 2, tables[row], int(positions[row]))
+        assert torch.allclose(out[row].double(), reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(alone[0], out[1])
+    with pytest.raises(ValueError, match="not this batch"):
+        attend(q[:2], cache, 2, block_table, positions, kernel.decode_plan(block_table, positions, 3))
+
+
+def _coded_copy(source: Path, out: Path) -> Path:
+    """``source`` with every projection weight made a Q4_1 code and the output head a Q8_0 one, the
+    values stored in fp32, as the GGUF converter writes a quantized model."""
+    shutil.copytree(source, out)
+    weights = load_file(source / "model.safetensors")
+    for name, tensor in weights.items():
+        kind = GGMLQuantizationType.Q8_0 if name == "lm_head.weight" else GGMLQuantizationType.Q4_1
+        if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and name != "model.embed_tokens.weight":
+            values = tensor.float().numpy()
+            weights[name] = torch.from_numpy(dequantize(quantize(values, kind), kind).astype(np.float32))
+        else:
+            weights[name] = tensor.float().contiguous()
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def coded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from checkpoints import write_checkpoint
+
+    source = write_checkpoint(tmp_path_factory.mktemp("plain"), "llama-gqa")
+    return _coded_copy(source, tmp_path_factory.mktemp("coded") / "model")
+
+
+def _greedy(
+    engine: Engine, prompts: list[tuple[int, ...]], tokens: int, chunk: int | None = None
+) -> list[list[int]]:
+    out: dict[int, list[int]] = {}
+    if chunk is None:
+        firsts = engine.prefill([Request(p, SamplingParams(max_tokens=tokens)) for p in prompts])
+        out = {f.seq_id: [f.token_id] for f in firsts}
+    else:
+        for prompt in prompts:
+            seq_id = engine.start(Request(prompt, SamplingParams(max_tokens=tokens)))
+            first = None
+            while first is None:
+                first = engine.prefill_chunk(seq_id, chunk)
+            out[first.seq_id] = [first.token_id]
+    while any(len(t) < tokens for t in out.values()):
+        for step in engine.decode_step():
+            out[step.seq_id].append(step.token_id)
+    return [out[k] for k in sorted(out)]
+
+
+def test_an_engine_on_a_block_coded_checkpoint_runs_the_kernels_with_the_plain_engines_tokens(
+    coded_model: Path,
+) -> None:
+    make: Callable[[bool], Engine] = lambda native: Engine(  # noqa: E731
+        EngineConfig(
+            model_dir=coded_model, dtype="float32", num_blocks=256, block_size=BLOCK, native_kernels=native
+        )
+    )
+    fast = make(True)
+    assert fast.describe()["projections"] == "blocks-q4_1" and fast.describe()["attention"] == "kernel"
+    prompts = [tuple([1, *range(7, 7 + n)]) for n in (3, 20, 45)]
+    batched, chunked = _greedy(fast, prompts, 16), _greedy(fast, prompts, 16, chunk=7)
+    compared = 0
+    for prompt, got, got_chunked in zip(prompts, batched, chunked, strict=True):
+        plain = make(False)  # one sequence at a time, so its margins are this sequence's, in order
+        assert plain.describe()["projections"] == "torch" and plain.describe()["attention"] == "torch"
+        margins = record_margins(plain)
+        (expected,) = _greedy(plain, [prompt], 16)
+        for step, want in enumerate(expected):
+            if margins[step] < TIE:
+                break
+            assert got[step] == want and got_chunked[step] == want, (
+                f"token {step} of a {len(prompt)}-token prompt"
+            )
+            compared += 1
+    assert compared >= 24  # most of the stream is compared, not cut short at a tie
+    # a sequence's tokens do not depend on its batch: the long prompt alone, then beside the others
+    assert _greedy(fast, prompts[2:], 16) == _greedy(fast, prompts, 16)[2:]
+
+
+def test_a_bf16_kv_cache_or_a_plain_checkpoint_keeps_pytorchs_operations(
+    coded_model: Path, checkpoint
+) -> None:
+    bf16_kv = Engine(EngineConfig(model_dir=coded_model, dtype="float32", kv_dtype="bfloat16", num_blocks=64))
+    assert bf16_kv.describe()["projections"] == "blocks-q4_1" and bf16_kv.describe()["attention"] == "torch"
+    assert bf16_kv.model.norm_kernel is None and bf16_kv.model.rope_kernel is None
+    plain = Engine(EngineConfig(model_dir=checkpoint("llama-gqa"), dtype="float32", num_blocks=64))
+    assert plain.describe()["projections"] == "torch" and plain.describe()["attention"] == "torch"
+    assert plain.model.norm_kernel is None and plain.model.rope_kernel is None
