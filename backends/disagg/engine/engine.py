@@ -67,7 +67,8 @@ class EngineConfig:
     # bf16 on a CPU with AVX-512-BF16: the engine's own kernels for the projections and the paged
     # decode attention (disagg.engine.kernel); fp32 on block-coded weights (a checkpoint converted
     # from a Q4_1 / Q8_0 GGUF) with AVX2: the decode rows' projections read the codes
-    # (disagg.engine.blockcode). Either way a sequence's output does not depend on its batch
+    # (disagg.engine.blockcode), and norms, rotary and decode attention run as one call each
+    # (disagg.engine.fp32kernel). Either way a sequence's output does not depend on its batch
     native_kernels: bool = True
     pack_weights: bool = True  # bf16 on CPU without the kernels: prepack for oneDNN (same bits, faster)
     # reuse the KV of full prompt blocks another prompt computed (``disagg.engine.kvcache``): a prompt

@@ -60,7 +60,9 @@ class Transformer:
     """Weights plus the forward pass the engine needs: prompt chunks and a decode batch in one step.
 
     ``native``: in bf16 on a CPU with AVX-512-BF16, the engine's own kernels (``disagg.engine.kernel``)
-    for the projections and the paged decode attention. ``pack``: elsewhere in bf16 on CPU, prepack
+    for the projections and the paged decode attention; in fp32 on block-coded weights with AVX2,
+    the block-code projections (``disagg.engine.blockcode``) and the fp32 kernels between them
+    (``disagg.engine.fp32kernel``). ``pack``: elsewhere in bf16 on CPU, prepack
     the projections' weights for oneDNN (see ``disagg.engine.projection``): the same bits, faster."""
 
     def __init__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -174,28 +175,39 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
             transport.close()
 
 
-def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_model_dir):
+def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_model_dir, tmp_path):
     """RELIABILITY E2: the decode pool's blocks are all taken by a long sequence, so the next import
-    waits past its 4 s lease. The decode loop renews the lease, the prefill pool keeps the KV,
-    and once the long sequence ends the waiting import is pulled and decoded: nothing expired."""
+    waits past its 8 s lease. The decode loop renews the lease, the prefill pool keeps the KV,
+    and once the long sequence is stopped the waiting import is pulled and decoded: nothing expired.
+
+    The long sequence asks for 8000 tokens (a copy of the tiny model with an 8192-token context, its
+    weights linked), so it outlasts the two renewals however fast the machine decodes: at 240
+    tokens, a quiet machine ended it within a second, before any renewal."""
+    model = tmp_path / "long-context"
+    model.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "config.json":
+            (model / path.name).symlink_to(path.resolve())
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
     secret, prefix = secrets.token_bytes(32), f"renew{secrets.token_hex(3)}"
     built = {
         role: build_instance(
             PoolConfig(
                 role=role,
-                engine=EngineConfig(model_dir=tiny_model_dir, num_blocks=blocks, block_size=16),
+                engine=EngineConfig(model_dir=model, num_blocks=blocks, block_size=16),
                 prefix=prefix,
-                lease_ttl_s=4.0,
+                lease_ttl_s=8.0,
             ),
             secret,
         )
-        for role, blocks in (("prefill", 32), ("decode", 16))
+        for role, blocks in (("prefill", 520), ("decode", 501))
     }
     prefill, decode = (built[role][0].start() for role in ("prefill", "decode"))
     exporter, importer = built["prefill"][1], built["decode"][1]
     try:
         handed = {}
-        for handle, max_tokens in (("long", 240), ("waits", 8)):  # 16 blocks for the first, 1 more
+        for handle, max_tokens in (("long", 8000), ("waits", 8)):  # all 501 blocks for the first, 1 more
             sink = Sink()
             prefill.submit(
                 PrefillJob(handle, sink, Request((1, 5, 6, 7), SamplingParams(max_tokens=max_tokens)))
@@ -207,8 +219,10 @@ def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_mod
         decode.submit(DecodeJob("waits", waiting_out, handed["waits"].state, handed["waits"].descriptor))
 
         deadline = time.monotonic() + 30
-        while exporter.stats.snapshot().lease_renewals < 2:  # renewed at about 2 s and 4 s of waiting
-            assert time.monotonic() < deadline and not waiting_out.done.is_set(), "no renewal, or no wait"
+        while exporter.stats.snapshot().lease_renewals < 2:  # renewed at about 4 s and 8 s of waiting
+            assert time.monotonic() < deadline and not waiting_out.done.is_set(), (
+                f"no renewal, or no wait: {waiting_out.events}, {len(long_out.events)} tokens of the long one"
+            )
             long_out.done.wait(0.05)
         assert not waiting_out.events and decode.stats().queued == 1, "still waiting for blocks"
         decode.stop("long")  # its blocks come back; the waiting import takes them
