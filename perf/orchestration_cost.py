@@ -45,6 +45,7 @@ from benchlib.clients import ClientConfig, TritonClient
 from benchlib.deploy import start_triton
 from benchlib.workload import RequestSpec
 
+from disagg.engine.device import auto_dtype
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
@@ -175,7 +176,8 @@ def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float]
 
 def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: int) -> dict:
     tokenizer = Tokenizer(model_dir)
-    local = LocalPools(model_dir, "bfloat16")
+    dtype = auto_dtype("cpu")  # what the repository's pools resolve `auto` to on this machine
+    local = LocalPools(model_dir, dtype)
     paths = ("engine step", "engine loop", "ensemble", "llm")
     samples: dict[str, list[float]] = {name: [] for name in paths}
     steps: dict[str, list[float]] = {name: [] for name in paths[1:]}
@@ -209,7 +211,7 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "tokens": tokens,
         "reps": reps,
-        "dtype": "bfloat16",
+        "dtype": dtype,
         "tpot_ms": {k: v * 1e3 for k, v in medians.items()},
         "decode_engine_step_ms": {k: v * 1e3 for k, v in step_medians.items()},
         "samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in samples.items()},

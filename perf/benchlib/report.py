@@ -127,7 +127,7 @@ def orchestration_section(orchestration: dict[str, Any]) -> list[str]:
         rows.append([name, f"{value:.2f}", f"{value / tpot['engine loop'] - 1:+.1%}", *cells])
     out = [
         f"`python perf/orchestration_cost.py` (run {orchestration.get('finished', 'earlier')}; "
-        f"{orchestration['tokens']} tokens, bf16, median of "
+        f"{orchestration['tokens']} tokens, {orchestration.get('dtype', 'bfloat16')}, median of "
         f"{orchestration['reps']} interleaved repetitions): TPOT through `ensemble` and `llm` beside the "
         "decode pool's engine loop without Triton, and the decode engine's own time per step in each case "
         "(in-process counters; inside the server, its `disagg_engine_busy_seconds_total` / "
