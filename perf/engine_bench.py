@@ -58,35 +58,51 @@ VLLM_SCRIPT = Path(__file__).resolve().parent / "benchlib" / "vllm_engine.py"
 class HFRunner:
     """Eager transformers, greedy, with its own KV cache: how a plain PyTorch user would run."""
 
-    name = "transformers fp32 (sdpa)"
-    dtype = "float32"
-
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        self.dtype = dtype
+        self.device = torch.device(device)
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+        self.name = f"transformers {short} (sdpa)"
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+            )
+            .to(self.device)
+            .eval()
+        )
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # the tokens stay on the GPU: wait for the kernels
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> None:
-        self.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        self.model(input_ids=torch.tensor([prompt], device=self.device), use_cache=True, logits_to_keep=1)
+        self._sync()
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]], steps: int) -> float:
-        out = self.model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=torch.tensor(prompts, device=self.device), use_cache=True, logits_to_keep=1
+        )
         cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self._sync()
         start = time.perf_counter()
         for _ in range(steps):
             out = self.model(input_ids=token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
+        self._sync()
         return time.perf_counter() - start
 
 
 class EngineRunner:
     """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``."""
 
-    def __init__(self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True, device: str = "cpu"
+    ) -> None:
         self.dtype = dtype
         self.name = f"disagg engine {dtype}"
         if dtype != "float32" and not pack:
@@ -94,7 +110,12 @@ class EngineRunner:
         elif dtype != "float32" and not kernel:
             self.name += ", oneDNN-packed"
         config = EngineConfig(
-            model_dir=model_dir, dtype=dtype, kv_cache_mb=1024, pack_weights=pack, native_kernels=kernel
+            model_dir=model_dir,
+            device=device,
+            dtype=dtype,
+            kv_cache_mb=1024,
+            pack_weights=pack,
+            native_kernels=kernel,
         )
         self.engine = Engine(config)
         if dtype == "float32" and self.engine.model.lm_head.blocks is not None:

@@ -1,12 +1,12 @@
 """KV hand-off bandwidth between two processes, next to a plain memcpy of the same size.
 
-Run with no arguments. For every transport that runs here (shm, nixl; cuda_ipc needs GPUs)
+Run with no arguments. For every transport that runs here (shm, nixl; cuda_ipc where CUDA is)
 and 1, 16, 64, 256 MiB it times whole hand-offs: from the KV sitting in the exporter's
 blocks to the KV sitting in the importer's blocks, i.e. export (lease + signed descriptor)
 -> descriptor to the importer process -> verify + one copy -> ack back -> lease released.
 Both pools are allocated by the transport, as the engine does. The baseline is one torch
 ``copy_`` or numpy ``copyto`` (the faster) of the same size between two warm buffers,
-measured in the same run.
+measured in the same run; for cuda_ipc, one device-to-device ``copy_`` on the GPU.
 
 Prints one JSON object per line on stdout and writes perf/results/kv_transfer.{md,json}.
 gbps = 10^9 bytes per second (median of the repetitions).
@@ -69,7 +69,7 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> list[dict]:
             layout = BLOCK.with_tokens(n * BLOCK.block_size)
             times = []
             base = []
-            copies = _memcpy_candidates(size)
+            copies = _memcpy_candidates(size, pool.device)
             for i in range(reps + 2):  # two warm-ups (first mapping, first registration)
                 start = time.perf_counter()
                 token = t.export_blocks(pool, list(range(n)), layout)
@@ -103,9 +103,13 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def _memcpy_candidates(size: int) -> list:
-    """One plain copy of ``size`` bytes between warm buffers: torch ``copy_`` and numpy ``copyto``."""
+def _memcpy_candidates(size: int, device: torch.device) -> list:
+    """One plain copy of ``size`` bytes between warm buffers: torch ``copy_`` and numpy ``copyto``; on
+    a GPU, one device-to-device ``copy_``, waited for."""
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    if device.type == "cuda":
+        src, dst = src.to(device), torch.zeros(size, dtype=torch.uint8, device=device)
+        return [lambda: (dst.copy_(src), torch.cuda.synchronize(device))]
     dst = torch.zeros(size, dtype=torch.uint8)
     src_np, dst_np = src.numpy(), dst.numpy()
     return [lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)]
@@ -119,7 +123,10 @@ def available() -> list[str]:
         kinds.append("nixl")
     except ImportError:
         print("nixl not installed: skipped", file=sys.stderr)
-    print("cuda_ipc: needs GPUs, not measured here", file=sys.stderr)
+    if torch.cuda.is_available():
+        kinds.append("cuda_ipc")
+    else:
+        print("cuda_ipc: needs a GPU, not measured here", file=sys.stderr)
     return kinds
 
 
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
     (args.out / "kv_transfer.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"

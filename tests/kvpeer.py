@@ -40,7 +40,7 @@ def fill(pool: torch.Tensor, seed: int) -> None:
 def digest(pool: torch.Tensor, ids: list[int]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for b in ids:
-        h.update(pool[b].numpy().tobytes())
+        h.update(pool[b].cpu().numpy().tobytes())
     return h.hexdigest()
 
 

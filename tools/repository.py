@@ -14,8 +14,8 @@ pool's compute dtype), since a hand-off moves the cache's bytes as they are: a p
 in fp32 can hand bf16 KV to a bf16 decode pool.
 
 With ``--prefill-gpus`` / ``--decode-gpus`` (disjoint lists) the pools are ``KIND_GPU`` instance groups,
-one instance per listed GPU, the engine on that GPU and the KV hand-off over CUDA IPC. NOT verified:
-no GPU was available where this was written; the CUDA paths are tested only against fakes.
+one instance per listed GPU, the engine on that GPU and the KV hand-off over CUDA IPC. Served on one
+H200 with both pools on its one GPU (``perf/gpu_serve_check.py``); never on two GPUs.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def _pool(
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
     gpus = layout.gpus(role)
-    if gpus:  # the instance's GPU id comes from Triton; NOT verified on a GPU
+    if gpus:  # the instance's GPU id comes from Triton (run on one GPU only)
         params["device"] = "cuda"
         if role != "colocated":
             params["transport"] = "cuda_ipc"

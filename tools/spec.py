@@ -61,7 +61,7 @@ class Autoscale:
 @dataclass(frozen=True)
 class PrefillPool:
     cores: tuple[int, ...] = (0,)
-    gpus: tuple[int, ...] = ()  # set: a KIND_GPU group, one instance per GPU (NOT verified on a GPU)
+    gpus: tuple[int, ...] = ()  # set: a KIND_GPU group, one instance per GPU (served on one GPU only)
     instances: int = 1
     dtype: Dtype = ""  # "": the spec's dtype
     nice: int = 10  # yields its shared core to the token relay

@@ -1,12 +1,12 @@
-"""CUDA IPC transport for GPUs of one node — NOT VERIFIED ON A GPU.
+"""CUDA IPC transport for GPUs of one node: run on one GPU (README, GPU status), never between two.
 
 The exporter's pool, tags and acks are CUDA allocations; their IPC handles travel in the
 descriptor (base64 inside the signed JSON, never pickled). The importer opens them once
 (cached), checks tags, and copies each run with ``copy_`` into its own device: a peer copy
 over NVLink/PCIe when the devices differ. All CUDA calls go through ``CudaIpcBackend`` so the
 logic is tested with ``FakeCudaIpc`` on CPU machines; ``TorchCudaIpc`` is the real boundary,
-written against torch's storage IPC API (``_share_cuda_`` / ``_new_shared_cuda``) and never
-run in this project's CI.
+written against torch's storage IPC API (``_share_cuda_`` / ``_new_shared_cuda``); CI has no
+GPU, so it runs only in ``tests/gpu`` on a lent GPU machine (``perf/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class CudaIpcBackend(Protocol):
 
 
 class TorchCudaIpc:
-    """Real boundary through torch's CUDA storage IPC. Unverified: no GPU in this project's CI."""
+    """Real boundary through torch's CUDA storage IPC (``tests/gpu``; skipped where CI runs, no GPU)."""
 
     _FIELDS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event", "event_sync")
 

@@ -174,7 +174,7 @@ def pool_config(
     if cores is not None:
         settings["cores"] = cores
     device = glue.instance_device(args)
-    if device is not None:  # KIND_GPU: the GPU Triton placed this instance on (NOT verified on a GPU)
+    if device is not None:  # KIND_GPU: the GPU Triton placed this instance on
         settings["device"] = device
     if manifest is not None and manifest.checkpoint:
         settings["model_dir"] = manifest.checkpoint

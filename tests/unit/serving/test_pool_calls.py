@@ -88,6 +88,7 @@ class _FakePb:
     """The pb_utils calls TritonPools and TritonSink make; requests go to ``pool(inputs, stream)``."""
 
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    TRITONSERVER_MEMORY_CPU = "cpu-memory"
     TritonError = _Error
     Tensor = _Tensor
     InferenceResponse = _Response
@@ -97,11 +98,15 @@ class _FakePb:
         self.streams: list[_Stream] = []
         self.gate: asyncio.Event | None = None  # when set up: calls are accepted once it is set
         self.sent = 0  # calls sent so far (accepted or not)
+        self.preferred: list[tuple[str, int] | None] = []  # each call's preferred output memory
         fake = self
 
         class InferenceRequest:
-            def __init__(self, *, model_name: str, inputs: list[_Tensor], **_: Any) -> None:
+            def __init__(
+                self, *, model_name: str, inputs: list[_Tensor], preferred_memory: Any = None, **_: Any
+            ) -> None:
                 self.inputs = {t.name: t.as_numpy() for t in inputs}
+                fake.preferred.append(preferred_memory)
 
             async def async_exec(self, decoupled: bool) -> Iterator[_Response]:
                 fake.sent += 1
@@ -117,6 +122,10 @@ class _FakePb:
     @staticmethod
     def get_output_tensor_by_name(response: _Response, name: str) -> _Tensor | None:
         return response.outputs.get(name)
+
+    @staticmethod
+    def PreferredMemory(memory_type: str, device_id: int) -> tuple[str, int]:
+        return (memory_type, device_id)
 
 
 def _pools(events: list[tuple[Event, bool]]) -> tuple[TritonPools, list[str]]:
@@ -198,6 +207,8 @@ def test_a_finished_stream_closes_its_call() -> None:
     pools, _ = _pools([(Token(1, False), False), (Token(2, True, "length"), True)])
     request = Request(STATE.prompt_token_ids, STATE.params, STATE.generated_token_ids)
     assert asyncio.run(_read(pools.generate("h", request))) == [1, 2]
+    # a pool on a GPU would otherwise answer in GPU memory, which BYTES outputs cannot be read from
+    assert pools._pb.preferred == [("cpu-memory", 0)]
     assert _all_closed(pools)
 
 
