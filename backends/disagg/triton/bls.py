@@ -109,8 +109,7 @@ class TritonPools:
             inputs=inputs,
             requested_output_names=["event", "descriptor"] if pool == "prefill" else ["event"],
             parameters={PARAMETER: self._signer.mint()},
-            # the events are BYTES: a KIND_GPU pool's answer must come back in CPU memory (seen on a
-            # GPU: without this, reading it crashed the orchestrator's stub)
+            # the events are BYTES, read with numpy here: a KIND_GPU pool's answer in CPU memory
             preferred_memory=pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0),
         )
         responses = await request.async_exec(decoupled=True)
