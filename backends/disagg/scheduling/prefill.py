@@ -28,10 +28,6 @@ class PrefillScheduler(Scheduler[PrefillJob | GenerateJob]):
         self._lease_of: dict[str, str] = {}  # handle -> lease id, while held
 
     @property
-    def idle(self) -> bool:
-        return super().idle and not self._leases
-
-    @property
     def held_leases(self) -> int:
         return len(self._leases)
 

@@ -108,6 +108,9 @@ class Scheduler(ABC, Generic[J]):
 
     @property
     def idle(self) -> bool:
+        """Nothing to schedule: no job waits, prefills or decodes. Exported KV still held under a
+        lease (``held_leases``) is not work: its release arrives as a message that wakes the loop,
+        and an engine loop that kept iterating for it would spin its core until the importer acks."""
         return not self._waiting and not self._running and not self._prefilling
 
     @property

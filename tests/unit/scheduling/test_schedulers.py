@@ -177,6 +177,8 @@ def test_prefill_stop_after_export_aborts_the_lease():
     scheduler = PrefillScheduler(backend.limits)
     scheduler.add(prefill_job("a"))
     (handed,) = _drive(scheduler, backend)
+    assert scheduler.idle and scheduler.held_leases == 1, "a held lease is not work: the loop waits"
+    assert scheduler.schedule().empty
     removal = scheduler.remove("a")
     assert removal is not None and removal.job is None and removal.lease_id == handed.event.lease_id
     assert scheduler.held_leases == 1, "the lease ends when the transport reports it"

@@ -175,11 +175,6 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
             transport.close()
 
 
-@pytest.mark.xfail(
-    reason="known defect, RELIABILITY E2: the decode loop renews a waiting import's lease late (seen "
-    "seconds after it was due), a renewal after the lease's end is refused and the loop stops renewing",
-    strict=False,
-)
 def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_model_dir, tmp_path):
     """RELIABILITY E2: the decode pool's blocks are all taken by a long sequence, so the next import
     waits past its 8 s lease. The decode loop renews the lease, the prefill pool keeps the KV,

@@ -207,7 +207,7 @@ def test_a_finished_stream_closes_its_call() -> None:
     pools, _ = _pools([(Token(1, False), False), (Token(2, True, "length"), True)])
     request = Request(STATE.prompt_token_ids, STATE.params, STATE.generated_token_ids)
     assert asyncio.run(_read(pools.generate("h", request))) == [1, 2]
-    # a pool on a GPU would otherwise answer in GPU memory, which BYTES outputs cannot be read from
+    # every call asks for its outputs in CPU memory (a pool on a GPU could answer in GPU memory)
     assert pools._pb.preferred == [("cpu-memory", 0)]
     assert _all_closed(pools)
 
