@@ -108,6 +108,7 @@ class EngineLoop:
         if tuner is not None:
             scheduler.batch_limit = tuner.limit
         self._renewals = Renewals()  # imports waiting for decode blocks, and their leases
+        self.iterations = 0  # loop iterations so far (tests: an idle or stalled loop waits)
         self._cond = threading.Condition()
         self._inbox: deque[Message] = deque()
         self._stopping = False
@@ -214,17 +215,22 @@ class EngineLoop:
     # ------------------------------------------------------------- the loop thread
 
     def _run(self) -> None:
+        stalled = False  # the last plan was empty although jobs wait (e.g. for blocks held by leases)
         try:
             while True:
                 with self._cond:
                     if self._stopping:
                         break
-                    if not self._inbox and self.scheduler.idle:
+                    # nothing to do until a message comes (a job, a release, a stop) or idle_wait_s
+                    # passes (renewals are due by the clock): never spin on an empty plan
+                    if not self._inbox and (stalled or self.scheduler.idle):
                         self._cond.wait(self.idle_wait_s)
                     inbox, self._inbox = list(self._inbox), deque()
                 for message in inbox:
                     self._take(message)
                 plan = self.scheduler.schedule()
+                stalled = plan.empty
+                self.iterations += 1
                 for job in (*plan.imports, *(job for job, _ in plan.refused)):
                     self._renewals.forget(job.handle)
                 self._renew_waiting()

@@ -74,6 +74,31 @@ def test_drain_waits_for_exported_kv_to_be_pulled(pools):
     assert prefill.engine.kv.free_blocks == prefill.engine.kv.num_blocks
 
 
+def test_a_prefill_loop_waits_while_leases_hold_its_blocks(tiny_model_dir):
+    """Every block of a prefill pool exported and held under leases, one more prompt queued: nothing
+    can run until an importer acks, and the loop waits for that message instead of spinning (which
+    held the GIL against every other thread of the pool process). Measured over half a second: a
+    waiting loop wakes every ``idle_wait_s`` (50 ms), a spinning one ran thousands of iterations."""
+    secret, prefix = secrets.token_bytes(32), f"stall{secrets.token_hex(3)}"
+    engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=2, block_size=16)
+    loop, transport = build_instance(PoolConfig(role="prefill", engine=engine, prefix=prefix), secret)
+    loop.start()
+    try:
+        for handle in ("a", "b"):  # one block each, exported and held
+            sink = Sink()
+            loop.submit(PrefillJob(handle, sink, Request((1, 5, 6), SamplingParams(max_tokens=4))))
+            assert sink.done.wait(30) and isinstance(sink.events[-1], Prefilled)
+        queued = Sink()
+        loop.submit(PrefillJob("c", queued, Request((1, 2, 3), SamplingParams(max_tokens=4))))
+        before = loop.iterations
+        assert not queued.done.wait(0.5), "no block is free: the third prompt waits"
+        assert loop.stats().queued == 1 and loop.stats().held_leases == 2
+        assert loop.iterations - before < 40, f"{loop.iterations - before} iterations while stalled"
+    finally:
+        loop.shutdown()
+        transport.close()
+
+
 def test_engine_calls_are_counted_with_their_time(pools):
     """The counters behind `disagg_engine_steps_total` / `disagg_engine_busy_seconds_total`: one call
     per prompt prefilled, one per decode batch step, and the seconds spent inside them."""
