@@ -201,6 +201,41 @@ def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def measure(
+    runners: list, tokens: Callable[[int], list[int]], prompt_len: int, context: int, steps: int, reps: int
+) -> list[dict]:
+    """Rows of seconds per runner, repetitions interleaved: prefill of one ``prompt_len``-token prompt,
+    then ``steps`` decode steps at batch 1, 8 and 32 from ``context``-token prompts (``tokens(n)``
+    draws a prompt of n tokens)."""
+    dtypes = {r.name: r.dtype for r in runners}
+    prompt = tokens(prompt_len)
+
+    def time_prefill(runner) -> float:
+        start = time.perf_counter()
+        runner.prefill(prompt)
+        return time.perf_counter() - start
+
+    rows = [
+        dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec, dtype=dtypes[name])
+        for name, sec in _interleaved(runners, time_prefill, reps).items()
+    ]
+    for batch in (1, 8, 32):
+        prompts = [tokens(context) for _ in range(batch)]
+        seconds = _interleaved(runners, lambda r, p=prompts: r.decode(p, steps), reps)
+        rows += [
+            dict(
+                phase="decode",
+                runner=name,
+                batch=batch,
+                tokens=batch * steps,
+                seconds=sec,
+                dtype=dtypes[name],
+            )
+            for name, sec in seconds.items()
+        ]
+    return rows
+
+
 def run(
     model_dir: Path,
     cores: tuple[int, ...],
@@ -229,34 +264,7 @@ def run(
             EngineRunner(model_dir, "bfloat16"),
         ]
     baseline = runners[0].name
-    dtypes = {r.name: r.dtype for r in runners}
-    prompt = tokens(prompt_len)
-
-    def time_prefill(runner) -> float:
-        start = time.perf_counter()
-        runner.prefill(prompt)
-        return time.perf_counter() - start
-
-    rows = []
-    seconds = _interleaved(runners, time_prefill, reps)
-    for name, sec in seconds.items():
-        rows.append(
-            dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec, dtype=dtypes[name])
-        )
-    for batch in (1, 8, 32):
-        prompts = [tokens(context) for _ in range(batch)]
-        seconds = _interleaved(runners, lambda r, p=prompts: r.decode(p, steps), reps)
-        for name, sec in seconds.items():
-            rows.append(
-                dict(
-                    phase="decode",
-                    runner=name,
-                    batch=batch,
-                    tokens=batch * steps,
-                    seconds=sec,
-                    dtype=dtypes[name],
-                )
-            )
+    rows = measure(runners, tokens, prompt_len, context, steps, reps)
     limit = limits(runners[-1].engine, reps)  # the pools' configuration on this CPU: the last one
     limit["runner"] = runners[-1].name
     runners.clear()  # free their memory before vLLM loads

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from benchlib.timing import median_time
-from engine_bench import EngineRunner, HFRunner, _interleaved, _ms_per_call, table_row
+from engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
 
 from disagg.paths import ensure_model
 
@@ -66,31 +66,7 @@ def run(model_dir: Path, device: str, reps: int, prompt_len: int, context: int, 
     ]
     runners[2].name += " (cuda)"
     runners[3].name += " (cuda)"
-    dtypes = {r.name: r.dtype for r in runners}
-    prompt = tokens(prompt_len)
-    rows = []
-
-    def time_prefill(runner) -> float:
-        return median_time(lambda: runner.prefill(prompt), 1, warmup=0)
-
-    for name, sec in _interleaved(runners, time_prefill, reps).items():
-        rows.append(
-            dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec, dtype=dtypes[name])
-        )
-    for batch in (1, 8, 32):
-        prompts = [tokens(context) for _ in range(batch)]
-        seconds = _interleaved(runners, lambda r, p=prompts: r.decode(p, steps), reps)
-        for name, sec in seconds.items():
-            rows.append(
-                dict(
-                    phase="decode",
-                    runner=name,
-                    batch=batch,
-                    tokens=batch * steps,
-                    seconds=sec,
-                    dtype=dtypes[name],
-                )
-            )
+    rows = measure(runners, tokens, prompt_len, context, steps, reps)
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         same = f"transformers {'fp32' if row['dtype'] == 'float32' else 'bf16'} (sdpa)"

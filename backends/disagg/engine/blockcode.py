@@ -174,26 +174,21 @@ def cpu_supports() -> bool:
     return kernel.cpu_flags() >= NEEDS
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) where it cannot run or be built."""
-    if not cpu_supports():
-        log.info("block-code kernel off: this CPU has no AVX2, FMA and F16C")
-        return None
-    try:
-        loaded = ctypes.CDLL(str(kernel.build(source_path=SOURCE)))
-    except (RuntimeError, OSError) as exc:
-        log.warning("block-code kernel off: %s", exc)
-        return None
+def _declare(loaded: ctypes.CDLL) -> str | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.gemm_blocks_f32.argtypes = [pointer] * 6 + [size] * 5
     loaded.gemm_blocks_f32.restype = size
     loaded.blocks_tile_cols.restype = size
     loaded.blocks_run.restype = size
     if (loaded.blocks_tile_cols(), loaded.blocks_run()) != (TILE, RUN):
-        log.warning("block-code kernel off: %s does not match this module's layout", SOURCE.name)
-        return None
-    return loaded
+        return f"{SOURCE.name} does not match this module's layout"
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot run or be built."""
+    return kernel.load("block-code kernel", SOURCE, cpu_supports(), "AVX2, FMA and F16C", _declare)
 
 
 BlockGemm = Callable[[torch.Tensor, BlockCode, "torch.Tensor | None"], torch.Tensor]

@@ -100,17 +100,32 @@ def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
     return target
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) where it cannot run or be built."""
-    if not cpu_supports():
-        log.info("bf16 CPU kernels off: this CPU has no AVX-512-BF16")
+def load(
+    name: str, source_path: Path, supported: bool, missing: str, declare: Callable[[ctypes.CDLL], str | None]
+) -> ctypes.CDLL | None:
+    """The library built from ``source_path``, or None (logged once by the caller's cache) where this
+    CPU lacks ``missing`` (``supported`` false), where it cannot be built or loaded, or where
+    ``declare`` (which types its functions) returns why this build does not fit the Python side."""
+    if not supported:
+        log.info("%s off: this CPU has no %s", name, missing)
         return None
     try:
-        loaded = ctypes.CDLL(str(build()))
+        loaded = ctypes.CDLL(str(build(source_path=source_path)))
     except (RuntimeError, OSError) as exc:
-        log.warning("bf16 CPU kernels off: %s", exc)
+        log.warning("%s off: %s", name, exc)
         return None
+    refused = declare(loaded)
+    if refused is not None:
+        log.warning("%s off: %s", name, refused)
+        return None
+    return loaded
+
+
+# the paged decode attention's C signature, the same in bf16 and fp32 (``kernels/fp32.c``)
+DECODE_ATTENTION_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 2
+
+
+def _declare(loaded: ctypes.CDLL) -> str | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.gemm_bf16.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size]
     loaded.gemm_bf16.restype = None
@@ -124,18 +139,18 @@ def library() -> ctypes.CDLL | None:
     loaded.silu_mul_bf16.restype = None
     loaded.rope_cache_bf16.argtypes = [pointer] * 8 + [size] * 8
     loaded.rope_cache_bf16.restype = None
+    loaded.decode_attention_bf16.argtypes = DECODE_ATTENTION_ARGS
+    loaded.decode_attention_bf16.restype = None
     loaded.gemm_tile_cols.restype = size
     if loaded.gemm_tile_cols() != TILE:
-        log.warning(
-            "bf16 CPU kernels off: %s tiles %d outputs, this module %d",
-            SOURCE.name,
-            loaded.gemm_tile_cols(),
-            TILE,
-        )
-        return None
-    loaded.decode_attention_bf16.argtypes = [pointer] * 6 + [size] * 8 + [ctypes.c_float, size, size]
-    loaded.decode_attention_bf16.restype = None
-    return loaded
+        return f"{SOURCE.name} tiles {loaded.gemm_tile_cols()} outputs, this module {TILE}"
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot run or be built."""
+    return load("bf16 CPU kernels", SOURCE, cpu_supports(), "AVX-512-BF16", _declare)
 
 
 @dataclass(frozen=True)
@@ -240,9 +255,16 @@ def decode_attention() -> DecodeAttention | None:
     query over positions 0..position of its own blocks, in one call. ``plan``: the batch's
     ``decode_plan``, made once for all the layers of a step. None where the kernels are off."""
     loaded = library()
-    if loaded is None:
-        return None
-    function = loaded.decode_attention_bf16
+    return None if loaded is None else paged_decode_attention(loaded.decode_attention_bf16, _check_attention)
+
+
+AttentionCheck = Callable[[torch.Tensor, torch.Tensor, int, int, int], None]
+
+
+def paged_decode_attention(function: Callable[..., None], check: AttentionCheck) -> DecodeAttention:
+    """The ``attend`` of ``decode_attention`` over a C function of ``DECODE_ATTENTION_ARGS`` (bf16
+    here, fp32 in ``disagg.engine.fp32kernel``); ``check(q, cache, heads, kv_heads, head_dim)`` raises
+    ValueError on what that function does not take."""
 
     def call(
         q: torch.Tensor,
@@ -254,7 +276,7 @@ def decode_attention() -> DecodeAttention | None:
     ) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         _, layers, _, block_size, kv_heads, _ = cache.shape
-        _check_attention(q, cache, heads, kv_heads, head_dim)
+        check(q, cache, heads, kv_heads, head_dim)
         plan = plan or decode_plan(block_table, positions, heads // kv_heads)
         if plan.table.shape[0] != batch:  # a plan is made from the very tensors of its step
             raise ValueError("the decode plan is not this batch's")
@@ -397,7 +419,15 @@ def rope_cache() -> RopeCache | None:
     loaded = library()
     if loaded is None:
         return None
-    function = loaded.rope_cache_bf16
+    return rotary_cache_writer(loaded.rope_cache_bf16, torch.bfloat16, head_dim_multiple=32, threads=True)
+
+
+def rotary_cache_writer(
+    function: Callable[..., None], dtype: torch.dtype, head_dim_multiple: int, threads: bool
+) -> RopeCache:
+    """The ``rope`` of ``rope_cache`` over a C function taking ``dtype`` tensors (bf16 here, fp32 in
+    ``disagg.engine.fp32kernel``) and, when ``threads``, the thread count last."""
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def call(
         qkv: torch.Tensor,
@@ -414,41 +444,26 @@ def rope_cache() -> RopeCache | None:
         rows, width = qkv.shape
         layers, block_size, head_dim = cache.shape[1], cache.shape[3], cache.shape[5]
         if (
-            qkv.dtype != torch.bfloat16
-            or cache.dtype != torch.bfloat16
-            or cos.dtype != torch.bfloat16
-            or sin.dtype != torch.bfloat16
+            any(t.dtype != dtype or t.device.type != "cpu" for t in (qkv, cache, cos, sin))
             or not cache.is_contiguous()
-            or head_dim % 32
+            or head_dim % head_dim_multiple
             or width != (heads + 2 * kv_heads) * head_dim
             or cache.shape[4] != kv_heads
             or cos.shape[1] != head_dim
             or not 0 <= layer < layers
         ):
-            raise ValueError("rope_cache takes bf16 qkv rows, cache and tables, head_dim a multiple of 32")
+            raise ValueError(
+                f"rope_cache takes {name} qkv rows, cache and tables of one head layout, head_dim a "
+                f"multiple of {head_dim_multiple}"
+            )
         for index in (positions, slot_block, slot_offset):
             if index.dtype != torch.int64 or index.shape != (rows,) or not index.is_contiguous():
                 raise ValueError("rope_cache takes contiguous int64 positions and slots, one per row")
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-        q = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
-        function(
-            qkv.data_ptr(),
-            q.data_ptr(),
-            cache.data_ptr(),
-            positions.data_ptr(),
-            slot_block.data_ptr(),
-            slot_offset.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            rows,
-            heads,
-            kv_heads,
-            head_dim,
-            layers,
-            layer,
-            block_size,
-            torch.get_num_threads(),
-        )
+        q = torch.empty(rows, heads, head_dim, dtype=dtype)
+        sizes = [rows, heads, kv_heads, head_dim, layers, layer, block_size]
+        pointers = [qkv, q, cache, positions, slot_block, slot_offset, cos, sin]
+        function(*(t.data_ptr() for t in pointers), *sizes, *([torch.get_num_threads()] if threads else []))
         return q
 
     return call
