@@ -31,9 +31,9 @@ pytestmark = needs_kernels
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 3, 2, 16, 4
 
 
-def _cache(blocks: int, seed: int) -> torch.Tensor:
+def _cache(blocks: int, seed: int, head_dim: int = HEAD_DIM, block_size: int = BLOCK) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(blocks, LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=generator)
+    return torch.randn(blocks, LAYERS, 2, block_size, KV_HEADS, head_dim, generator=generator)
 
 
 def test_rms_norm_matches_the_formula_and_a_row_its_own_bits() -> None:
@@ -70,20 +70,22 @@ def test_rope_cache_gives_the_rotary_tables_bits_and_writes_the_slots() -> None:
 
 def _reference_attention(q: torch.Tensor, cache: torch.Tensor, layer: int, table: list[int], position: int):
     """One row q [heads, hd] over positions 0..position of its blocks, in float64."""
-    span = position + 1
+    span, head_dim = position + 1, q.shape[-1]
     rows = cache[torch.tensor(table), layer].double()  # [blocks, 2, bs, kv, hd]
-    keys = rows[:, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:span].transpose(0, 1)  # [kv, span, hd]
-    values = rows[:, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:span].transpose(0, 1)
+    keys = rows[:, 0].reshape(-1, KV_HEADS, head_dim)[:span].transpose(0, 1)  # [kv, span, hd]
+    values = rows[:, 1].reshape(-1, KV_HEADS, head_dim)[:span].transpose(0, 1)
     group = q.shape[0] // KV_HEADS
     keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-    scores = torch.softmax((q.double()[:, None, :] @ keys.transpose(-1, -2))[:, 0] * HEAD_DIM**-0.5, -1)
+    scores = torch.softmax((q.double()[:, None, :] @ keys.transpose(-1, -2))[:, 0] * head_dim**-0.5, -1)
     return (scores[:, None, :] @ values)[:, 0]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_reads_each_rows_own_blocks(threads: int) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64, 136])  # in memory; in registers; 64 in registers, 72 not
+@pytest.mark.parametrize("block_size", [4, 16])  # keys one at a time; also eight at a time
+def test_decode_attention_reads_each_rows_own_blocks(threads: int, head_dim: int, block_size: int) -> None:
     heads = 6  # three query heads per kv head
-    cache = _cache(40, 3)
+    cache = _cache(40, 3, head_dim, block_size)
     tables = [
         [7, 3, 0, 0, 0, 0, 0, 0],
         [1, 2, 4, 5, 6, 8, 9, 10],
@@ -92,7 +94,7 @@ def test_decode_attention_reads_each_rows_own_blocks(threads: int) -> None:
     ]
     positions = torch.tensor([5, 31, 0, 10])  # mixed lengths: one 32-position row among short ones
     block_table = torch.tensor(tables)
-    q = torch.randn(4, heads, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    q = torch.randn(4, heads, head_dim, generator=torch.Generator().manual_seed(4))
     attend = fp32kernel.decode_attention()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

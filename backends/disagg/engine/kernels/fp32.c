@@ -81,35 +81,133 @@ TARGET static inline float dot(const float *a, const float *b, int64_t hd) {
     return lanes_sum(acc);
 }
 
+/* q's dot products with 8 keys k + j * stride (j = 0..7) as one vector, lane j for key j: eight
+   accumulators, then a fixed tree of pairwise sums (hd a multiple of 8) */
+TARGET static inline __m256 dot8(const float *q, const float *k, int64_t stride, int64_t hd) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < hd; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + i), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + i), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + i), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + i), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + i), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + i), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + i), a7);
+    }
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* exp(x) in every lane for x <= 0 (softmax terms), relative error about 2e-7; lanes below -87 (where
+   exp underflows) give 0. Range reduction x = n ln2 + r with ln2 split in two, then a degree-6
+   polynomial for exp(r) (the Cephes coefficients) scaled by 2^n through the exponent bits. */
+TARGET static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    const __m256 keep = _mm256_cmp_ps(x, low, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, low);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), keep);
+}
+
+/* s[0 .. span) = exp(s - max s), returned: their sum, in an order fixed by span alone */
+TARGET static float softmax_terms(float *s, int64_t span) {
+    float most = -INFINITY;
+    for (int64_t p = 0; p < span; p++) most = s[p] > most ? s[p] : most;
+    const __m256 top = _mm256_set1_ps(most);
+    __m256 total = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= span; p += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), top));
+        _mm256_storeu_ps(s + p, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (p < span) {  /* the last partial vector, padded with -inf (exp 0) */
+        float tail[8];
+        for (int64_t i = 0; i < 8; i++) tail[i] = p + i < span ? s[p + i] - most : -INFINITY;
+        const __m256 e = exp_nonpositive(_mm256_loadu_ps(tail));
+        _mm256_storeu_ps(tail, e);
+        for (int64_t i = 0; p + i < span; i++) s[p + i] = tail[i];
+        total = _mm256_add_ps(total, e);
+    }
+    return lanes_sum(total);
+}
+
 /* Sequence b's kv head h: its `group` query heads over positions 0 .. where[b] of its blocks.
-   scores: group * (where[b] + 1) floats of scratch. */
+   scores: group * (where[b] + 1) floats of scratch. Positions are walked block by block; a query
+   head's output is its weighted sum of values in position order, 64 floats at a time in registers. */
 TARGET static void attend(const float *q, const float *cache, const int64_t *table, const int64_t *where, float *out,
                           float *scores, int64_t b, int64_t h, int64_t width, int64_t layer, int64_t layers,
                           int64_t bs, int64_t kv_heads, int64_t group, int64_t hd, float scale) {
-    const int64_t span = where[b] + 1, plane = bs * kv_heads * hd, heads = kv_heads * group;
+    const int64_t span = where[b] + 1, plane = bs * kv_heads * hd, heads = kv_heads * group, stride = kv_heads * hd;
     const int64_t *blocks = table + b * width;
-    for (int64_t p = 0; p < span; p++) {
-        const float *k = cache + ((blocks[p / bs] * layers + layer) * 2) * plane + ((p % bs) * kv_heads + h) * hd;
-        for (int64_t g = 0; g < group; g++) scores[g * span + p] = dot(q + (b * heads + h * group + g) * hd, k, hd) * scale;
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (int64_t blk = 0, p = 0; p < span; blk++) {
+        const float *k = cache + ((blocks[blk] * layers + layer) * 2) * plane + h * hd;
+        int64_t t = 0;
+        for (; t + 8 <= bs && p + 8 <= span; t += 8, p += 8, k += 8 * stride)  /* 8 keys of one block */
+            for (int64_t g = 0; g < group; g++)
+                _mm256_storeu_ps(scores + g * span + p,
+                                 _mm256_mul_ps(dot8(q + (b * heads + h * group + g) * hd, k, stride, hd), scaled));
+        for (; t < bs && p < span; t++, p++, k += stride)
+            for (int64_t g = 0; g < group; g++)
+                scores[g * span + p] = dot(q + (b * heads + h * group + g) * hd, k, hd) * scale;
     }
     for (int64_t g = 0; g < group; g++) {
         float *s = scores + g * span;
-        float most = -INFINITY, sum = 0.0f;
-        for (int64_t p = 0; p < span; p++) most = s[p] > most ? s[p] : most;
-        for (int64_t p = 0; p < span; p++) {
-            s[p] = expf(s[p] - most);
-            sum += s[p];
-        }
+        const __m256 inverse = _mm256_set1_ps(1.0f / softmax_terms(s, span));
         float *o = out + (b * heads + h * group + g) * hd;
-        for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-        for (int64_t p = 0; p < span; p++) {
-            const float *v = cache + ((blocks[p / bs] * layers + layer) * 2 + 1) * plane + ((p % bs) * kv_heads + h) * hd;
-            const __m256 weight = _mm256_set1_ps(s[p]);
-            for (int64_t i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+        int64_t c = 0;
+        for (; c + 64 <= hd; c += 64) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t blk = 0, p = 0; p < span; blk++) {
+                const float *v = cache + ((blocks[blk] * layers + layer) * 2 + 1) * plane + h * hd + c;
+                for (int64_t t = 0; t < bs && p < span; t++, p++, v += stride) {
+                    const __m256 w = _mm256_set1_ps(s[p]);
+                    a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+                    a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+                    a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+                    a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+                    a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+                    a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+                }
+            }
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(a0, inverse));
+            _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(a1, inverse));
+            _mm256_storeu_ps(o + c + 16, _mm256_mul_ps(a2, inverse));
+            _mm256_storeu_ps(o + c + 24, _mm256_mul_ps(a3, inverse));
+            _mm256_storeu_ps(o + c + 32, _mm256_mul_ps(a4, inverse));
+            _mm256_storeu_ps(o + c + 40, _mm256_mul_ps(a5, inverse));
+            _mm256_storeu_ps(o + c + 48, _mm256_mul_ps(a6, inverse));
+            _mm256_storeu_ps(o + c + 56, _mm256_mul_ps(a7, inverse));
         }
-        const __m256 inverse = _mm256_set1_ps(1.0f / sum);
-        for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inverse));
+        if (c < hd) {  /* the rest of a head_dim that is not a multiple of 64: the same sums, in memory */
+            for (int64_t i = c; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+            for (int64_t blk = 0, p = 0; p < span; blk++) {
+                const float *v = cache + ((blocks[blk] * layers + layer) * 2 + 1) * plane + h * hd;
+                for (int64_t t = 0; t < bs && p < span; t++, p++, v += stride) {
+                    const __m256 w = _mm256_set1_ps(s[p]);
+                    for (int64_t i = c; i < hd; i += 8)
+                        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+                }
+            }
+            for (int64_t i = c; i < hd; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inverse));
+        }
     }
 }
 
