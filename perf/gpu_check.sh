@@ -100,6 +100,7 @@ rm -f "$NUMPY_PTH"
 cp "$OUT/serve/serve_check.json" "$OUT/serve/triton.log" "$OUT/" 2>/dev/null
 step kv_bench 60 $PY perf/kv_transfer_bench.py --transports cuda_ipc shm --sizes-mib 1 16 64 256 --reps 5 --out "$OUT/kv"
 cp "$OUT/kv/kv_transfer.json" "$OUT/" 2>/dev/null
-step engine_bench 150 $PY perf/gpu_engine_bench.py --model .models/tiny --model "$SHAPE" --reps 3 --out-dir "$OUT/bench"
+# shellcheck disable=SC2086 # ENGINE_BENCH_ARGS is a list of arguments
+step engine_bench 150 $PY perf/gpu_engine_bench.py ${ENGINE_BENCH_ARGS:---model .models/tiny --model $SHAPE --reps 3} --out-dir "$OUT/bench"
 cp "$OUT/bench/gpu_engine_bench.md" "$OUT/bench/gpu_engine_bench.json" "$OUT/" 2>/dev/null
 rm -rf "$OUT/serve" "$OUT/kv" "$OUT/bench"
