@@ -5,6 +5,7 @@
 #                       Python backend, the Python 3.12 stub (the GPU machine's Python) and the wheel's
 #                       shared libraries (less its bundled libpython3.13); about 27 MB;
 #   .gpu/smollm2-shape/ SmolLM2-135M-Instruct's config, tokenizer and tensor shapes (no weights);
+#   .gpu/whl/           numpy 1.26.4 for Python 3.12 (the served models' numpy there);
 #   .gpu/libpython312.tar.xz  a libpython3.12.so.1.0 found here, used there only if that machine has none.
 # Run from the repository root after `make install` and `make model`.
 set -eu
@@ -29,6 +30,10 @@ with safe_open(sys.argv[1], "pt") as f:
     spec = {"shapes": {k: list(f.get_slice(k).get_shape()) for k in f.keys()}, "metadata": f.metadata()}
 json.dump(spec, open(sys.argv[2], "w"))
 PYEOF
+# numpy 1.x for Python 3.12: Triton 2.51's Python stub misreads BYTES tensors under numpy 2
+mkdir -p .gpu/whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_17_x86_64 -d .gpu/whl numpy==1.26.4
 # a fallback libpython3.12 for the Python 3.12 stub, for a GPU machine whose Python has none (LIBPY=)
 LIBPY=${LIBPY:-$(find /usr/lib /usr/local/lib /opt -name 'libpython3.12.so.1.0' 2>/dev/null | head -n 1)}
 if [ -n "$LIBPY" ]; then
