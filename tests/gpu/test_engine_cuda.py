@@ -10,13 +10,13 @@ import secrets
 from pathlib import Path
 
 import pytest
-from gpu_peer import decode_importer
+from gpu_peer import decode_importer, engine_on
 from kv_support import SECRET
 
-from disagg.engine.engine import Engine, EngineConfig, plan_kv
+from disagg.engine.engine import Engine
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.kv import Transport, TransportConfig, create_transport
+from disagg.kv import TransportConfig, create_transport
 
 PROMPTS = [
     (1, 5, 9, 200, 31, 7),
@@ -39,18 +39,9 @@ def _generate(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -
     return [tokens[o.seq_id] for o in outs]
 
 
-def _engine(model: Path, device: str, dtype: str, transport: Transport | None = None) -> Engine:
-    """An engine on ``device``; its KV pool allocated by ``transport`` (as a pool's is) when given."""
-    config = EngineConfig(model_dir=model, device=device, dtype=dtype, kv_cache_mb=64)
-    if transport is None:
-        return Engine(config)
-    layout, n = plan_kv(config)
-    return Engine(config, kv_memory=transport.allocate_memory(n, layout.block_bytes))
-
-
 def test_fp32_on_cuda_generates_the_cpu_tokens(tiny_model_dir: Path) -> None:
-    cpu = _generate(_engine(tiny_model_dir, "cpu", "float32"), PROMPTS, 12)
-    gpu_engine = _engine(tiny_model_dir, "cuda:0", "float32")
+    cpu = _generate(engine_on(tiny_model_dir, "cpu", "float32"), PROMPTS, 12)
+    gpu_engine = engine_on(tiny_model_dir, "cuda:0", "float32")
     assert gpu_engine.kv.memory.device.type == "cuda"
     assert _generate(gpu_engine, PROMPTS, 12) == cpu
     assert gpu_engine.usage().used == 0
@@ -58,7 +49,7 @@ def test_fp32_on_cuda_generates_the_cpu_tokens(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_dtypes_on_cuda_run_and_leave_no_blocks_held(tiny_model_dir: Path, dtype: str) -> None:
-    engine = _engine(tiny_model_dir, "cuda:0", dtype)
+    engine = engine_on(tiny_model_dir, "cuda:0", dtype)
     vocab = engine.vocab_size
     out = _generate(engine, PROMPTS, 12)
     assert [len(t) for t in out] == [12, 12, 12]
@@ -73,7 +64,7 @@ def test_half_dtypes_on_cuda_run_and_leave_no_blocks_held(tiny_model_dir: Path, 
 
 
 def test_auto_dtype_on_cuda_is_bfloat16(tiny_model_dir: Path) -> None:
-    assert _engine(tiny_model_dir, "cuda:0", "auto").config.dtype == "bfloat16"
+    assert engine_on(tiny_model_dir, "cuda:0", "auto").config.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -82,7 +73,7 @@ def test_a_sequence_continues_exactly_in_another_process_over_cuda_ipc(
 ) -> None:
     prefix = "g" + secrets.token_hex(4)
     transport = create_transport("cuda_ipc", TransportConfig(secret=SECRET, prefix=prefix, checksum=True))
-    exporter = _engine(tiny_model_dir, "cuda:0", dtype, transport)
+    exporter = engine_on(tiny_model_dir, "cuda:0", dtype, transport)
     assert exporter.kv.memory.device.type == "cuda"
     whole = [_generate(exporter, [p], 10)[0] for p in PROMPTS]  # each alone, as the importer decodes it
     ctx = mp.get_context("spawn")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine import kernel
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "blocks.c"
 RUN = 32  # inputs per block (one scale, one min); kernels/blocks.c's RUN

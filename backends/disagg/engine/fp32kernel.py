@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from disagg.engine import kernel
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "fp32.c"
 NEEDS = frozenset({"avx2", "fma"})
@@ -58,22 +54,12 @@ def _fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def rms_norm() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+def rms_norm() -> kernel.RmsNorm | None:
+    """``kernel.rms_norm`` in fp32, any width."""
     loaded = library()
     if loaded is None:
         return None
-    function = loaded.rms_norm_f32
-
-    def call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows, width = x.shape
-        if not _fp32(x, weight) or weight.shape != (width,):
-            raise ValueError("rms_norm takes fp32 rows and a weight of their width")
-        x, weight = x.contiguous(), weight.contiguous()
-        out = torch.empty_like(x)
-        function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps)
-        return out
-
-    return call
+    return kernel.row_norm(loaded.rms_norm_f32, torch.float32, width_multiple=1, threads=False)
 
 
 def rope_cache() -> kernel.RopeCache | None:

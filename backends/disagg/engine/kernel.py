@@ -364,20 +364,33 @@ def rms_norm() -> RmsNorm | None:
     loaded = library()
     if loaded is None:
         return None
-    function = loaded.rms_norm_bf16
+    return row_norm(loaded.rms_norm_bf16, torch.bfloat16, width_multiple=16, threads=True)
+
+
+def row_norm(
+    function: Callable[..., None], dtype: torch.dtype, width_multiple: int, threads: bool
+) -> RmsNorm:
+    """The ``norm`` of ``rms_norm`` over a C function taking ``dtype`` rows (bf16 here, fp32 in
+    ``disagg.engine.fp32kernel``) and, when ``threads``, the thread count last."""
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def call(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, width = x.shape
         if (
-            x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16
+            any(t.dtype != dtype or t.device.type != "cpu" for t in (x, weight))
             or weight.shape != (width,)
-            or width % 16
+            or width % width_multiple
         ):
-            raise ValueError("rms_norm takes bf16 rows of a width that is a multiple of 16, and its weight")
+            raise ValueError(
+                f"rms_norm takes {name} rows of a width that is a multiple of {width_multiple}, and a "
+                "weight of their width"
+            )
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
-        function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps, torch.get_num_threads())
+        function(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps,
+            *([torch.get_num_threads()] if threads else []),
+        )  # fmt: skip
         return out
 
     return call

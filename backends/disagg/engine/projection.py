@@ -72,7 +72,7 @@ class Projection:
         onednn = (gemm is None or (split and kernel.cpu_has_amx())) and (self.blocks is None or split)
         # prompt rows beside block codes: oneDNN's prepacked fp32 kernel, which outran MKL's F.linear on
         # SmolLM2's prompt projections (the plain fp32 path stays on F.linear, the token-exact reference)
-        coded_prompts = self.blocks is not None and onednn and torch.backends.mkldnn.is_available()
+        coded_prompts = self.blocks is not None and torch.backends.mkldnn.is_available()
         self.packed = onednn and pack and (coded_prompts or packing_available(weight.dtype, weight.device))
         if not onednn:
             self.weight = None
