@@ -197,9 +197,35 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         help=f"serve the deployment spec's repository (deploy/spec.yaml), written afresh into "
         f"{STATE_DIR / SPEC_REPOSITORY} (instead of --model-repository)",
     )
+    parser.add_argument(
+        "--role",
+        choices=("frontend", "prefill", "decode"),
+        default=None,
+        help="serve one part of a multi-host deployment, its repository written afresh into "
+        f"{STATE_DIR}/role-ROLE: the entry points (frontend, with --remote-pools) or one pool "
+        "(KV over nixl; share DISAGG_SECRET between the hosts)",
+    )
+    parser.add_argument(
+        "--remote-pools",
+        default="",
+        metavar="POOL=SERVERS;...",
+        help="the frontend's pools: e.g. 'prefill=10.0.0.2:8001;decode=dns:decode.ns.svc:8001'",
+    )
     args = parser.parse_args(argv)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if args.role is not None:
+        if args.spec is not None or args.model_repository != DEFAULT_REPOSITORY:
+            parser.error("--role writes the repository to serve; drop --spec and --model-repository")
+        from disagg_tools.repository import write_role
+
+        try:
+            args.model_repository = write_role(args.role, args.remote_pools, STATE_DIR / f"role-{args.role}")
+        except ValueError as exc:
+            print(f"disagg serve: {exc}", file=sys.stderr)
+            return 2
+    elif args.remote_pools:
+        parser.error("--remote-pools goes with --role frontend")
     if args.spec is not None:
         if args.model_repository != DEFAULT_REPOSITORY:
             parser.error("--spec names the repository to serve; drop --model-repository")

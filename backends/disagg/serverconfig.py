@@ -313,6 +313,10 @@ def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
         f"--grpc-port={config.grpc_port}",
         f"--http-restricted-api={restricted}",
         f"--grpc-restricted-protocol={restricted}",
+        # a frontend's remote pool client pings every 2 s to find a partitioned server (triton.remote)
+        "--grpc-keepalive-permit-without-calls=true",
+        "--grpc-http2-min-recv-ping-interval-without-data=1000",
+        "--grpc-http2-max-ping-strikes=0",
         "--allow-metrics=true",
         "--allow-gpu-metrics=false",
         f"--metrics-address={config.metrics_address}",

@@ -29,6 +29,7 @@ from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, Sequence
 from disagg.serving.admission import Admission, AdmissionConfig
 from disagg.serving.bucket import BucketConfig, TokenBucket
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
+from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.errors import (
     CANCELLED,
     DEADLINE,
@@ -190,6 +191,10 @@ class OrchestratorConfig:
     token longer than ``hot_max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
     hot_group_burst: int = 1
     hot_max_wait_s: float = 30.0
+    remote_pools: str = ""
+    """Pools served by other Triton servers, reached over gRPC (``disagg.triton.remote``):
+    ``POOL=SERVERS[;POOL=SERVERS]``, SERVERS being ``HOST:PORT,...`` or ``dns:NAME:PORT`` (see
+    ``disagg.serving.endpoints``); "": every pool is a model of this server."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -235,6 +240,14 @@ class OrchestratorConfig:
         _ = self.admission, self.hot, self.bucket  # validate their settings
         if not isinstance(self.hot_decode_model, str):
             raise ValueError("hot_decode_model must be a model name or empty")
+        unknown = set(self.remote) - set(self.pool_models)
+        if unknown:
+            raise ValueError(f"remote_pools names pools this entry point has not: {sorted(unknown)}")
+
+    @property
+    def remote(self) -> dict[str, str]:
+        """Pool -> the spec of its servers, for the pools on other servers."""
+        return parse_remote_pools(self.remote_pools)
 
     @property
     def pool_models(self) -> dict[str, str]:

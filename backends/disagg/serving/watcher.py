@@ -47,15 +47,18 @@ class PoolWatcher:
         on_recovered: Callable[[str, float], None] | None = None,
         is_ready: Callable[[str], Awaitable[bool]] | None = None,
         restart_delay_s: float | None = None,
+        restartable: Callable[[str], bool] = lambda pool: True,
     ) -> None:
         """``restart(pool)`` reloads a pool's model (None: this watcher only probes), and returns False
         when it left the pool alone (another entry point restarted it first); ``on_restart`` and
         ``on_recovered(pool, seconds)`` are told of each restart and each recovery (metrics);
         ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does);
         ``restart_delay_s``: this watcher's delay before a first restart, beyond one probe round (None:
-        random, under one probe interval)."""
+        random, under one probe interval); ``restartable(pool)``: whether this watcher may restart the
+        pool at all (a pool of another server is restarted by that server)."""
         self.orchestrator = orchestrator
         self.restart = restart
+        self._restartable = restartable
         self._is_ready = is_ready
         interval = orchestrator.config.probe_interval_s
         self._delay = random.uniform(0, interval) if restart_delay_s is None else restart_delay_s
@@ -163,8 +166,8 @@ class PoolWatcher:
         now = self._clock()
         for pool, due in sorted(self._next_restart.items(), key=lambda item: item[1]):
             health = self.orchestrator.health[pool]
-            if health.state is not PoolState.GONE or health.reason != DEAD:
-                del self._next_restart[pool]  # it answered, or is being unloaded: not ours to restart
+            if health.state is not PoolState.GONE or health.reason != DEAD or not self._restartable(pool):
+                del self._next_restart[pool]  # it answered, is being unloaded, or is not ours to restart
                 continue
             if due <= now and health.answered == 0:
                 backoff = self._backoff.get(pool, self.orchestrator.config.recovery_backoff_s)

@@ -81,7 +81,11 @@ _TAG = "disagg-code:"
 
 def serving_error(pb_utils: Any, error: Any) -> ServingError:
     """The inverse of triton_error(tagged=True), for errors coming back from a BLS call."""
-    message = error.message()
+    return untagged_error(error.message())
+
+
+def untagged_error(message: str) -> ServingError:
+    """The ServingError a pool sent as ``message`` (tagged by triton_error), over BLS or gRPC."""
     if message.startswith(_TAG):
         code, _, text = message[len(_TAG) :].partition(":")
         if code in CODES:

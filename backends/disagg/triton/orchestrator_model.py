@@ -41,7 +41,9 @@ from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
 from disagg.triton.metrics import OrchestratorMetrics, VersionMetrics
+from disagg.triton.pools import Pools
 from disagg.triton.readiness import ServerReadiness
+from disagg.triton.remote import RemotePools
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,12 @@ class OrchestratorModel:
         self.tokenizer = Tokenizer(resolve_model_dir(self.config.model_dir))
         secret_file = self.config.secret_file
         signer = TokenSigner(glue.deployment_secret(str(secret_file) if secret_file else ""))
-        self.pools = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
+        local = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
+        remote = None
+        if self.config.remote:  # pools of other servers, over gRPC
+            timeout = self.config.request_timeout_s
+            remote = RemotePools(signer, self.config.remote, self.config.pool_models, timeout)
+        self.pools = Pools(local, remote)
         instance = args["model_instance_name"]
         deployed = deployed_pools(self.config, args.get("model_repository", ""))
         # readiness over the server's HTTP endpoint (see readiness): without it a silent pool cannot
@@ -124,6 +131,7 @@ class OrchestratorModel:
             on_restart=self.degradation.restarted,
             on_recovered=self.degradation.recovered,
             is_ready=self._is_ready if self.readiness is not None else None,
+            restartable=lambda pool: not self.pools.is_remote(pool),
         )
         self._watching: asyncio.Task[None] | None = None
         self._inflight = 0
@@ -161,6 +169,8 @@ class OrchestratorModel:
         return readiness is not None and readiness.model_ready(self.config.pool_models[pool])
 
     async def _is_ready(self, pool: str) -> bool:
+        if self.pools.is_remote(pool):
+            return True  # its pings say whether any of its servers serves it
         return await asyncio.get_running_loop().run_in_executor(None, self._pool_ready, pool)
 
     async def _restart(self, pool: str) -> bool:
@@ -275,10 +285,14 @@ class OrchestratorModel:
 
 def deployed_pools(config: OrchestratorConfig, model_folder: str) -> tuple[str, ...]:
     """The pools of ``config``'s ladder (and its hot prompts' pool) whose models are in this server's
-    repository (the folder above this model's); all of them when that cannot be told."""
+    repository (the folder above this model's) or on remote servers; all of them when that cannot be
+    told."""
     models = config.pool_models
     wanted = [*ladder_pools(config.ladder), *([HOT_POOL] if HOT_POOL in models else [])]
     repository = Path(model_folder).parent if model_folder else None
     if repository is None or not repository.is_dir():
         return tuple(wanted)
-    return tuple(pool for pool in wanted if (repository / models[pool] / "config.pbtxt").is_file())
+    remote = config.remote
+    return tuple(
+        pool for pool in wanted if pool in remote or (repository / models[pool] / "config.pbtxt").is_file()
+    )

@@ -1,0 +1,340 @@
+"""The orchestrator's PoolClient for pools served by other Triton servers, over gRPC streaming.
+
+BLS reaches only the models of the orchestrator's own server; a pool on another host is reached here,
+through Triton's own client (``tritonclient.grpc.aio``). A pool's servers come from its spec
+(``disagg.serving.endpoints``: a static list, or a DNS name such as a Kubernetes headless Service).
+
+- **The same protocol as BLS.** Each call is one bidirectional stream carrying one request to the pool
+  model, with the same wire messages (``disagg.triton.wire``) and the same signed internal token, as
+  the request parameter ``disagg_auth``. The pool cannot tell the two apart.
+- **Stop and lease abort.** A ``Stop`` goes to the server that runs the request's job, an
+  ``AbortLease`` to the server that exported the lease (both remembered per call). A caller that stops
+  reading early does not cancel the stream: it sends the stop, and the stream is read to its end in
+  the background (Triton 2.51 can keep a model referenced after a cancelled stream; see
+  ``disagg.openai.client``). Only a stream that outlives ``DRAIN_TIMEOUT_S`` after that is cancelled.
+- **Deadlines.** A job's stream carries the request timeout as its gRPC deadline; a control request
+  (ping, stop, abort) ``CONTROL_TIMEOUT_S``.
+- **Liveness.** A server that dies resets its connections: its streams end at once and the call fails
+  UNAVAILABLE. A server cut off by a partition sends nothing at all; the channel's keepalive pings
+  (every ``KEEPALIVE_TIME_MS``, each answered within ``KEEPALIVE_TIMEOUT_MS``) find that within seconds
+  and fail its streams the same way. The server must accept pings that often (``disagg.serverconfig``
+  passes ``--grpc-http2-max-ping-strikes=0``). A server that fails a call is taken out of the pool's
+  rotation until a ping finds it back; the watcher's pings reach every listed server.
+- **Reconnection** is gRPC's own: a channel reconnects on its next call, with backoff.
+
+A remote pool is never restarted from here: its own server (``disagg serve`` restarts a dead
+tritonserver) or its Deployment does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from disagg.engine.sequence import Request, SequenceState
+from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.endpoints import Endpoint, Endpoints, Resolve, resolve_host
+from disagg.serving.errors import DEADLINE, INTERNAL, UNAVAILABLE, ServingError
+from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.triton import glue, wire
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 4000
+CONTROL_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 30.0  # a call its caller left: how long its job may take to end after the stop
+REMEMBERED = 65536  # handles and leases remembered for their stops and aborts (oldest forgotten)
+FINAL = "triton_final_response"
+
+
+def new_client(url: str) -> Any:
+    """A ``tritonclient.grpc.aio`` client on ``url`` with keepalive pings (see the module docstring)."""
+    keepalive = grpcclient.KeepAliveOptions(
+        keepalive_time_ms=KEEPALIVE_TIME_MS,
+        keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
+        keepalive_permit_without_calls=True,
+        http2_max_pings_without_data=0,
+    )
+    return grpcclient.InferenceServerClient(url, keepalive_options=keepalive)
+
+
+def _tensor(name: str, value: Any) -> Any:
+    if name == "input_ids":
+        array = np.asarray(value, dtype=np.int32).reshape(-1)
+        kind = "INT32"
+    else:
+        data = value.encode() if isinstance(value, str) else value
+        array, kind = np.array([data], dtype=np.object_), "BYTES"
+    tensor = grpcclient.InferInput(name, list(array.shape), kind)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _output(result: Any, name: str) -> bytes | None:
+    return glue.first_bytes(result.as_numpy(name))
+
+
+def _is_final(result: Any) -> bool:
+    params = result.get_response().parameters
+    return FINAL in params and params[FINAL].bool_param
+
+
+class _Call:
+    """One open stream: where it runs, and whether its pool was found lost meanwhile."""
+
+    def __init__(self, pool: str, endpoint: Endpoint, responses: Any, done: asyncio.Event) -> None:
+        self.pool = pool
+        self.endpoint = endpoint
+        self.responses = responses
+        self.done = done  # set: the request side closes (the server then ends the stream)
+        self.lost = False
+
+
+class RemotePools:
+    """PoolClient for the pools of ``specs`` (pool -> servers spec); ``models``: pool -> model name."""
+
+    def __init__(
+        self,
+        signer: TokenSigner,
+        specs: Mapping[str, str],
+        models: Mapping[str, str],
+        call_timeout_s: float,
+        client_factory: Callable[[str], Any] = new_client,
+        resolve: Resolve = resolve_host,
+    ) -> None:
+        self._signer = signer
+        self.endpoints = {pool: Endpoints(pool, spec, resolve) for pool, spec in specs.items()}
+        self.models = dict(models)
+        self._call_timeout_s = call_timeout_s
+        self._client_factory = client_factory
+        self._clients: dict[str, Any] = {}
+        self._jobs: OrderedDict[tuple[str, str], Endpoint] = OrderedDict()  # (pool, handle) -> server
+        self._leases: OrderedDict[str, Endpoint] = OrderedDict()  # lease id -> its prefill server
+        self._open: set[_Call] = set()
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def __contains__(self, pool: object) -> bool:
+        return pool in self.endpoints
+
+    @property
+    def open_calls(self) -> int:
+        return len(self._open)
+
+    def pool_lost(self, pool: str) -> None:
+        """The watcher found the pool gone: its open calls end UNAVAILABLE now."""
+        self.endpoints[pool].all_down()
+        for call in [c for c in self._open if c.pool == pool]:
+            call.lost = True
+            call.responses.cancel()
+
+    async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+        self._clients.clear()
+
+    def _client(self, url: str) -> Any:
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = self._client_factory(url)
+        return client
+
+    @staticmethod
+    def _remember(table: OrderedDict[Any, Endpoint], key: Any, endpoint: Endpoint) -> None:
+        table[key] = endpoint
+        table.move_to_end(key)
+        while len(table) > REMEMBERED:
+            table.popitem(last=False)
+
+    def _open_stream(
+        self, pool: str, endpoint: Endpoint, values: Mapping[str, Any], timeout_s: float
+    ) -> _Call:
+        request = {
+            "model_name": self.models[pool],
+            "inputs": [_tensor(name, value) for name, value in values.items()],
+            "parameters": {PARAMETER: self._signer.mint(), "triton_enable_empty_final_response": True},
+        }
+        done = asyncio.Event()
+
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
+            yield request
+            await done.wait()  # the request side stays open until the request has ended
+
+        responses = self._client(endpoint.url).stream_infer(one_request(), stream_timeout=timeout_s)
+        call = _Call(pool, endpoint, responses, done)
+        self._open.add(call)
+        endpoint.open += 1
+        return call
+
+    def _closed(self, call: _Call) -> None:
+        if call in self._open:
+            self._open.discard(call)
+            call.endpoint.open -= 1
+        call.done.set()
+
+    async def _results(self, call: _Call) -> AsyncIterator[Any]:
+        """The responses of one call up to its final one (an empty final response is not yielded).
+
+        Raises ServingError: a refusal as the pool sent it; UNAVAILABLE when the server or the link
+        failed (the server is then out of rotation) or the watcher found the pool lost."""
+        where = f"the {call.pool} server at {call.endpoint.url}"
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await call.responses.__anext__()
+                except StopAsyncIteration:
+                    finished = True
+                    raise ServingError(UNAVAILABLE, f"{where} ended a call before its answer") from None
+                except (grpc.RpcError, InferenceServerException, asyncio.CancelledError) as exc:
+                    finished = True
+                    if isinstance(exc, asyncio.CancelledError) and not call.lost:
+                        raise
+                    raise self._failure(call, exc) from None
+                if error is not None:  # a refusal is the request's last response
+                    finished = True
+                    raise glue.untagged_error(str(error.message()))
+                final = _is_final(result)
+                if final:
+                    finished = True
+                if _output(result, "event") is not None:
+                    yield result
+                if final:
+                    return
+        finally:
+            if finished:
+                self._closed(call)
+            else:  # the caller left early: it sends a stop; the job's stream ends after it
+                task = asyncio.ensure_future(self._drain(call))
+                self._draining.add(task)
+                task.add_done_callback(self._draining.discard)
+
+    def _failure(self, call: _Call, exc: BaseException) -> ServingError:
+        where = f"the {call.pool} server at {call.endpoint.url}"
+        if call.lost:
+            return ServingError(UNAVAILABLE, f"the {call.pool} pool stopped responding (it was lost)")
+        code = exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ServingError(DEADLINE, f"{where} did not finish the request in time")
+        self.endpoints[call.pool].down(call.endpoint)
+        status = getattr(code, "name", None)
+        if status is None and isinstance(exc, InferenceServerException):
+            status = exc.status()
+        log.warning("%s failed a call (%s); it is out of rotation until it answers a ping", where, status)
+        return ServingError(UNAVAILABLE, f"{where} is not reachable ({status or 'connection lost'})")
+
+    async def _drain(self, call: _Call) -> None:
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                while True:
+                    result, error = await call.responses.__anext__()
+                    if error is not None or _is_final(result):
+                        break
+        except StopAsyncIteration:
+            pass
+        except (TimeoutError, grpc.RpcError, InferenceServerException, asyncio.CancelledError):
+            call.responses.cancel()
+        finally:
+            self._closed(call)
+
+    async def _events(
+        self, pool: str, handle: str, values: Mapping[str, Any]
+    ) -> AsyncIterator[Token | Prefilled]:
+        endpoint = self.endpoints[pool].pick()
+        self._remember(self._jobs, (pool, handle), endpoint)
+        call = self._open_stream(pool, endpoint, {"handle": handle, **values}, self._call_timeout_s)
+        async with contextlib.aclosing(self._results(call)) as results:
+            async for result in results:
+                event = wire.decode_event(_output(result, "event") or b"", _output(result, "descriptor"))
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Prefilled) and event.lease_id:
+                    self._remember(self._leases, event.lease_id, endpoint)
+                yield event  # type: ignore[misc]
+
+    async def prefill(self, handle: str, request: Request) -> Prefilled:
+        sampling = wire.encode_sampling(request.params)
+        values = {"input_ids": list(request.prompt_token_ids), "sampling": sampling}
+        result = None
+        async with contextlib.aclosing(self._events("prefill", handle, values)) as events:
+            async for event in events:
+                result = event
+        if not isinstance(result, Prefilled):
+            raise ServingError(INTERNAL, "the prefill pool answered out of protocol")
+        return result
+
+    async def _tokens(self, pool: str, handle: str, values: Mapping[str, Any]) -> AsyncIterator[Token]:
+        async with contextlib.aclosing(self._events(pool, handle, values)) as events:
+            async for event in events:
+                if isinstance(event, Token):
+                    yield event
+
+    def decode(
+        self, handle: str, state: SequenceState, descriptor: bytes, pool: str = "decode"
+    ) -> AsyncIterator[Token]:
+        return self._tokens(pool, handle, {"state": wire.encode_state(state), "descriptor": descriptor})
+
+    def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
+        state = SequenceState(request.prompt_token_ids, request.generated_token_ids, request.params)
+        return self._tokens(pool, handle, {"state": wire.encode_state(state)})
+
+    async def _control(self, pool: str, endpoint: Endpoint, control: Control) -> bytes | None:
+        """Send a control request to one server; the event of its answer, if it had one."""
+        values = {"control": wire.encode_control(control)}
+        call = self._open_stream(pool, endpoint, values, CONTROL_TIMEOUT_S)
+        event = None
+        async with contextlib.aclosing(self._results(call)) as results:
+            async for result in results:
+                event = _output(result, "event") or event
+        return event
+
+    async def stop(self, pool: str, handle: str) -> None:
+        endpoint = self._jobs.pop((pool, handle), None)
+        if endpoint is not None:  # else no job of it ever went out
+            await self._control(pool, endpoint, Stop(handle))
+
+    async def abort_lease(self, lease_id: str) -> None:
+        endpoint = self._leases.pop(lease_id, None)
+        if endpoint is not None:
+            await self._control("prefill", endpoint, AbortLease(lease_id))
+
+    async def ping(self, pool: str) -> PoolLoad:
+        """Ping every server of the pool (resolving its spec again when due): the sum of the loads of
+        those that answered; ServingError(UNAVAILABLE) when none did."""
+        endpoints = self.endpoints[pool]
+        loop = asyncio.get_running_loop()
+        if endpoints.dynamic:
+            await loop.run_in_executor(None, endpoints.refresh, loop.time())
+        listed = endpoints.listed()
+        answers = await asyncio.gather(*(self._ping_one(pool, e) for e in listed), return_exceptions=True)
+        loads = [a for a in answers if isinstance(a, PoolLoad)]
+        if not loads:
+            message = f"no server of the remote {pool} pool answers ({len(listed)} listed)"
+            raise ServingError(UNAVAILABLE, message)
+        return PoolLoad(
+            **{name: sum(getattr(load, name) for load in loads) for name in PoolLoad.__dataclass_fields__}
+        )
+
+    async def _ping_one(self, pool: str, endpoint: Endpoint) -> PoolLoad:
+        endpoints = self.endpoints[pool]
+        try:
+            raw = await self._control(pool, endpoint, Ping())
+            load = wire.decode_load(raw or b"")
+        except (ServingError, ValueError, KeyError, TypeError):
+            endpoints.down(endpoint)
+            raise
+        if endpoints.answered(endpoint):
+            log.info("the %s server at %s answers: in rotation", pool, endpoint.url)
+        return load
