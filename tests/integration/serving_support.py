@@ -6,8 +6,11 @@ Plain functions (no fixtures); import them as `from serving_support import ...`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -174,6 +177,32 @@ def grpc_error(server: Any, model: str, values: Mapping[str, np.ndarray]) -> str
     result = grpc_stream(server, model, values, timeout_s=60)
     assert result.error is not None, f"{model} accepted the request: {result}"
     return result.error
+
+
+_CANCELLING_CLIENT = (
+    CLIENT_SCRIPT_PREAMBLE
+    + """
+url, model, max_tokens, after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+events = queue.Queue()
+client = grpcclient.InferenceServerClient(url)
+client.start_stream(callback=lambda result, error: events.put(error))
+client.async_stream_infer(model, long_request(max_tokens))
+errors = [events.get(timeout=60) for _ in range(after)]
+client.stop_stream(cancel_requests=True)
+client.close()
+print(json.dumps({"pieces": after, "errors": [str(e) for e in errors if e is not None]}))
+"""
+)
+
+
+def cancel_after(url: str, model: str, max_tokens: int, pieces: int) -> dict[str, Any]:
+    """Stream from ``url`` (gRPC) in a separate process and cancel after `pieces` pieces. A separate
+    process, because tritonclient keeps a thread alive after a cancelled stream, which the leak probe
+    would count."""
+    args = [sys.executable, "-c", _CANCELLING_CLIENT, url, model, str(max_tokens), str(pieces)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- metrics ---------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 from serving_support import (
-    CLIENT_SCRIPT_PREAMBLE,
     REPOSITORY,
+    cancel_after,
     engine_greedy,
     engine_texts,
     generate,
@@ -269,37 +269,11 @@ def _long_stream(server: TritonServer, model: str, max_tokens: int) -> GrpcStrea
     return stream
 
 
-_CANCELLING_CLIENT = (
-    CLIENT_SCRIPT_PREAMBLE
-    + """
-url, model, max_tokens, after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-events = queue.Queue()
-client = grpcclient.InferenceServerClient(url)
-client.start_stream(callback=lambda result, error: events.put(error))
-client.async_stream_infer(model, long_request(max_tokens))
-errors = [events.get(timeout=60) for _ in range(after)]
-client.stop_stream(cancel_requests=True)
-client.close()
-print(json.dumps({"pieces": after, "errors": [str(e) for e in errors if e is not None]}))
-"""
-)
-
-
-def _cancel_after(server: TritonServer, model: str, max_tokens: int, pieces: int) -> dict[str, Any]:
-    """Stream from a separate process and cancel after `pieces` pieces. A separate process, because
-    tritonclient keeps a thread alive after a cancelled stream, which the leak probe would count."""
-    url = server.config.grpc_url
-    args = [sys.executable, "-c", _CANCELLING_CLIENT, url, model, str(max_tokens), str(pieces)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_cancelled_llm_stream_stops_decode_and_frees_both_pools(server: TritonServer) -> None:
     baseline = idle(server)
     cancelled = metric_sum(server, "disagg_requests_total", model="llm", outcome="cancelled")
     # 1500 tokens take ~20 s to decode here: the pools are back far sooner only if decode was stopped
-    result = _cancel_after(server, "llm", 1500, pieces=5)
+    result = cancel_after(server.config.grpc_url, "llm", 1500, pieces=5)
     cancelled_at = time.monotonic()
     assert result["errors"] == []
     wait_until(lambda: idle_now(server, baseline), 5, "both pools back to their baseline")
@@ -368,7 +342,7 @@ def test_cancelled_ensemble_stream_costs_at_most_its_max_tokens(server: TritonSe
     max_tokens = 120
     baseline = idle(server)
     produced = metric_sum(server, "disagg_output_tokens_sum", model="orchestrator")
-    _cancel_after(server, "ensemble", max_tokens, pieces=3)
+    cancel_after(server.config.grpc_url, "ensemble", max_tokens, pieces=3)
     wait_until(lambda: idle_now(server, baseline), 60, "pools back to baseline after the request's end")
     wait_until(
         lambda: metric_sum(server, "disagg_output_tokens_sum", model="orchestrator") > produced,

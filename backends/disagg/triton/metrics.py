@@ -58,6 +58,7 @@ DESCRIPTIONS = {
     ),
     "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
+    "disagg_kv_exported_bytes_total": ("COUNTER", "KV bytes exported for hand-off (counted by the exporter)"),
     "disagg_kv_transfer_failures_total": ("COUNTER", "KV hand-offs that failed (refused, broken, corrupt)"),
     "disagg_kv_incompatible_total": (
         "COUNTER",
@@ -421,6 +422,7 @@ class PoolReporter:
         self.limit = fam.gauge("disagg_decode_batch_limit", labels) if role == "decode" else None
         self.decisions: dict[tuple[str, str], SerialMetric] = {}
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
+        self.exported = fam.metric("disagg_kv_exported_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
         self.incompatible = fam.metric("disagg_kv_incompatible_total", labels)
         self.expired = fam.metric("disagg_kv_lease_expired_total", labels)
@@ -432,6 +434,7 @@ class PoolReporter:
         self.info.set(1)
         self._seen = {
             "bytes": 0.0,
+            "exported": 0.0,
             "failures": 0.0,
             "expired": 0.0,
             "renewals": 0.0,
@@ -515,6 +518,7 @@ class PoolReporter:
             return
         snap = self._transport.stats.snapshot()
         self._add(self.bytes, "bytes", snap.bytes_imported)
+        self._add(self.exported, "exported", snap.bytes_exported)
         self._add(self.failures, "failures", snap.failures + snap.refused + snap.checksum_failures)
         self._add(self.expired, "expired", snap.lease_expiries)
         self._add(self.renewals, "renewals", snap.lease_renewals)

@@ -1,0 +1,227 @@
+"""Three hosts on one machine: a frontend, a prefill and a decode server, each a `disagg serve --role`
+in its own network namespace, joined by a bridge; real TCP between them, the KV over NIXL / UCX (TCP
+only) on the veth links, the pools reached from the frontend over gRPC (`disagg.triton.remote`).
+
+Skipped where network namespaces cannot be made (needs root and `ip netns`)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from netns_support import Topology, netns_unavailable
+from serving_support import cancel_after, engine_texts, metric_samples, pool_gauges, read_stream, text_inputs
+from triton_support import GrpcStream, LeakProbe, wait_until
+
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+
+FRONTEND, PREFILL, DECODE = 0, 1, 2
+PROMPTS = ("Hello world", "The quick brown fox")
+MAX_TOKENS = 12
+READY_S = 120.0
+
+
+@dataclass
+class Host:
+    """One `disagg serve` in a namespace; ``config`` has the URLs the suite's helpers read."""
+
+    address: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    config: SimpleNamespace
+
+    def ready(self) -> bool:
+        try:
+            url = f"http://{self.config.http_url}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (SIGKILL after the exit timeout and a grace period)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait(10)
+
+
+def start_host(topology: Topology, i: int, workdir: Path, secret: str, *args: str, port: int = 8000) -> Host:
+    folder = workdir / f"{topology.hosts[i]}-{port}"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "DISAGG_SECRET": secret,
+        "UCX_TLS": "tcp",  # the KV crosses the veth, not shared memory between the namespaces
+        "UCX_NET_DEVICES": topology.devices[i],
+        "HTTP_PORT": str(port),
+        "GRPC_PORT": str(port + 1),
+        "METRICS_PORT": str(port + 2),
+        "PYTHONUNBUFFERED": "1",
+    }
+    disagg = str(Path(sys.executable).parent / "disagg")
+    command = [*topology.run_in(i), disagg, "serve", "--address", "0.0.0.0", "--openai-port", "0"]
+    command += ["--exit-timeout", "10", "--max-restarts", "0", *args]
+    log = folder / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    address = topology.address(i)
+    urls = SimpleNamespace(
+        http_url=f"{address}:{port}",
+        grpc_url=f"{address}:{port + 1}",
+        metrics_url=f"http://{address}:{port + 2}/metrics",
+    )
+    return Host(address, process, log, urls)
+
+
+def wait_ready(*hosts: Host) -> None:
+    def all_ready() -> bool:
+        for host in hosts:
+            if host.process.poll() is not None:
+                raise AssertionError(f"server exited with {host.process.returncode}:\n{host.tail()}")
+        return all(host.ready() for host in hosts)
+
+    wait_until(all_ready, READY_S, "the servers ready")
+
+
+@dataclass
+class Deployment:
+    topology: Topology
+    workdir: Path
+    secret: str
+    frontend: Host
+    prefill: Host
+    decode: Host
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    topology = Topology(secrets.token_hex(3), ("front", "pre", "dec"))
+    workdir = tmp_path_factory.mktemp("hosts")
+    secret = secrets.token_hex(32)
+    started: list[Host] = []
+    try:
+        pools = [start_host(topology, i, workdir, secret, "--role", role) for i, role in
+                 ((PREFILL, "prefill"), (DECODE, "decode"))]  # fmt: skip
+        started += pools
+        remote = f"prefill={topology.address(PREFILL)}:8001;decode={topology.address(DECODE)}:8001"
+        frontend = start_host(
+            topology, FRONTEND, workdir, secret, "--role", "frontend", "--remote-pools", remote
+        )
+        started.append(frontend)
+        wait_ready(*started)
+        deployment = Deployment(topology, workdir, secret, frontend, *pools)
+        # the watcher's pings put both pools in rotation (they start with the first request)
+        yield deployment
+    finally:
+        statuses = {host.config.http_url: host.stop() for host in started}
+        topology.close()
+    assert all(status == 0 for status in statuses.values()), statuses
+
+
+@pytest.fixture(autouse=True)
+def python_backend_regions_ignored(leak_probe: LeakProbe) -> None:
+    """The servers' Python backend regions live until they exit (the namespaces share /dev/shm)."""
+    leak_probe.ignore_shm("disagg_")
+
+
+def stream(host: Host, model: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra: object) -> str:
+    with GrpcStream(host.config.grpc_url) as s:
+        s.send(model, text_inputs(prompt, max_tokens, stream=True, **extra))
+        result = read_stream(s)
+    assert result.error is None and result.final, result
+    return "".join(result.pieces)
+
+
+def pool_idle(host: Host) -> bool:
+    gauges = pool_gauges(host)
+    return bool(gauges) and all(v == 0 for k, v in gauges.items() if k[0] != "disagg_kv_blocks_free")
+
+
+def counter(host: Host, name: str) -> float:
+    return sum(value for n, _, value in metric_samples(host) if n == name)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    return engine_texts(PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("model", ["llm", "ensemble"])
+def test_greedy_text_through_the_frontend_equals_the_engine(
+    hosts: Deployment, expected: dict[str, str], model: str
+) -> None:
+    """The same oracle as the single-server deployment's (test_serving): the engine's greedy text."""
+    for prompt in PROMPTS:
+        text = stream(hosts.frontend, model, prompt)
+        assert text == expected[prompt], (model, prompt)
+
+
+def test_kv_crosses_the_link_and_both_sides_count_it(hosts: Deployment) -> None:
+    exported = counter(hosts.prefill, "disagg_kv_exported_bytes_total")
+    imported = counter(hosts.decode, "disagg_kv_transfer_bytes_total")
+    sent, _ = hosts.topology.link_bytes(PREFILL)[::-1]
+    stream(hosts.frontend, "llm", "A prompt long enough to fill a few blocks of KV cache " * 4)
+    wait_until(lambda: counter(hosts.decode, "disagg_kv_transfer_bytes_total") > imported, 10, "an import")
+    moved = counter(hosts.decode, "disagg_kv_transfer_bytes_total") - imported
+    wait_until(
+        lambda: counter(hosts.prefill, "disagg_kv_exported_bytes_total") - exported == moved,
+        10,
+        "the exporter's count equal to the importer's",
+    )
+    link_sent = hosts.topology.link_bytes(PREFILL)[1] - sent
+    assert link_sent >= moved, (link_sent, moved)  # the KV bytes left the prefill host on its link
+
+
+def test_sixteen_concurrent_streams_complete(hosts: Deployment) -> None:
+    results: list[object] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        with GrpcStream(hosts.frontend.config.grpc_url) as s:
+            s.send(
+                "llm",
+                text_inputs(
+                    f"Stream number {i} says", 16, min_length=np.array([[16]], np.int32), stream=True
+                ),
+            )
+            result = read_stream(s, timeout_s=180)
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(200)
+    assert len(results) == 16
+    for result in results:
+        assert result.error is None and result.final, result  # type: ignore[attr-defined]
+    wait_until(lambda: pool_idle(hosts.decode) and pool_idle(hosts.prefill), 15, "both pools idle")
+
+
+def test_a_cancel_reaches_the_remote_decode_pool_and_frees_its_blocks(hosts: Deployment) -> None:
+    wait_until(lambda: pool_idle(hosts.decode), 15, "decode idle")
+    # 1500 tokens take far longer than the wait below: the decode pool is idle again only if stopped
+    result = cancel_after(hosts.frontend.config.grpc_url, "llm", 1500, pieces=5)
+    assert result["errors"] == []
+    wait_until(lambda: pool_idle(hosts.decode) and pool_idle(hosts.prefill), 10, "both pools idle")
