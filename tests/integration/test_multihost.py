@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,7 +125,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         pools = [start_host(topology, i, workdir, secret, "--role", role) for i, role in
                  ((PREFILL, "prefill"), (DECODE, "decode"))]  # fmt: skip
         started += pools
-        remote = f"prefill={topology.address(PREFILL)}:8001;decode={topology.address(DECODE)}:8001"
+        decode = topology.address(DECODE)
+        # the decode host's second gRPC port: a server started there at run time (the last test)
+        remote = f"prefill={topology.address(PREFILL)}:8001;decode={decode}:8001,{decode}:8005"
         frontend = start_host(
             topology, FRONTEND, workdir, secret, "--role", "frontend", "--remote-pools", remote
         )
@@ -135,7 +139,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     finally:
         statuses = {host.config.http_url: host.stop() for host in started}
         topology.close()
-    assert all(status == 0 for status in statuses.values()), statuses
+    killed = {deployment.decode.config.http_url: -signal.SIGKILL}  # by the last test
+    assert all(status in (0, killed.get(url)) for url, status in statuses.items()), statuses
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +230,109 @@ def test_a_cancel_reaches_the_remote_decode_pool_and_frees_its_blocks(hosts: Dep
     result = cancel_after(hosts.frontend.config.grpc_url, "llm", 1500, pieces=5)
     assert result["errors"] == []
     wait_until(lambda: pool_idle(hosts.decode) and pool_idle(hosts.prefill), 10, "both pools idle")
+
+
+# ---- faults (last: they take servers away) --------------------------------------------------------
+
+
+class Streams:
+    """``count`` long `llm` streams, each on its own thread, read to their final response or error."""
+
+    def __init__(self, host: Host, count: int, tokens: int) -> None:
+        self.results: list[Any] = []
+        self.first = threading.Semaphore(0)  # released once per stream that got its first piece
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._one, args=(host, i, tokens)) for i in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _one(self, host: Host, i: int, tokens: int) -> None:
+        length = np.array([[tokens]], np.int32)
+        with GrpcStream(host.config.grpc_url) as s:
+            s.send("llm", text_inputs(f"Long story number {i}", tokens, min_length=length, stream=True))
+            pieces, error, final = [], None, False
+            for event in s.until_final(180):
+                if event.error is not None:
+                    error = str(event.error)
+                    break
+                if not pieces:
+                    self.first.release()
+                pieces.append(event)
+                final = event.final
+        with self._lock:
+            self.results.append((len(pieces), error, final))
+
+    def join(self) -> list[Any]:
+        for thread in self._threads:
+            thread.join(200)
+        return self.results
+
+
+def clear_failure(error: str | None) -> bool:
+    """An error a client can act on: the pool that failed, or Triton's UNAVAILABLE."""
+    return error is not None and any(w in error for w in ("UNAVAILABLE", "not reachable", "decode pool"))
+
+
+def wait_idle(*hosts: Host, timeout_s: float = 45) -> None:
+    # a prefill lease whose importer went away is held until its TTL (30 s)
+    wait_until(lambda: all(pool_idle(h) for h in hosts), timeout_s, "the pools idle")
+
+
+def test_a_partition_of_the_decode_host_loses_no_request_silently(hosts: Deployment) -> None:
+    """RELIABILITY D7: the decode host's link down for 10 s under 4 long streams. Each stream finishes
+    (moved to the prefill pool's local decode, the ladder's next rung) or fails with a clear error;
+    after the link returns the decode pool serves again, and neither pool holds anything."""
+    wait_idle(hosts.decode, hosts.prefill)
+    streams = Streams(hosts.frontend, 4, 400)
+    for _ in range(4):
+        assert streams.first.acquire(timeout=60), "a stream got no first piece"
+    hosts.topology.partition(DECODE)
+    cut = time.monotonic()
+    try:
+        results = streams.join()
+    finally:
+        wait_until(lambda: time.monotonic() - cut >= 10, 15, "10 s of partition")
+        hosts.topology.heal(DECODE)
+    assert len(results) == 4
+    for pieces, error, final in results:
+        assert final or clear_failure(error), (pieces, error)
+    wait_idle(hosts.decode, hosts.prefill)
+    # the decode pool is back in rotation: a new request is decoded there again
+    imported = counter(hosts.decode, "disagg_kv_transfer_bytes_total")
+
+    def decoded_there() -> bool:
+        stream(hosts.frontend, "llm", "After the partition")
+        return counter(hosts.decode, "disagg_kv_transfer_bytes_total") > imported
+
+    wait_until(decoded_there, 30, "a request decoded on the decode host again")
+
+
+def test_a_second_decode_server_takes_load_and_the_first_one_killed_is_routed_around(
+    hosts: Deployment,
+) -> None:
+    """The frontend lists the decode host's second port from the start; nothing serves there until a
+    second decode server starts at run time. Once its pings answer it takes load; then the first one
+    is killed (SIGKILL, its whole process group): streams on it finish on another rung or fail with a
+    clear error, and every later request is served."""
+    second = start_host(hosts.topology, DECODE, hosts.workdir, hosts.secret, "--role", "decode", port=8004)
+    try:
+        wait_ready(second)
+        imported = counter(second, "disagg_kv_transfer_bytes_total")
+
+        def second_used() -> bool:
+            stream(hosts.frontend, "llm", "Which server decodes this?")
+            return counter(second, "disagg_kv_transfer_bytes_total") > imported
+
+        wait_until(second_used, 30, "the second decode server used")
+        streams = Streams(hosts.frontend, 4, 400)
+        for _ in range(4):
+            assert streams.first.acquire(timeout=60), "a stream got no first piece"
+        os.killpg(hosts.decode.process.pid, signal.SIGKILL)
+        hosts.decode.process.wait(10)
+        for pieces, error, final in streams.join():
+            assert final or clear_failure(error), (pieces, error)
+        for i in range(4):
+            stream(hosts.frontend, "llm", f"After the kill {i}")
+        wait_idle(second, hosts.prefill)
+    finally:
+        assert second.stop() == 0, second.tail()

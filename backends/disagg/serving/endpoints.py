@@ -26,15 +26,18 @@ from disagg.serving.errors import UNAVAILABLE, ServingError
 REFRESH_S = 5.0  # the most often a dns: entry is resolved again
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
 
-Resolve = Callable[[str], list[str]]
+Resolve = Callable[[str], "list[str] | None"]
 
 
-def resolve_host(name: str) -> list[str]:
-    """Every address ``name`` resolves to (blocking: call it off the event loop)."""
+def resolve_host(name: str) -> list[str] | None:
+    """Every address ``name`` resolves to (blocking: call it off the event loop); None when the lookup
+    failed (no answer), as opposed to an answer without addresses."""
     try:
         infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return [] if exc.errno == socket.EAI_NONAME else None
     except OSError:
-        return []
+        return None
     return sorted({info[4][0] for info in infos})
 
 
@@ -124,21 +127,39 @@ class Endpoints:
 
     def refresh(self, now: float) -> bool:
         """Resolve the spec again if ``REFRESH_S`` passed (blocking for dns: entries); True if it did.
-        Servers that appear are added (unknown until pinged); servers that left are no longer picked."""
-        if self._resolved_at is not None and (not self.dynamic or now - self._resolved_at < REFRESH_S):
+        Servers that appear are added (unknown until pinged); servers that left are no longer picked.
+        On an event loop, call ``resolve`` on a thread and ``apply`` on the loop instead."""
+        if not self.due(now):
             return False
-        self._resolved_at = now
+        self.apply(self.resolve(), now)
+        return True
+
+    def due(self, now: float) -> bool:
+        """Whether the spec is due to be resolved again."""
+        return self._resolved_at is None or (self.dynamic and now - self._resolved_at >= REFRESH_S)
+
+    def resolve(self) -> list[str] | None:
+        """The servers' URLs the spec names now (blocking for dns: entries); None when a lookup failed
+        (the list stays as it was: a DNS hiccup does not empty the pool). Touches no state."""
         urls = []
         for entry in self.entries:
             hosts = self._resolve(entry.host) if entry.dns else [entry.host]
+            if hosts is None:
+                return None
             urls += [_url(host, entry.port) for host in hosts]
+        return urls
+
+    def apply(self, urls: list[str] | None, now: float) -> None:
+        """Make ``urls`` (from ``resolve``) the listed servers."""
+        self._resolved_at = now
+        if urls is None:
+            return
         for endpoint in self._by_url.values():
             endpoint.listed = endpoint.url in urls
         for url in urls:
             self._by_url.setdefault(url, Endpoint(url))
         for url in [u for u, e in self._by_url.items() if not e.listed and e.open == 0]:
             del self._by_url[url]
-        return True
 
     def listed(self) -> list[Endpoint]:
         """The servers the spec names now (the ones to ping)."""

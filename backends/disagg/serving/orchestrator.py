@@ -553,8 +553,8 @@ class _Run:
         params = self.text.params
         if route.rung == LOCAL:
             cap = len(self.tokens) + self.owner.config.local_max_tokens
-            if cap < params.max_tokens:
-                params = replace(params, max_tokens=cap)
+            if cap < params.max_tokens:  # a minimum length above the degraded cap is lowered with it
+                params = replace(params, max_tokens=cap, min_length=min(params.min_length, cap))
                 self.outcome.capped = True
         if len(self.tokens) >= params.max_tokens:  # the cap leaves nothing more to generate
             self.outcome.finish_reason = FINISH_LENGTH

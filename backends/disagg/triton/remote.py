@@ -52,20 +52,30 @@ log = logging.getLogger(__name__)
 KEEPALIVE_TIME_MS = 2000
 KEEPALIVE_TIMEOUT_MS = 4000
 CONTROL_TIMEOUT_S = 10.0
+PING_TIMEOUT_S = 4.0  # one server's ping: under the watcher's probe timeout, so one silent server
+# does not fail the ping of a pool whose other servers answered
 DRAIN_TIMEOUT_S = 30.0  # a call its caller left: how long its job may take to end after the stop
 REMEMBERED = 65536  # handles and leases remembered for their stops and aborts (oldest forgotten)
 FINAL = "triton_final_response"
+MAX_RECONNECT_MS = 2000
+CHANNEL_ARGS = [  # tritonclient's own defaults, with keepalive and a short reconnection backoff
+    ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_MS),
+]
 
 
 def new_client(url: str) -> Any:
-    """A ``tritonclient.grpc.aio`` client on ``url`` with keepalive pings (see the module docstring)."""
-    keepalive = grpcclient.KeepAliveOptions(
-        keepalive_time_ms=KEEPALIVE_TIME_MS,
-        keepalive_timeout_ms=KEEPALIVE_TIMEOUT_MS,
-        keepalive_permit_without_calls=True,
-        http2_max_pings_without_data=0,
-    )
-    return grpcclient.InferenceServerClient(url, keepalive_options=keepalive)
+    """A ``tritonclient.grpc.aio`` client on ``url`` with keepalive pings (see the module docstring)
+    and a reconnection backoff capped at ``MAX_RECONNECT_MS``: gRPC's default grows to 120 s, so a
+    server listed long before it started would be found that late."""
+    return grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
 
 
 def _tensor(name: str, value: Any) -> Any:
@@ -98,6 +108,9 @@ class _Call:
         self.responses = responses
         self.done = done  # set: the request side closes (the server then ends the stream)
         self.lost = False
+        self.answered = False  # a response came
+        self.pending: asyncio.Future[Any] | None = None  # a read its caller stopped waiting for
+        self.unreached = False  # it failed UNAVAILABLE before any response: try another server
 
 
 class RemotePools:
@@ -193,16 +206,23 @@ class RemotePools:
         finished = False
         try:
             while True:
+                # shielded: a caller cancelled while it waits (its client left, its deadline) must not
+                # cancel the stream; the read goes on in the drain below
+                reading = asyncio.ensure_future(call.responses.__anext__())
                 try:
-                    result, error = await call.responses.__anext__()
+                    result, error = await asyncio.shield(reading)
                 except StopAsyncIteration:
                     finished = True
                     raise ServingError(UNAVAILABLE, f"{where} ended a call before its answer") from None
                 except (grpc.RpcError, InferenceServerException, asyncio.CancelledError) as exc:
+                    if isinstance(exc, asyncio.CancelledError) and not reading.done():
+                        call.pending = reading  # this caller was cancelled, not the stream
+                        raise
                     finished = True
-                    if isinstance(exc, asyncio.CancelledError) and not call.lost:
+                    if not call.lost and isinstance(exc, asyncio.CancelledError):
                         raise
                     raise self._failure(call, exc) from None
+                call.answered = True
                 if error is not None:  # a refusal is the request's last response
                     finished = True
                     raise glue.untagged_error(str(error.message()))
@@ -229,6 +249,7 @@ class RemotePools:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return ServingError(DEADLINE, f"{where} did not finish the request in time")
         self.endpoints[call.pool].down(call.endpoint)
+        call.unreached = code == grpc.StatusCode.UNAVAILABLE and not call.answered
         status = getattr(code, "name", None)
         if status is None and isinstance(exc, InferenceServerException):
             status = exc.status()
@@ -236,15 +257,25 @@ class RemotePools:
         return ServingError(UNAVAILABLE, f"{where} is not reachable ({status or 'connection lost'})")
 
     async def _drain(self, call: _Call) -> None:
+        async def to_end() -> None:
+            pending, call.pending = call.pending, None
+            while True:
+                result, error = await (pending if pending is not None else call.responses.__anext__())
+                pending = None
+                if error is not None or _is_final(result):
+                    return
+
         try:
-            async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                while True:
-                    result, error = await call.responses.__anext__()
-                    if error is not None or _is_final(result):
-                        break
+            await asyncio.wait_for(to_end(), DRAIN_TIMEOUT_S)
         except StopAsyncIteration:
             pass
-        except (TimeoutError, grpc.RpcError, InferenceServerException, asyncio.CancelledError):
+        except (
+            TimeoutError,
+            asyncio.TimeoutError,
+            grpc.RpcError,
+            InferenceServerException,
+            asyncio.CancelledError,
+        ):
             call.responses.cancel()
         finally:
             self._closed(call)
@@ -252,17 +283,31 @@ class RemotePools:
     async def _events(
         self, pool: str, handle: str, values: Mapping[str, Any]
     ) -> AsyncIterator[Token | Prefilled]:
-        endpoint = self.endpoints[pool].pick()
-        self._remember(self._jobs, (pool, handle), endpoint)
-        call = self._open_stream(pool, endpoint, {"handle": handle, **values}, self._call_timeout_s)
-        async with contextlib.aclosing(self._results(call)) as results:
-            async for result in results:
-                event = wire.decode_event(_output(result, "event") or b"", _output(result, "descriptor"))
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, Prefilled) and event.lease_id:
-                    self._remember(self._leases, event.lease_id, endpoint)
-                yield event  # type: ignore[misc]
+        """A job's events from one server of the pool. A server that could not be reached (nothing
+        came back: refused, reset, no route) is out of rotation, and the job goes to the next one."""
+        endpoints = self.endpoints[pool]
+        for _ in range(len(endpoints.listed())):
+            endpoint = endpoints.pick()
+            self._remember(self._jobs, (pool, handle), endpoint)
+            call = self._open_stream(pool, endpoint, {"handle": handle, **values}, self._call_timeout_s)
+            try:
+                async with contextlib.aclosing(self._results(call)) as results:
+                    async for result in results:
+                        raw = _output(result, "event") or b""
+                        event = wire.decode_event(raw, _output(result, "descriptor"))
+                        if isinstance(event, Failed):
+                            raise event.error
+                        if isinstance(event, Prefilled) and event.lease_id:
+                            self._remember(self._leases, event.lease_id, endpoint)
+                        yield event  # type: ignore[misc]
+                return
+            except ServingError:
+                if not call.unreached or not [e for e in endpoints.listed() if e.up is not False]:
+                    raise
+                log.warning(
+                    "the %s server at %s is not reachable: the job goes to another", pool, endpoint.url
+                )
+        raise ServingError(UNAVAILABLE, f"no server of the remote {pool} pool could be reached")
 
     async def prefill(self, handle: str, request: Request) -> Prefilled:
         sampling = wire.encode_sampling(request.params)
@@ -315,8 +360,8 @@ class RemotePools:
         those that answered; ServingError(UNAVAILABLE) when none did."""
         endpoints = self.endpoints[pool]
         loop = asyncio.get_running_loop()
-        if endpoints.dynamic:
-            await loop.run_in_executor(None, endpoints.refresh, loop.time())
+        if endpoints.due(loop.time()):  # the DNS lookup off the loop, the list changed on it
+            endpoints.apply(await loop.run_in_executor(None, endpoints.resolve), loop.time())
         listed = endpoints.listed()
         answers = await asyncio.gather(*(self._ping_one(pool, e) for e in listed), return_exceptions=True)
         loads = [a for a in answers if isinstance(a, PoolLoad)]
@@ -330,9 +375,9 @@ class RemotePools:
     async def _ping_one(self, pool: str, endpoint: Endpoint) -> PoolLoad:
         endpoints = self.endpoints[pool]
         try:
-            raw = await self._control(pool, endpoint, Ping())
+            raw = await asyncio.wait_for(self._control(pool, endpoint, Ping()), PING_TIMEOUT_S)
             load = wire.decode_load(raw or b"")
-        except (ServingError, ValueError, KeyError, TypeError):
+        except (ServingError, ValueError, KeyError, TypeError, TimeoutError, asyncio.TimeoutError):
             endpoints.down(endpoint)
             raise
         if endpoints.answered(endpoint):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from kv_support import CROSS_PROCESS_KINDS, SECRET, small_layout
 from kvpeer import digest, exporter_main, fill, importer_main, make_transport
+from netns_support import netns_unavailable
 
 from disagg.kv import TransferError
 from disagg.kv.stale import list_regions
@@ -123,19 +123,7 @@ def test_exporter_killed_leaves_nothing_after_restart(kind, prefix):
     assert list_regions("/dev/shm", prefix) == []
 
 
-def _netns_ok() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
-    probe = subprocess.run(["ip", "netns", "add", "kvprobe"], capture_output=True)
-    if probe.returncode != 0:
-        return "ip netns is not permitted here"
-    subprocess.run(["ip", "netns", "del", "kvprobe"], capture_output=True)
-    return None
-
-
-@pytest.mark.skipif(_netns_ok() is not None, reason=str(_netns_ok()))
+@pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
 def test_nixl_across_network_namespaces(prefix):
     """The two sides live in two network namespaces joined by a veth pair, UCX over TCP only."""
     tag = prefix[-6:]

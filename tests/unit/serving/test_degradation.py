@@ -197,6 +197,20 @@ def test_the_local_rung_caps_the_output_and_says_so(loops, tokenizer, reference)
     assert _clean(loops)
 
 
+def test_the_local_rung_lowers_a_minimum_length_above_its_cap(loops, tokenizer, reference):
+    pools = FlakyPools(loops)
+    orchestrator = _orchestrator(pools, tokenizer, local_max_tokens=5)
+    orchestrator.observe(orchestrator.health["decode"].failed("probe_failed"))
+    params = SamplingParams(max_tokens=40, min_length=30)
+
+    outcome, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params))
+
+    assert outcome.error is None and outcome.capped and outcome.output_tokens == 5
+    assert recorder.finish_reason == "length"
+    assert recorder.text == PROMPT + reference(PROMPT, SamplingParams(max_tokens=5, min_length=5))
+    assert _clean(loops)
+
+
 def test_with_no_pool_left_requests_are_shed_at_once_with_a_retry_hint(loops, tokenizer):
     pools = FlakyPools(loops)
     orchestrator = _orchestrator(pools, tokenizer, retry_after_s=7)
