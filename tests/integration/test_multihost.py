@@ -9,20 +9,16 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
-from netns_support import Topology, netns_unavailable
+from netns_support import Host, Topology, netns_unavailable, start_host, wait_ready
 from serving_support import cancel_after, engine_texts, metric_samples, pool_gauges, read_stream, text_inputs
 from triton_support import GrpcStream, LeakProbe, wait_until
 
@@ -31,78 +27,6 @@ pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netn
 FRONTEND, PREFILL, DECODE = 0, 1, 2
 PROMPTS = ("Hello world", "The quick brown fox")
 MAX_TOKENS = 12
-READY_S = 120.0
-
-
-@dataclass
-class Host:
-    """One `disagg serve` in a namespace; ``config`` has the URLs the suite's helpers read."""
-
-    address: str
-    process: subprocess.Popen[bytes]
-    log: Path
-    config: SimpleNamespace
-
-    def ready(self) -> bool:
-        try:
-            url = f"http://{self.config.http_url}/v2/health/ready"
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> int:
-        """SIGTERM, then the exit status (SIGKILL after the exit timeout and a grace period)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait(10)
-
-
-def start_host(topology: Topology, i: int, workdir: Path, secret: str, *args: str, port: int = 8000) -> Host:
-    folder = workdir / f"{topology.hosts[i]}-{port}"
-    folder.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "DISAGG_SECRET": secret,
-        "UCX_TLS": "tcp",  # the KV crosses the veth, not shared memory between the namespaces
-        "UCX_NET_DEVICES": topology.devices[i],
-        "HTTP_PORT": str(port),
-        "GRPC_PORT": str(port + 1),
-        "METRICS_PORT": str(port + 2),
-        "PYTHONUNBUFFERED": "1",
-    }
-    disagg = str(Path(sys.executable).parent / "disagg")
-    command = [*topology.run_in(i), disagg, "serve", "--address", "0.0.0.0", "--openai-port", "0"]
-    command += ["--exit-timeout", "10", "--max-restarts", "0", *args]
-    log = folder / "serve.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    address = topology.address(i)
-    urls = SimpleNamespace(
-        http_url=f"{address}:{port}",
-        grpc_url=f"{address}:{port + 1}",
-        metrics_url=f"http://{address}:{port + 2}/metrics",
-    )
-    return Host(address, process, log, urls)
-
-
-def wait_ready(*hosts: Host) -> None:
-    def all_ready() -> bool:
-        for host in hosts:
-            if host.process.poll() is not None:
-                raise AssertionError(f"server exited with {host.process.returncode}:\n{host.tail()}")
-        return all(host.ready() for host in hosts)
-
-    wait_until(all_ready, READY_S, "the servers ready")
 
 
 @dataclass

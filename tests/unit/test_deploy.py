@@ -160,3 +160,38 @@ def test_autoscaler_configs_validate_and_match_the_manifests() -> None:
             assert (pool.deployment or pool.name) in deployments
             if cfg.actuator.kind == "kubernetes":
                 assert (pool.deployment or pool.name) in allowed
+
+
+def test_the_role_deployments_run_the_topology_the_multihost_test_runs() -> None:
+    """One `disagg serve --role` per Deployment, as tests/integration/test_multihost.py starts them; the
+    frontend's remote pools are DNS names of headless Services selecting the pool pods; every pod takes
+    the deployment secret from the Secret, never from its command line."""
+    from disagg.serving.endpoints import parse_remote_pools, parse_spec
+    from disagg_tools.repository import Layout
+
+    objects = k8s_objects()
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment" and
+                   o["metadata"]["name"].startswith("triton-")}  # fmt: skip
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    roles = {}
+    for name, deployment in deployments.items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        args = container["args"]
+        assert container["command"] == ["disagg"] and args[:3] == ["serve", "--role", args[2]]
+        assert {"--address", "0.0.0.0", "--openai-port", "0"} <= set(args)
+        roles[args[2]] = (name, args)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DISAGG_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "triton-disagg-secrets"
+        assert not any("secret" in a.lower() or "key=" in a for a in args)
+    assert set(roles) == {"frontend", "prefill", "decode"}
+    args = roles["frontend"][1]
+    remote = parse_remote_pools(args[args.index("--remote-pools") + 1])
+    Layout(role="frontend", remote_pools=args[args.index("--remote-pools") + 1])  # valid as served
+    for pool in ("prefill", "decode"):
+        (entry,) = parse_spec(remote[pool])
+        service_name, namespace = entry.host.split(".")[:2]
+        service = services[service_name]
+        assert entry.dns and entry.port == 8001 and namespace == "llm"
+        assert service["spec"]["clusterIP"] == "None"  # headless: one address per ready pod
+        pods = deployments[roles[pool][0]]["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pods.items()

@@ -57,6 +57,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,
+        "disagg_kv_exported_bytes_total": COUNTER,  # per prefill pool instance: the exporter's count
         "disagg_kv_transfer_failures_total": COUNTER,
         "disagg_kv_lease_expired_total": COUNTER,
         "disagg_kv_incompatible_total": COUNTER,  # per decode pool instance: KV of another version
