@@ -11,6 +11,7 @@ transport's UCX kept to TCP on that host's link; ``wait_ready`` waits for server
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -132,6 +133,18 @@ class Host:
         except OSError:
             return False
 
+    def kill(self) -> None:
+        """SIGKILL the server and all it started: `disagg serve` runs tritonserver (and its model
+        processes) in a process group of its own, which a kill of its own group would leave behind."""
+        groups = {self.process.pid}
+        for child in _children(self.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(child))
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        self.process.wait(10)
+
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
@@ -188,3 +201,12 @@ def wait_ready(*hosts: Host) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"servers not ready within {READY_S:.0f} s")
         time.sleep(0.2)
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid``."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
