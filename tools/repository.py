@@ -571,10 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.spec is not None:
         given = [a for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")]
-        extra = [a for a in given if a.split("=")[0] not in ("--spec", "--out")]
+        extra = [a for a in given if a.split("=")[0] not in ("--spec", "--out", "--role")]
         if extra:
-            parser.error(f"--spec says the whole layout; drop {', '.join(extra)}")
-        return write_spec(args.spec, args.out)
+            parser.error(f"--spec says the whole layout (and --role which part); drop {', '.join(extra)}")
+        return write_spec(args.spec, args.out, args.role)
     try:
         layout = _layout(args)
     except ValueError as exc:
@@ -587,12 +587,12 @@ def main(argv: list[str] | None = None) -> int:
 OWNED_MARKER = ".disagg-spec-repository"  # in a folder this module created for `disagg serve --spec`
 
 
-def write_owned(spec_path: Path, out: Path) -> Path:
-    """Write the spec's repository afresh into ``out``, a folder this function creates and owns: one
-    it finds without its marker (someone else's) is never touched. ValueError when the spec is not
-    valid or ``out`` is not ours."""
-    parts = _from_spec(spec_path)  # before anything is removed: an invalid spec changes nothing
-    _own(out, f"generated from {Path(spec_path).resolve()}")
+def write_owned(spec_path: Path, out: Path, role: str = "all") -> Path:
+    """Write the spec's repository (for a server of ``role``) afresh into ``out``, a folder this
+    function creates and owns: one it finds without its marker (someone else's) is never touched.
+    ValueError when the spec is not valid, has not that role, or ``out`` is not ours."""
+    parts = _from_spec(spec_path, role)  # before anything is removed: an invalid spec changes nothing
+    _own(out, f"generated from {Path(spec_path).resolve()} for role {role}")
     write(out, *parts)
     return out
 
@@ -619,11 +619,11 @@ def _own(out: Path, origin: str) -> None:
     (out / OWNED_MARKER).write_text(origin + "\n")
 
 
-def write_spec(spec_path: Path, out: Path) -> int:
-    """Write the repository of the spec at ``spec_path`` into ``out``; 2 with the error when the spec
-    is not valid."""
+def write_spec(spec_path: Path, out: Path, role: str = "all") -> int:
+    """Write the repository of the spec at ``spec_path`` (for a server of ``role``) into ``out``; 2
+    with the error when the spec is not valid or has not that role."""
     try:
-        parts = _from_spec(spec_path)
+        parts = _from_spec(spec_path, role)
     except ValueError as exc:  # ConfigError included
         print(f"disagg repository: {exc}", file=sys.stderr)
         return 2
@@ -632,13 +632,16 @@ def write_spec(spec_path: Path, out: Path) -> int:
     return 0
 
 
-def _from_spec(spec_path: Path) -> tuple[Layout, tuple[ModelVersion, ...], tuple[int, ...]]:
-    """What ``write`` takes, from the spec at ``spec_path`` (relative checkpoints from its folder);
-    ValueError (a ConfigError) when the spec is not valid."""
+def _from_spec(
+    spec_path: Path, role: str = "all"
+) -> tuple[Layout, tuple[ModelVersion, ...], tuple[int, ...]]:
+    """What ``write`` takes, from the spec at ``spec_path`` (relative checkpoints from its folder) for
+    a server of ``role``; ValueError (a ConfigError) when the spec is not valid or has not that role."""
     from disagg_tools.spec import load_spec
 
     spec = load_spec(spec_path)
-    return spec.layout(), spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,)
+    layout = spec.layout(role)
+    return layout, spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,)
 
 
 def _layout(args: argparse.Namespace) -> Layout:

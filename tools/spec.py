@@ -19,8 +19,12 @@ A spec becomes a :class:`disagg_tools.repository.Layout` plus the model versions
 the day, each sizing the ``prefill`` and ``decode`` pools in instances or shares of a total, within
 their ``autoscale`` bounds and under the autoscaler's guardrails (see
 :class:`disagg_tools.autoscaler.config.ScheduleConfig`). It does not change what the repository is
-generated with: the pools start at ``instances`` and the autoscaler moves them. ``remote`` (pools on
-other hosts) is reserved for what is not built yet: it must be absent or null.
+generated with: the pools start at ``instances`` and the autoscaler moves them.
+
+``remote`` places the pools on other hosts (``disagg serve --spec S --role frontend|prefill|decode``):
+each pool's servers as the frontend reaches them (``disagg.serving.endpoints``: ``HOST:PORT,...`` or
+``dns:NAME:PORT``); null: one server carries every model. ``disagg manifests`` renders the Kubernetes
+objects of such a spec.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from disagg.config import ConfigError, build
+from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
 from disagg_tools.repository import Layout, ModelVersion
@@ -122,10 +127,6 @@ class Pools:
 
     def __post_init__(self) -> None:
         p, d = self.prefill, self.decode
-        if not p.gpus and not d.gpus:
-            shared = sorted(set(p.cores) & set(d.cores))
-            if shared:
-                raise ValueError(f"decode.cores: overlaps prefill.cores (core {shared[0]})")
         if bool(p.gpus) != bool(d.gpus):
             raise ValueError("decode.gpus: prefill and decode go on GPUs together (GPU to GPU hand-off)")
         shared = sorted(set(p.gpus) & set(d.gpus))
@@ -223,6 +224,27 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Remote:
+    """The pools' servers on other hosts, as the frontend reaches them (the prefill and decode roles
+    read nothing here)."""
+
+    prefill: str
+    decode: str
+
+    def __post_init__(self) -> None:
+        for pool in ("prefill", "decode"):
+            try:
+                parse_remote_pools(f"{pool}={getattr(self, pool)}")
+            except ValueError as exc:
+                raise ValueError(f"{pool}: {exc}") from None
+
+    @property
+    def pools(self) -> str:
+        """The frontend's ``remote_pools`` parameter."""
+        return f"prefill={self.prefill};decode={self.decode}"
+
+
+@dataclass(frozen=True)
 class Spec:
     model: Model = field(default_factory=Model)
     dtype: Dtype = "auto"
@@ -231,24 +253,37 @@ class Spec:
     kv: KV = field(default_factory=KV)
     hot_prompts: HotPrompts = field(default_factory=HotPrompts)
     schedule: ScheduleConfig | None = None  # the autoscaler's day/night split of the pools
-    remote: Any = None  # reserved: pools on other hosts
+    remote: Remote | None = None  # pools on other hosts (multi-host roles); None: one server
 
     def __post_init__(self) -> None:
         if not self.dtype:
             raise ValueError("dtype: must be one of bfloat16, float32, float16, auto")
-        if self.remote is not None:
-            raise ValueError("remote: reserved, not supported yet (leave it out or null)")
+        p, d = self.pools.prefill, self.pools.decode
+        shared = sorted(set(p.cores) & set(d.cores))
+        if shared and not p.gpus and self.remote is None:  # on one server; on other hosts, any cores
+            raise ValueError(f"pools.decode.cores: overlaps prefill.cores (core {shared[0]})")
+        if self.remote is not None and (self.pools.prefill.gpus or self.pools.decode.gpus):
+            raise ValueError("remote: pools on other hosts are CPU pools here (NIXL with VRAM not verified)")
         if self.schedule is not None:
             check_schedule_pools(self.schedule, {"prefill", "decode"})
         hot = self.hot_prompts.pool
         if hot is not None and self.pools.decode.gpus:
             raise ValueError("hot_prompts.pool: a hot prompts' pool is a CPU pool (decode is on GPUs)")
 
-    def layout(self) -> Layout:
-        """The repository layout this spec deploys."""
+    def layout(self, role: str = "all") -> Layout:
+        """The repository layout this spec deploys on a server of ``role`` (``all``: every model; with
+        ``remote``, ``frontend``, ``prefill`` or ``decode``); ValueError for a role the spec has not."""
+        if (role == "all") != (self.remote is None):
+            raise ValueError(
+                "a spec with remote pools is served by role (frontend, prefill, decode)"
+                if self.remote is not None
+                else "roles need the spec's remote section (where the frontend finds the pools)"
+            )
         p, d, c = self.pools.prefill, self.pools.decode, self.pools.colocated
         hot = self.hot_prompts.pool
         return Layout(
+            role=role,
+            remote_pools=self.remote.pools if role == "frontend" and self.remote is not None else "",
             prefill_cores=_cores(p.cores),
             decode_cores=_cores(d.cores),
             colocated_cores=_cores(c.cores),

@@ -123,6 +123,12 @@ def _repository(argv: list[str]) -> int:
     return main(argv)
 
 
+def _manifests(argv: list[str]) -> int:
+    from disagg_tools.manifests import main
+
+    return main(argv)
+
+
 def _rollout(argv: list[str]) -> int:
     from disagg_tools.rollout import main
 
@@ -202,8 +208,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         choices=("frontend", "prefill", "decode"),
         default=None,
         help="serve one part of a multi-host deployment, its repository written afresh into "
-        f"{STATE_DIR}/role-ROLE: the entry points (frontend, with --remote-pools) or one pool "
-        "(KV over nixl; share DISAGG_SECRET between the hosts)",
+        f"{STATE_DIR}/role-ROLE (with --spec: the spec's layout, its remote section naming the pools): "
+        "the entry points (frontend, with --remote-pools) or one pool (KV over nixl; share "
+        "DISAGG_SECRET between the hosts)",
     )
     parser.add_argument(
         "--remote-pools",
@@ -214,25 +221,26 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
-    if args.role is not None:
-        if args.spec is not None or args.model_repository != DEFAULT_REPOSITORY:
-            parser.error("--role writes the repository to serve; drop --spec and --model-repository")
-        from disagg_tools.repository import write_role
-
-        try:
-            args.model_repository = write_role(args.role, args.remote_pools, STATE_DIR / f"role-{args.role}")
-        except ValueError as exc:
-            print(f"disagg serve: {exc}", file=sys.stderr)
-            return 2
-    elif args.remote_pools:
-        parser.error("--remote-pools goes with --role frontend")
+    if args.remote_pools and (args.role != "frontend" or args.spec is not None):
+        parser.error("--remote-pools goes with --role frontend (a spec says them in its remote section)")
     if args.spec is not None:
         if args.model_repository != DEFAULT_REPOSITORY:
             parser.error("--spec names the repository to serve; drop --model-repository")
         from disagg_tools.repository import write_owned
 
+        folder = STATE_DIR / (SPEC_REPOSITORY if args.role is None else f"{SPEC_REPOSITORY}-{args.role}")
         try:
-            args.model_repository = write_owned(args.spec, STATE_DIR / SPEC_REPOSITORY)
+            args.model_repository = write_owned(args.spec, folder, args.role or "all")
+        except ValueError as exc:
+            print(f"disagg serve: {exc}", file=sys.stderr)
+            return 2
+    elif args.role is not None:
+        if args.model_repository != DEFAULT_REPOSITORY:
+            parser.error("--role writes the repository to serve; drop --model-repository")
+        from disagg_tools.repository import write_role
+
+        try:
+            args.model_repository = write_role(args.role, args.remote_pools, STATE_DIR / f"role-{args.role}")
         except ValueError as exc:
             print(f"disagg serve: {exc}", file=sys.stderr)
             return 2
@@ -372,6 +380,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "repository": (_repository, "write the model repository (config.pbtxt per model)"),
     "serve": (_serve, "run Triton with the project's model repository (and the OpenAI front end)"),
     "openai": (_openai, "run the OpenAI-compatible front end alone, in front of a Triton's llm model"),
+    "manifests": (_manifests, "render the Kubernetes objects of a multi-host deployment spec"),
     "autoscale": (_autoscale, "scale the pools from their metrics (log, triton or kubernetes actuator)"),
     "profile": (
         _profile,

@@ -1,6 +1,7 @@
-"""Three hosts on one machine: a frontend, a prefill and a decode server, each a `disagg serve --role`
-in its own network namespace, joined by a bridge; real TCP between them, the KV over NIXL / UCX (TCP
-only) on the veth links, the pools reached from the frontend over gRPC (`disagg.triton.remote`).
+"""Three hosts on one machine: a frontend, a prefill and a decode server, each a `disagg serve --spec
+SPEC --role ROLE` (the form the Kubernetes manifests run) in its own network namespace, joined by a
+bridge; real TCP between them, the KV over NIXL / UCX (TCP only) on the veth links, the pools reached
+from the frontend over gRPC (`disagg.triton.remote`).
 
 Skipped where network namespaces cannot be made (needs root and `ip netns`)."""
 
@@ -46,15 +47,17 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     secret = secrets.token_hex(32)
     started: list[Host] = []
     try:
-        pools = [start_host(topology, i, workdir, secret, "--role", role) for i, role in
-                 ((PREFILL, "prefill"), (DECODE, "decode"))]  # fmt: skip
-        started += pools
+        # one deployment spec served by role on every host, as the Kubernetes manifests serve theirs
         decode = topology.address(DECODE)
+        spec = workdir / "spec.yaml"
         # the decode host's second gRPC port: a server started there at run time (the last test)
-        remote = f"prefill={topology.address(PREFILL)}:8001;decode={decode}:8001,{decode}:8005"
-        frontend = start_host(
-            topology, FRONTEND, workdir, secret, "--role", "frontend", "--remote-pools", remote
+        spec.write_text(
+            f"remote:\n  prefill: {topology.address(PREFILL)}:8001\n  decode: {decode}:8001,{decode}:8005\n"
         )
+        pools = [start_host(topology, i, workdir, secret, "--spec", str(spec), "--role", role)
+                 for i, role in ((PREFILL, "prefill"), (DECODE, "decode"))]  # fmt: skip
+        started += pools
+        frontend = start_host(topology, FRONTEND, workdir, secret, "--spec", str(spec), "--role", "frontend")
         started.append(frontend)
         wait_ready(*started)
         deployment = Deployment(topology, workdir, secret, frontend, *pools)
@@ -243,7 +246,10 @@ def test_a_second_decode_server_takes_load_and_the_first_one_killed_is_routed_ar
     second decode server starts at run time. Once its pings answer it takes load; then the first one
     is killed (SIGKILL, its whole process group): streams on it finish on another rung or fail with a
     clear error, and every later request is served."""
-    second = start_host(hosts.topology, DECODE, hosts.workdir, hosts.secret, "--role", "decode", port=8004)
+    spec = str(hosts.workdir / "spec.yaml")
+    second = start_host(
+        hosts.topology, DECODE, hosts.workdir, hosts.secret, "--spec", spec, "--role", "decode", port=8004
+    )
     try:
         wait_ready(second)
         imported = counter(second, "disagg_kv_transfer_bytes_total")

@@ -30,7 +30,8 @@ def yaml_docs(path: Path) -> list[dict[str, Any]]:
 
 
 def k8s_objects() -> list[dict[str, Any]]:
-    return [d for p in files(".yaml", ".yml") if "kubernetes" in p.parts for d in yaml_docs(p)]
+    found = [d for p in files(".yaml", ".yml") if "kubernetes" in p.parts for d in yaml_docs(p)]
+    return [d for d in found if "apiVersion" in d]  # the multi-host spec there is not one
 
 
 def dashboard() -> dict[str, Any]:
@@ -162,36 +163,55 @@ def test_autoscaler_configs_validate_and_match_the_manifests() -> None:
                 assert (pool.deployment or pool.name) in allowed
 
 
+def test_the_multihost_manifests_are_rendered_from_their_spec() -> None:
+    from disagg_tools.manifests import render
+    from disagg_tools.spec import load_spec
+
+    spec_path = DEPLOY / "kubernetes" / "spec.yaml"
+    rendered = render(load_spec(spec_path), spec_path.read_text())
+    assert rendered == (DEPLOY / "kubernetes" / "triton-pools.yaml").read_text(), (
+        "run: disagg manifests --spec deploy/kubernetes/spec.yaml --out deploy/kubernetes/triton-pools.yaml"
+    )
+
+
 def test_the_role_deployments_run_the_topology_the_multihost_test_runs() -> None:
-    """One `disagg serve --role` per Deployment, as tests/integration/test_multihost.py starts them; the
-    frontend's remote pools are DNS names of headless Services selecting the pool pods; every pod takes
-    the deployment secret from the Secret, never from its command line."""
-    from disagg.serving.endpoints import parse_remote_pools, parse_spec
-    from disagg_tools.repository import Layout
+    """One `disagg serve --spec ... --role` per Deployment, as tests/integration/test_multihost.py starts
+    them; the spec they serve (the ConfigMap) is deploy/kubernetes/spec.yaml, whose remote pools are DNS
+    names of headless Services selecting the pool pods; every pod takes the deployment secret from the
+    Secret, never from its command line."""
+    from disagg.serving.endpoints import parse_spec
+    from disagg_tools.spec import load_spec
+    from disagg_tools.spec import parse_spec as parse_deployment_spec
 
     objects = k8s_objects()
     deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment" and
                    o["metadata"]["name"].startswith("triton-")}  # fmt: skip
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    (config_map,) = [
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "triton-disagg-spec"
+    ]
+    spec = load_spec(DEPLOY / "kubernetes" / "spec.yaml")
+    assert parse_deployment_spec(yaml.safe_load(config_map["data"]["spec.yaml"])) == spec
     roles = {}
     for name, deployment in deployments.items():
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         args = container["args"]
-        assert container["command"] == ["disagg"] and args[:3] == ["serve", "--role", args[2]]
+        role = args[args.index("--role") + 1]
+        assert container["command"] == ["disagg"] and args[:3] == ["serve", "--spec", "/etc/disagg/spec.yaml"]
         assert {"--address", "0.0.0.0", "--openai-port", "0"} <= set(args)
-        roles[args[2]] = (name, args)
+        spec.layout(role)  # the spec has this role
+        roles[role] = name
         env = {e["name"]: e for e in container["env"]}
         assert env["DISAGG_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "triton-disagg-secrets"
         assert not any("secret" in a.lower() or "key=" in a for a in args)
     assert set(roles) == {"frontend", "prefill", "decode"}
-    args = roles["frontend"][1]
-    remote = parse_remote_pools(args[args.index("--remote-pools") + 1])
-    Layout(role="frontend", remote_pools=args[args.index("--remote-pools") + 1])  # valid as served
+    assert spec.remote is not None
     for pool in ("prefill", "decode"):
-        (entry,) = parse_spec(remote[pool])
+        (entry,) = parse_spec(getattr(spec.remote, pool))
         service_name, namespace = entry.host.split(".")[:2]
         service = services[service_name]
-        assert entry.dns and entry.port == 8001 and namespace == "llm"
+        assert entry.dns and namespace == service["metadata"]["namespace"]
         assert service["spec"]["clusterIP"] == "None"  # headless: one address per ready pod
-        pods = deployments[roles[pool][0]]["spec"]["template"]["metadata"]["labels"]
+        assert {"name": "grpc", "port": entry.port, "targetPort": "grpc"} in service["spec"]["ports"]
+        pods = deployments[roles[pool]]["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pods.items()

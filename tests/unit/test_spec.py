@@ -108,7 +108,15 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
             {"schedule": {"windows": [{"start": "09:00", "shares": {"decode": 0.5}}]}},
             r"^schedule\.windows\[0\]\.shares: shares need the schedule's total$",
         ),
-        ({"remote": {"host": "x"}}, r"^remote: reserved, not supported yet"),
+        ({"remote": {"host": "x"}}, r"^remote: unknown key"),
+        ({"remote": {"prefill": "x", "decode": "y:1"}}, r"^remote\.prefill: remote server 'x' needs a port"),
+        (
+            {
+                "remote": {"prefill": "p:1", "decode": "d:1"},
+                "pools": {"prefill": {"gpus": [0]}, "decode": {"gpus": [1]}},
+            },
+            r"^remote: pools on other hosts are CPU pools here",
+        ),
         ({"hot_prompts": {"pool": {"cores": []}}}, r"^hot_prompts\.pool\.cores: "),
     ],
 )
@@ -156,3 +164,16 @@ def test_the_decode_batch_tuner_is_a_decode_pool_setting_that_reaches_its_parame
         assert "batch_tpot_slo_s" not in (tmp_path / "repo" / pool / "config.pbtxt").read_text()
     with pytest.raises(ConfigError, match="batch_start"):
         parse_spec({"pools": {"decode": {"batch_start": "many"}}})
+
+
+def test_a_spec_with_remote_pools_is_served_by_role():
+    spec = parse_spec(
+        {"remote": {"prefill": "dns:pre.llm.svc:8001", "decode": "10.0.0.3:8001,10.0.0.4:8001"}}
+    )
+    frontend = spec.layout("frontend")
+    assert frontend.remote_pools == "prefill=dns:pre.llm.svc:8001;decode=10.0.0.3:8001,10.0.0.4:8001"
+    assert spec.layout("prefill").pool_transport() == "nixl" and spec.layout("prefill").remote_pools == ""
+    with pytest.raises(ValueError, match="served by role"):
+        spec.layout()
+    with pytest.raises(ValueError, match="need the spec's remote section"):
+        parse_spec({}).layout("frontend")
