@@ -87,6 +87,11 @@ DESCRIPTIONS = {
         "GAUGE",
         "Calls an entry point instance has open to the pools (waiting for their final response)",
     ),
+    "disagg_remote_servers": (
+        "GAUGE",
+        "Servers of a pool on other hosts as one entry point instance sees them, by state: up (in "
+        "rotation), down (failed a call or a ping), unknown (not pinged yet)",
+    ),
     "disagg_pool_restarts_total": ("COUNTER", "Restarts of a gone pool through model control"),
     "disagg_pool_recovery_seconds": ("HISTOGRAM", "From a pool found gone to its probes healthy again"),
     "disagg_hot_groups": ("GAUGE", "Hot prompt groups now: prefixes shared by a burst of requests"),
@@ -222,6 +227,9 @@ class Gauge:
                 self._value = value
 
 
+SERVER_STATES = ("up", "down", "unknown")  # disagg_remote_servers' states
+
+
 def outcome_label(error: ServingError | None) -> str:
     return "ok" if error is None else error.code.lower()
 
@@ -238,10 +246,13 @@ class OrchestratorMetrics:
         instance: str = "",
         open_calls: Callable[[], int] | None = None,
         hot_groups: Callable[[], tuple[list[GroupRate], int]] | None = None,
+        remote_servers: Callable[[], dict[tuple[str, str], int]] | None = None,
+        remote_pools: tuple[str, ...] = (),
     ) -> None:
         """``open_calls()``: the instance's calls to the pools still open; ``hot_groups()``: the hot
-        prompt groups, hottest first, and the near-duplicate groups' count (both published at each
-        refresh)."""
+        prompt groups, hottest first, and the near-duplicate groups' count; ``remote_servers()``: the
+        servers of each of ``remote_pools`` by state (``SERVER_STATES``), all published at each
+        refresh."""
         fam = Families(pb_utils)
         labels = {"model": model, "path": path}
         self._labels = labels
@@ -266,6 +277,12 @@ class OrchestratorMetrics:
             for rank in range(1, HOT_RANKS + 1)
         ]
         self.similar = fam.gauge("disagg_similar_prompt_groups", own)
+        self._remote_servers = remote_servers
+        self.remote = {
+            (pool, state): fam.gauge("disagg_remote_servers", {**own, "pool": pool, "state": state})
+            for pool in remote_pools
+            for state in SERVER_STATES
+        }
         self.hot_routes = {
             r: fam.metric("disagg_hot_routes_total", {**labels, "route": r}) for r in HOT_ROUTES
         }
@@ -333,6 +350,7 @@ class OrchestratorMetrics:
             self.hot,
             self.similar,
             *self.hot_rates,
+            *self.remote.values(),
         ):
             gauge.set(0)
 
@@ -343,6 +361,10 @@ class OrchestratorMetrics:
         self.goodput.set(self.window.goodput())
         if self._open_calls is not None:
             self.calls_open.set(self._open_calls())
+        if self._remote_servers is not None:
+            counts = self._remote_servers()
+            for key, gauge in self.remote.items():
+                gauge.set(counts.get(key, 0))
         if self._hot_groups is not None:
             groups, similar = self._hot_groups()
             self.hot.set(len(groups))

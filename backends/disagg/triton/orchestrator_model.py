@@ -146,6 +146,8 @@ class OrchestratorModel:
             instance,
             open_calls=lambda: self.pools.open_calls,
             hot_groups=lambda: self.orchestrator.hot_groups(time.monotonic()),
+            remote_servers=remote.server_counts if remote is not None else None,
+            remote_pools=tuple(self.config.remote),
         )
         self.metrics.start_refresher()
         # the pool versions new requests take during a rollout (serving.routing); none: no pins

@@ -143,6 +143,22 @@ class RemotePools:
     def open_calls(self) -> int:
         return len(self._open)
 
+    def server_counts(self) -> dict[tuple[str, str], int]:
+        """(pool, state) -> how many of its listed servers are in that state: ``up``, ``down`` or
+        ``unknown`` (not pinged yet). Read from the metrics thread while the event loop may change a
+        list: a read that raced with a change is read again."""
+        for _ in range(3):
+            counts: dict[tuple[str, str], int] = {}
+            try:
+                for pool, endpoints in self.endpoints.items():
+                    for endpoint in endpoints.listed():
+                        state = {True: "up", False: "down", None: "unknown"}[endpoint.up]
+                        counts[(pool, state)] = counts.get((pool, state), 0) + 1
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
+            return counts
+        return {}
+
     def pool_lost(self, pool: str) -> None:
         """The watcher found the pool gone: its open calls end UNAVAILABLE now."""
         self.endpoints[pool].all_down()

@@ -904,3 +904,12 @@ def test_a_caller_cancelled_while_waiting_leaves_its_stream_drained_not_cancelle
         assert pools.open_calls == 0
 
     _run(test)
+
+
+def test_server_counts_say_how_many_servers_of_each_pool_are_up_down_or_unknown() -> None:
+    fleet = _Fleet("a:1", "b:1", "c:1")
+    fleet["b:1"].ping_failure = lambda stream: stream.fail(_rpc_error(grpc.StatusCode.UNAVAILABLE))
+    pools = _pools(fleet, decode="a:1,b:1", prefill="c:1")
+    assert pools.server_counts() == {("decode", "unknown"): 2, ("prefill", "unknown"): 1}
+    _run(lambda: pools.ping("decode"))
+    assert pools.server_counts() == {("decode", "up"): 1, ("decode", "down"): 1, ("prefill", "unknown"): 1}
