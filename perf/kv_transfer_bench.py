@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from disagg.kv import KVLayout, TransportConfig, create_transport
+from disagg.kv.transport import Transport
 
 MIB = 1 << 20
 # 8 layers x 8 kv heads x 128 dims x fp16 x 32 tokens = 1 MiB blocks.
@@ -38,8 +39,21 @@ def config(prefix: str) -> TransportConfig:
     return TransportConfig(secret=SECRET, prefix=prefix, checksum=False, ttl_s=60.0)
 
 
+QUIET = "nixl-quiet"
+"""NIXL as the pools run it (``disagg.serving.instance.transport_options``): no progress thread on
+either side; the exporter's transfers are progressed by its reaper, every 10 ms."""
+
+
+def make(kind: str, prefix: str) -> Transport:
+    if kind != QUIET:
+        return create_transport(kind, config(prefix))
+    from disagg.kv.nixl import NixlConfig
+
+    return create_transport("nixl", config(prefix), nixl=NixlConfig(progress_thread=False))
+
+
 def importer(kind: str, prefix: str, num_blocks: int, conn) -> None:
-    t = create_transport(kind, config(prefix))
+    t = make(kind, prefix)
     pool = t.allocate_memory(num_blocks, BLOCK.block_bytes)
     pool.fill_(0)  # fault the pages in before timing, as a running engine would have
     conn.send("ready")
@@ -54,7 +68,9 @@ def bench_transport(kind: str, sizes: list[int], reps: int) -> list[dict]:
     prefix = "bench" + str(int(time.time()) % 100000)
     ctx = mp.get_context("spawn")
     num_blocks = max(sizes) // MIB
-    t = create_transport(kind, config(prefix))
+    t = make(kind, prefix)
+    if kind == QUIET:
+        t.start_reaper(0.01)  # as a prefill pool's
     pool = t.allocate_memory(num_blocks, BLOCK.block_bytes)
     pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
     parent, child = ctx.Pipe()
@@ -120,7 +136,7 @@ def available() -> list[str]:
     try:
         import nixl_cu12._api  # noqa: F401
 
-        kinds.append("nixl")
+        kinds += ["nixl", QUIET]
     except ImportError:
         print("nixl not installed: skipped", file=sys.stderr)
     if torch.cuda.is_available():

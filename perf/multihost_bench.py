@@ -484,9 +484,10 @@ def reading(results: dict[str, Any]) -> str:
         tail += (
             " The single server with its pools' KV over NIXL (single-nixl) separates the two: "
             + "; ".join(steps)
-            + ". The step from shm to NIXL on one server is the transport's cost on these two cores (its "
-            "UCX progress threads, see README, KV hand-off); the step from one server to three is the "
-            "gRPC hop and the extra servers."
+            + ". The step from shm to NIXL on one server is the transport's cost on these two cores "
+            "(the pools run NIXL without its progress thread unless nixl_progress_thread is set: see "
+            "README, KV hand-off); the step from one server to three is the gRPC hop and the extra "
+            "servers."
         )
     return " ".join([*parts, tail])
 

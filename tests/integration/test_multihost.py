@@ -126,6 +126,9 @@ def test_the_frontend_shows_its_remote_servers_by_state(hosts: Deployment) -> No
 
 
 def test_kv_crosses_the_link_and_both_sides_count_it(hosts: Deployment) -> None:
+    # the pools publish their counters with their gauges: once both show idle, the counters hold
+    # every earlier hand-off (the baselines below are not stale)
+    wait_idle(hosts.decode, hosts.prefill)
     exported = counter(hosts.prefill, "disagg_kv_exported_bytes_total")
     imported = counter(hosts.decode, "disagg_kv_transfer_bytes_total")
     sent, _ = hosts.topology.link_bytes(PREFILL)[::-1]

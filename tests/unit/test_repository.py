@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.config import build
 from disagg.engine.device import auto_dtype
 from disagg.paths import REPO_ROOT
 from disagg.serving.text_api import ALL_INPUTS
@@ -219,3 +220,37 @@ def test_hot_prompt_groups_use_the_prefix_cache_block_size():
     assert "hot_block_tokens" not in render(Layout())["llm"]
     for name in ("llm", "orchestrator"):
         assert 'key: "hot_block_tokens", value: { string_value: "32" }' in render(Layout(block_size=32))[name]
+
+
+def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tmp_path, tiny_model_dir):
+    """`--role`: a frontend carries the entry points and names its remote pools; a pool role carries
+    its pool alone, its KV over NIXL without the progress thread (PoolConfig.nixl_progress_thread)."""
+    import re
+
+    from disagg.serving.instance import transport_options
+    from disagg.serving.orchestrator import OrchestratorConfig
+    from disagg.triton.pool_model import pool_config
+
+    remote = "prefill=10.0.0.2:8001;decode=dns:decode.llm.svc:8001"
+    assert main(["--out", str(tmp_path / "front"), "--role", "frontend", "--remote-pools", remote]) == 0
+    front = sorted(p.name for p in (tmp_path / "front").iterdir())
+    assert front == ["ensemble", "llm", "orchestrator", "postprocessing", "preprocessing"]
+    for name in ("llm", "orchestrator"):
+        body = (tmp_path / "front" / name / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        own = {k: v for k, v in params.items() if k not in ("role",)}
+        assert build(OrchestratorConfig, own, strings=True).remote == {
+            "prefill": "10.0.0.2:8001",
+            "decode": "dns:decode.llm.svc:8001",
+        }
+    for role in ("prefill", "decode"):
+        assert main(["--out", str(tmp_path / role), "--role", role]) == 0
+        assert [p.name for p in (tmp_path / role).iterdir()] == [role]
+        body = (tmp_path / role / role / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        config = pool_config(
+            {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{role}_0"}
+        )
+        assert config.transport == "nixl" and transport_options(config)["nixl"].progress_thread is False
+    with pytest.raises(SystemExit):  # a frontend without its pools' servers is refused
+        main(["--out", str(tmp_path / "bad"), "--role", "frontend"])

@@ -53,8 +53,9 @@ class NixlConfig:
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
     dest_cache: int = 8
-    # UCX over TCP emulates one-sided READs with messages the exporter must progress, so the
-    # exporter needs NIXL's progress thread (seen: without it READs time out here).
+    # UCX over TCP emulates one-sided READs with messages the exporter must progress: NIXL's progress
+    # thread does (polling without pause), or the exporter's reaper, every time it polls for acks (the
+    # pools: see PoolConfig.nixl_progress_thread). With neither, READs time out.
     progress_thread: bool = True
 
     def __post_init__(self) -> None:

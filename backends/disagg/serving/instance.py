@@ -45,6 +45,11 @@ class PoolConfig:
     nice: int = 0
     # Names the deployment's KV regions; exporter and importer must agree (one per deployment).
     prefix: str = "disagg"
+    # nixl only: run NIXL's progress thread. It polls without pause and takes its share of the pool's
+    # cores (measured: twice the step times on two cores); without it an importer drives its own
+    # transfers and an exporter's are progressed by its reaper every 10 ms (a hand-off takes 5-30 ms
+    # longer; perf/kv_transfer_bench.py, nixl against nixl-quiet). Turn it on where a core is spare.
+    nixl_progress_thread: bool = False
     # One prompt of this many tokens prefilled (and dropped) before the instance serves: the first
     # call's costs are paid before any request's, and the pool's prefill speed is in its first load
     # report, so admission by capacity has an estimate before traffic comes (0: off)
@@ -109,7 +114,12 @@ class PoolConfig:
 
 
 def transport_options(config: PoolConfig) -> dict[str, Any]:
-    """Transport settings that follow from the engine: ``cuda_ipc`` regions live on its GPU."""
+    """Transport settings that follow from the pool: ``cuda_ipc`` regions live on its engine's GPU;
+    ``nixl`` runs its progress thread only where ``nixl_progress_thread`` says so."""
+    if config.transport == "nixl":
+        from disagg.kv.nixl import NixlConfig
+
+        return {"nixl": NixlConfig(progress_thread=config.nixl_progress_thread)}
     if config.transport != "cuda_ipc":
         return {}
     from disagg.kv.cuda_ipc import CudaIpcConfig
