@@ -254,6 +254,21 @@ def _check_request(stream: _Stream, model: str, timeout_s: float) -> None:
     assert stream.stream_timeout == timeout_s
 
 
+FIRST = Token(1, False)
+
+
+async def _decoding(
+    pools: RemotePools, server: _Server, handle: str = "h1", first: Token = FIRST
+) -> tuple[AsyncIterator[Token], _Stream]:
+    """A decode of ``handle`` whose job reached ``server`` and whose first token the caller has read."""
+    tokens = pools.decode(handle, STATE, b"d")
+    reader = asyncio.ensure_future(anext(tokens))
+    stream = await server.jobs.get()
+    stream.send(first)
+    assert await reader == first
+    return tokens, stream
+
+
 def _endpoint(pools: RemotePools, pool: str, url: str) -> Any:
     endpoint = pools.endpoints[pool].get(url)
     assert endpoint is not None
@@ -422,11 +437,7 @@ def test_a_connection_error_after_a_response_fails_the_call_and_takes_the_server
 
     async def test() -> None:
         await pools.ping("decode")  # both up
-        tokens = pools.decode("h1", STATE, b"d")
-        reader = asyncio.ensure_future(anext(tokens))
-        stream = await fleet["a:1"].jobs.get()  # the first pick, of two idle servers
-        stream.send(Token(7, False))
-        assert await reader == Token(7, False)
+        tokens, stream = await _decoding(pools, fleet["a:1"], first=Token(7, False))  # the first pick
         stream.fail(_rpc_error(grpc.StatusCode.UNAVAILABLE))
         with pytest.raises(ServingError) as failed:
             await anext(tokens)
@@ -776,11 +787,7 @@ def test_a_lost_pool_ends_its_open_calls_unavailable() -> None:
     async def test() -> None:
         waiting = []
         for handle in ("h1", "h2"):
-            tokens = pools.decode(handle, STATE, b"d")
-            reader = asyncio.ensure_future(anext(tokens))
-            stream = await (fleet["a:1"] if handle == "h1" else fleet["b:1"]).jobs.get()
-            stream.send(Token(1, False))
-            assert await reader == Token(1, False)
+            tokens, stream = await _decoding(pools, fleet["a:1"] if handle == "h1" else fleet["b:1"], handle)
             waiting.append((tokens, stream, asyncio.ensure_future(anext(tokens))))  # waits for its next token
         other = asyncio.ensure_future(_tokens(pools.generate("h3", Request((1,), PARAMS))))
         other_stream = await fleet["c:1"].jobs.get()
@@ -809,11 +816,7 @@ def test_a_caller_that_stops_reading_early_leaves_its_stream_drained_not_cancell
     pools = _pools(fleet, decode="a:1")
 
     async def test() -> None:
-        tokens = pools.decode("h1", STATE, b"d")
-        reader = asyncio.ensure_future(anext(tokens))
-        stream = await fleet["a:1"].jobs.get()
-        stream.send(Token(1, False))
-        assert await reader == Token(1, False)
+        tokens, stream = await _decoding(pools, fleet["a:1"])
         await tokens.aclose()  # e.g. a stop string: the caller leaves before the final token
         assert pools.open_calls == 1 and not stream.request_closed.is_set()
 
@@ -835,11 +838,7 @@ def test_a_caller_that_leaves_and_stops_its_job_has_the_stream_drained_to_the_po
 
     async def test() -> None:
         await pools.ping("decode")
-        tokens = pools.decode("h1", STATE, b"d")
-        reader = asyncio.ensure_future(anext(tokens))
-        stream = await fleet["a:1"].jobs.get()
-        stream.send(Token(1, False))
-        await reader
+        tokens, stream = await _decoding(pools, fleet["a:1"])
         await tokens.aclose()
         await pools.stop("decode", "h1")
         assert fleet["a:1"].controls[-1] == Stop("h1")
@@ -856,11 +855,7 @@ def test_a_drain_that_outlives_its_timeout_is_cancelled(monkeypatch: pytest.Monk
     pools = _pools(fleet, decode="a:1")
 
     async def test() -> None:
-        tokens = pools.decode("h1", STATE, b"d")
-        reader = asyncio.ensure_future(anext(tokens))
-        stream = await fleet["a:1"].jobs.get()
-        stream.send(Token(1, False))
-        await reader
+        tokens, stream = await _decoding(pools, fleet["a:1"])
         await tokens.aclose()
         await asyncio.wait_for(stream.request_closed.wait(), 5)
         assert stream.cancelled and pools.open_calls == 0
@@ -873,11 +868,7 @@ def test_a_lost_pool_also_ends_the_drains_of_its_calls() -> None:
     pools = _pools(fleet, decode="a:1")
 
     async def test() -> None:
-        tokens = pools.decode("h1", STATE, b"d")
-        reader = asyncio.ensure_future(anext(tokens))
-        stream = await fleet["a:1"].jobs.get()
-        stream.send(Token(1, False))
-        await reader
+        tokens, stream = await _decoding(pools, fleet["a:1"])
         await tokens.aclose()
         assert pools.open_calls == 1
         pools.pool_lost("decode")
