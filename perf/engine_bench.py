@@ -324,6 +324,8 @@ def limits(engine: Engine, reps: int) -> dict:
     for projection in projections:  # the layout a decode step reads
         if projection.blocks is not None:
             read = [projection.blocks.codes, projection.blocks.scales, projection.blocks.mins]
+        elif projection.tiles is not None:
+            read = [projection.tiles.tiles]
         else:
             read = [projection.weight if projection.native is None else projection.native.tiles]
         for t in (*read, projection.bias):

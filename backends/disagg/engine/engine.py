@@ -197,6 +197,8 @@ class Engine:
             projections = "kernel"
         elif layer.blocks is not None:  # the head's code may differ from the layers' (Q8_0 vs Q4_1)
             projections = f"blocks-{layer.blocks.name}"
+        elif layer.tiles is not None:
+            projections = "fp32-kernel"
         else:
             projections = "onednn-packed" if head.packed else "torch"
         attention = "kernel" if self.model.paged_attention else "torch"

@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from disagg.engine import kernel
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "fp32.c"
 NEEDS = frozenset({"avx2", "fma"})
+TILE = 16  # outputs per tile of a projection's weight; kernels/fp32.c's GEMM_COLS
 
 
 def cpu_supports() -> bool:
     return kernel.cpu_flags() >= NEEDS
 
 
-def _declare(loaded: ctypes.CDLL) -> None:
+def _declare(loaded: ctypes.CDLL) -> str | None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     loaded.rms_norm_f32.argtypes = [pointer] * 3 + [size, size, ctypes.c_float]
     loaded.rms_norm_f32.restype = None
@@ -42,6 +46,12 @@ def _declare(loaded: ctypes.CDLL) -> None:
     loaded.rope_cache_f32.restype = None
     loaded.decode_attention_f32.argtypes = kernel.DECODE_ATTENTION_ARGS
     loaded.decode_attention_f32.restype = None
+    loaded.gemm_f32.argtypes = [pointer] * 4 + [size] * 4
+    loaded.gemm_f32.restype = None
+    loaded.gemm_f32_tile_cols.restype = size
+    if loaded.gemm_f32_tile_cols() != TILE:
+        return f"{SOURCE.name} does not match this module's layout"
+    return None
 
 
 @functools.cache
@@ -86,3 +96,62 @@ def decode_attention() -> kernel.DecodeAttention | None:
         if loaded is None
         else kernel.paged_decode_attention(loaded.decode_attention_f32, _check_attention)
     )
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A weight [N, K] laid out for ``gemm``: [ceil(N / TILE), K, TILE], outputs zero-padded."""
+
+    tiles: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() * self.tiles.element_size()
+
+
+@torch.inference_mode()
+def pack(weight: torch.Tensor) -> Tiles:
+    """``weight`` [N, K] fp32 on CPU in ``gemm``'s layout (a copy; the caller drops the original)."""
+    if weight.dim() != 2 or not _fp32(weight):
+        raise ValueError("pack takes a 2-D fp32 CPU weight")
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -n % TILE))
+    return Tiles(padded.view(-1, TILE, k).transpose(1, 2).contiguous(), n, k)
+
+
+Gemm = Callable[[torch.Tensor, Tiles, "torch.Tensor | None"], torch.Tensor]
+
+
+def gemm() -> Gemm | None:
+    """``gemm(x [M, K] fp32, weight: Tiles, bias [N] fp32 | None) -> y [M, N] fp32``, any M: every
+    output one sum over the inputs in order, so a row's bits do not depend on M or on the other rows.
+    None where the kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.gemm_f32
+
+    def call(x: torch.Tensor, weight: Tiles, bias: torch.Tensor | None) -> torch.Tensor:
+        rows, width = x.shape
+        if not _fp32(x) or width != weight.in_features:
+            raise ValueError(f"gemm takes fp32 rows of width {weight.in_features}")
+        if bias is not None and (not _fp32(bias) or bias.shape != (weight.out_features,)):
+            raise ValueError(f"gemm takes an fp32 bias of {weight.out_features}")
+        x = x.contiguous()
+        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+        if rows:
+            function(
+                x.data_ptr(),
+                weight.tiles.data_ptr(),
+                None if bias is None else bias.contiguous().data_ptr(),
+                out.data_ptr(),
+                rows,
+                weight.out_features,
+                width,
+                torch.get_num_threads(),
+            )
+        return out
+
+    return call

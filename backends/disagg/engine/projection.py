@@ -17,12 +17,14 @@
   exactly a Q4_1 or Q8_0 code (a checkpoint converted from a quantized GGUF file, the default SmolLM2
   among them; ``disagg.engine.blockcode``), decode rows go to the block-code kernel, which reads the
   codes (4.5 or 8.5 bits a weight) instead of the fp32 values, and prompt rows (compute-bound) to
-  the fp32 weight kept beside them, prepacked for oneDNN (``pack``; 1.15-1.4x MKL's ``F.linear`` on
-  SmolLM2's prompt projections at 300 rows on one core here; a row's bits did not depend on its
-  batch in the shapes checked). A projection that only sees a few rows (the
-  output head, ``split`` off) keeps the codes alone.
-- **fp32 and the rest**: ``F.linear``. fp32 is the token-exact reference; MKL's packed fp32 GEMM was
-  slower at batch 8 here.
+  the fp32 weight kept beside them for the engine's fp32 kernel (below). A projection that only sees
+  a few rows (the output head, ``split`` off) keeps the codes alone.
+- **fp32 otherwise** (``native``, a CPU with AVX2 and FMA): every row through the engine's fp32
+  kernel (``disagg.engine.fp32kernel.gemm``) on a weight tiled for it at load. Every output is one
+  sum in input order, so a row's bits do not depend on its batch. On the tiny model's projections on
+  one core here (``perf/projection_bench.py``) it was 1.4x MKL's ``F.linear`` at 1 row (it streams
+  the weight at the read bandwidth) and 1.25x oneDNN's prepacked fp32 kernel at 300.
+- **fp32 and the rest**: ``F.linear``. fp32 with ``native`` off is the token-exact reference.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import blockcode, kernel
+from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.device import onednn_bf16
-
-FP32_PACK_HINT = 256  # oneDNN's batch-size hint for fp32 prompt rows: 64 to 512 measured alike, 1 slower
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -67,40 +67,46 @@ class Projection:
         block_gemm = blockcode.gemm() if native and on_cpu_fp32 else None
         self.blocks = blockcode.recover(weight) if block_gemm is not None else None
         self._block_gemm = block_gemm if self.blocks is not None else None
-        # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX, and for
-        # prompt rows beside the block codes
-        onednn = (gemm is None or (split and kernel.cpu_has_amx())) and (self.blocks is None or split)
-        # prompt rows beside block codes: oneDNN's prepacked fp32 kernel, which outran MKL's F.linear on
-        # SmolLM2's prompt projections (the plain fp32 path stays on F.linear, the token-exact reference)
-        coded_prompts = self.blocks is not None and torch.backends.mkldnn.is_available()
-        self.packed = onednn and pack and (coded_prompts or packing_available(weight.dtype, weight.device))
+        # fp32 rows through the engine's fp32 kernel: every row without codes, prompt rows beside them
+        fp32_gemm = fp32kernel.gemm() if native and on_cpu_fp32 and (self.blocks is None or split) else None
+        self.tiles = fp32kernel.pack(weight) if fp32_gemm is not None else None
+        self._fp32_gemm = fp32_gemm
+        # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX
+        onednn = (
+            (gemm is None or (split and kernel.cpu_has_amx())) and self.blocks is None and self.tiles is None
+        )
+        self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
         if not onednn:
             self.weight = None
-        elif self.packed:  # batch-size hints measured: bf16 1 (as fast as others at 8 to 300), fp32 256
-            hint = FP32_PACK_HINT if weight.dtype == torch.float32 else 1
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+        elif self.packed:  # batch-size hint 1: as fast as others at 8 to 300 rows, measured
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         else:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor, native_rows: int | None = None) -> torch.Tensor:
         """``native_rows``: how many leading rows are decode rows, the rest being prompt rows
-        (None: all decode rows). Only a projection holding both paths (AMX) tells them apart."""
+        (None: all decode rows). Only a projection holding both paths (AMX, block codes) tells them
+        apart."""
         if self.native is None and self.blocks is None:
-            return self._onednn(x)
-        if self.weight is None or native_rows is None or native_rows >= x.shape[0]:
+            return self._rows(x)
+        if (self.weight is None and self.tiles is None) or native_rows is None or native_rows >= x.shape[0]:
             return self._kernel(x)
         if native_rows == 0:
-            return self._onednn(x)
+            return self._rows(x)
         decode = self._kernel(x[:native_rows])
-        return torch.cat([decode, self._onednn(x[native_rows:]).to(decode.dtype)])
+        return torch.cat([decode, self._rows(x[native_rows:]).to(decode.dtype)])
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode rows: the block codes, or the bf16 kernel."""
         if self.blocks is not None:
             return self._block_gemm(x, self.blocks, self.bias)
         return self._gemm(x, self.native, self.bias, self.wide)
 
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """In the weight's dtype: oneDNN rounds its outputs whatever ``wide`` says."""
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the plain path, in the weight's dtype: the fp32 kernel, or oneDNN (which rounds
+        its outputs whatever ``wide`` says), or ``F.linear``."""
+        if self.tiles is not None:
+            return self._fp32_gemm(x, self.tiles, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -110,4 +116,5 @@ class Projection:
         """Bytes of weight held (both layouts where prompt rows go to oneDNN)."""
         held = [t for t in (self.weight, None if self.native is None else self.native.tiles) if t is not None]
         codes = 0 if self.blocks is None else self.blocks.nbytes
-        return codes + sum(t.numel() * t.element_size() for t in held)
+        tiles = 0 if self.tiles is None else self.tiles.nbytes
+        return codes + tiles + sum(t.numel() * t.element_size() for t in held)

@@ -60,10 +60,11 @@ class Transformer:
     """Weights plus the forward pass the engine needs: prompt chunks and a decode batch in one step.
 
     ``native``: in bf16 on a CPU with AVX-512-BF16, the engine's own kernels (``disagg.engine.kernel``)
-    for the projections and the paged decode attention; in fp32 on block-coded weights with AVX2,
-    the block-code projections (``disagg.engine.blockcode``) and the fp32 kernels between them
-    (``disagg.engine.fp32kernel``). ``pack``: elsewhere in bf16 on CPU, prepack
-    the projections' weights for oneDNN (see ``disagg.engine.projection``): the same bits, faster."""
+    for the projections and the paged decode attention; in fp32 with AVX2, the fp32 kernels
+    (``disagg.engine.fp32kernel``) for the projections and the work between them, and the
+    block-code kernel (``disagg.engine.blockcode``) for the decode rows of block-coded weights.
+    ``pack``: elsewhere in bf16 on CPU, prepack the projections' weights for oneDNN (see
+    ``disagg.engine.projection``): the same bits, faster."""
 
     def __init__(
         self,
@@ -128,12 +129,11 @@ class Transformer:
         # attention kernels only, which read the new keys and values from the cache
         fused = self.prompt is not None and cfg.head_dim % 32 == 0
         self.rope_kernel = kernel.rope_cache() if fused else None
-        # fp32 beside block-coded projections (AVX2): the work between them in one call each, where
-        # PyTorch's per-operation cost is half a decode step (disagg.engine.fp32kernel); prompt rows
-        # read their keys and values back from the cache, exactly as written
-        coded = bool(self.layers) and self.layers[0].qkv.blocks is not None
+        # fp32 with the engine's kernels (AVX2): the work between projections in one call each, where
+        # PyTorch's per-operation cost is a large part of a decode step (disagg.engine.fp32kernel);
+        # prompt rows read their keys and values back from the cache, exactly as written
         fp32_cache = dtype == torch.float32 and self.kv_dtype == torch.float32
-        if native and device.type == "cpu" and coded and fp32_cache and cfg.head_dim % 8 == 0:
+        if native and device.type == "cpu" and fp32_cache and cfg.head_dim % 8 == 0:
             self.norm_kernel = fp32kernel.rms_norm()
             self.paged = fp32kernel.decode_attention()
             self.rope_kernel = fp32kernel.rope_cache() if self.paged is not None else None

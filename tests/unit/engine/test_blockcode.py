@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from disagg.engine import blockcode
+from disagg.engine import blockcode, fp32kernel
 from disagg.engine.projection import Projection
 
 needs_kernel = pytest.mark.skipif(blockcode.gemm() is None, reason="no AVX2 / FMA / F16C, or no C compiler")
@@ -90,13 +90,15 @@ def test_a_projection_sends_decode_rows_to_the_codes_and_prompt_rows_to_the_fp32
     weight = coded(48, 64, GGMLQuantizationType.Q4_1)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
     projection = Projection(weight, None, native=True)
-    assert projection.blocks is not None and projection.weight is weight
+    assert projection.blocks is not None and projection.weight is None and projection.tiles is not None
     codes = blockcode.gemm()(x, projection.blocks, None)
     assert torch.equal(projection(x), codes)  # all decode rows
-    mixed = projection(x, 2)  # two decode rows, then four prompt rows
+    mixed = projection(x, 2)  # two decode rows, then four prompt rows: the fp32 kernel's
     assert torch.equal(mixed[:2], codes[:2])
-    assert torch.equal(mixed[2:], F.linear(x[2:], weight))
-    assert torch.equal(projection(x, 0), F.linear(x, weight))
+    prompt = fp32kernel.gemm()(x, fp32kernel.pack(weight), None)
+    assert torch.equal(mixed[2:], prompt[2:])
+    torch.testing.assert_close(mixed[2:], F.linear(x[2:], weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(projection(x, 0), prompt)
     head = Projection(weight, None, native=True, wide=True, split=False)  # few rows: the codes alone
     assert head.weight is None and head.nbytes == head.blocks.nbytes
     assert torch.equal(head(x, 2), codes)

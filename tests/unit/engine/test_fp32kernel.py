@@ -1,6 +1,6 @@
-"""The fp32 kernels between projections (RMSNorm, rotary + cache writes, paged decode attention) against
-PyTorch, a row's bits independent of its batch, and an engine on a block-coded checkpoint running them
-with the tokens of the plain fp32 engine."""
+"""The fp32 kernels (the projection, RMSNorm, rotary + cache writes, paged decode attention) against
+PyTorch, a row's bits independent of its batch and thread count, and an engine on a block-coded or a
+plain checkpoint running them with the tokens of the reference fp32 engine."""
 
 from __future__ import annotations
 
@@ -34,6 +34,48 @@ LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 3, 2, 16, 4
 def _cache(blocks: int, seed: int, head_dim: int = HEAD_DIM, block_size: int = BLOCK) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(blocks, LAYERS, 2, block_size, KV_HEADS, head_dim, generator=generator)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(1, 16, 8), (7, 37, 100), (50, 130, 64), (97, 48, 1)]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fp32_projection_matches_float64_and_a_row_its_own_bits(
+    rows: int, out_features: int, in_features: int, threads: int
+) -> None:
+    """Row counts across the kernel's groups of 6 and chunks of 48, outputs not a whole tile."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    tiles, gemm = fp32kernel.pack(weight), fp32kernel.gemm()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y, unbiased = gemm(x, tiles, bias), gemm(x, tiles, None)
+        alone = [gemm(x[r : r + 1], tiles, bias) for r in range(rows)]
+    finally:
+        torch.set_num_threads(previous)
+    reference = x.double() @ weight.double().T
+    assert torch.allclose(y.double(), reference + bias.double(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(unbiased.double(), reference, rtol=1e-5, atol=1e-5)
+    for r in range(rows):  # a row alone gets the bits it gets in the batch
+        assert torch.equal(alone[r][0], y[r])
+    assert gemm(x[:0], tiles, bias).shape == (0, out_features)
+    assert tiles.tiles.shape == (-(-out_features // fp32kernel.TILE), in_features, fp32kernel.TILE)
+
+
+def test_the_fp32_projection_refuses_what_it_cannot_compute() -> None:
+    weight = torch.randn(32, 16)
+    tiles, gemm = fp32kernel.pack(weight), fp32kernel.gemm()
+    with pytest.raises(ValueError, match="fp32 rows of width 16"):
+        gemm(torch.randn(2, 15), tiles, None)
+    with pytest.raises(ValueError, match="fp32 rows"):
+        gemm(torch.randn(2, 16).bfloat16(), tiles, None)
+    with pytest.raises(ValueError, match="fp32 bias of 32"):
+        gemm(torch.randn(2, 16), tiles, torch.randn(31))
+    with pytest.raises(ValueError, match="2-D fp32"):
+        fp32kernel.pack(weight.bfloat16())
 
 
 def test_rms_norm_matches_the_formula_and_a_row_its_own_bits() -> None:
@@ -128,11 +170,15 @@ def _coded_copy(source: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def coded_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from checkpoints import write_checkpoint
 
-    source = write_checkpoint(tmp_path_factory.mktemp("plain"), "llama-gqa")
-    return _coded_copy(source, tmp_path_factory.mktemp("coded") / "model")
+    return write_checkpoint(tmp_path_factory.mktemp("plain"), "llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def coded_model(plain_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _coded_copy(plain_model, tmp_path_factory.mktemp("coded") / "model")
 
 
 def _greedy(
@@ -155,16 +201,22 @@ def _greedy(
     return [out[k] for k in sorted(out)]
 
 
-def test_an_engine_on_a_block_coded_checkpoint_runs_the_kernels_with_the_plain_engines_tokens(
-    coded_model: Path,
+@pytest.mark.parametrize(
+    ("model", "projections"), [("coded_model", "blocks-q4_1"), ("plain_model", "fp32-kernel")]
+)
+def test_an_fp32_engine_runs_the_kernels_with_the_plain_engines_tokens(
+    model: str, projections: str, request: pytest.FixtureRequest
 ) -> None:
+    """On a block-coded checkpoint (decode rows on the codes, prompt rows on the fp32 kernel) and on
+    a plain one (every row on the fp32 kernel)."""
+    model_dir: Path = request.getfixturevalue(model)
     make: Callable[[bool], Engine] = lambda native: Engine(  # noqa: E731
         EngineConfig(
-            model_dir=coded_model, dtype="float32", num_blocks=256, block_size=BLOCK, native_kernels=native
+            model_dir=model_dir, dtype="float32", num_blocks=256, block_size=BLOCK, native_kernels=native
         )
     )
     fast = make(True)
-    assert fast.describe()["projections"] == "blocks-q4_1" and fast.describe()["attention"] == "kernel"
+    assert fast.describe()["projections"] == projections and fast.describe()["attention"] == "kernel"
     prompts = [tuple([1, *range(7, 7 + n)]) for n in (3, 20, 45)]
     batched, chunked = _greedy(fast, prompts, 16), _greedy(fast, prompts, 16, chunk=7)
     compared = 0
@@ -185,12 +237,15 @@ def test_an_engine_on_a_block_coded_checkpoint_runs_the_kernels_with_the_plain_e
     assert _greedy(fast, prompts[2:], 16) == _greedy(fast, prompts, 16)[2:]
 
 
-def test_a_bf16_kv_cache_or_a_plain_checkpoint_keeps_pytorchs_operations(
-    coded_model: Path, checkpoint
+@pytest.mark.parametrize(
+    ("model", "projections"), [("coded_model", "blocks-q4_1"), ("plain_model", "fp32-kernel")]
+)
+def test_a_bf16_kv_cache_keeps_pytorchs_operations_between_projections(
+    model: str, projections: str, request: pytest.FixtureRequest
 ) -> None:
-    bf16_kv = Engine(EngineConfig(model_dir=coded_model, dtype="float32", kv_dtype="bfloat16", num_blocks=64))
-    assert bf16_kv.describe()["projections"] == "blocks-q4_1" and bf16_kv.describe()["attention"] == "torch"
+    config = EngineConfig(
+        model_dir=request.getfixturevalue(model), dtype="float32", kv_dtype="bfloat16", num_blocks=64
+    )
+    bf16_kv = Engine(config)
+    assert bf16_kv.describe()["projections"] == projections and bf16_kv.describe()["attention"] == "torch"
     assert bf16_kv.model.norm_kernel is None and bf16_kv.model.rope_kernel is None
-    plain = Engine(EngineConfig(model_dir=checkpoint("llama-gqa"), dtype="float32", num_blocks=64))
-    assert plain.describe()["projections"] == "torch" and plain.describe()["attention"] == "torch"
-    assert plain.model.norm_kernel is None and plain.model.rope_kernel is None

@@ -232,3 +232,89 @@ TARGET void decode_attention_f32(const float *q, const float *cache, const int64
             attend(q, cache, table, where, out, scratch + part * per_thread, i / kv_heads, i % kv_heads, width, layer,
                    layers, bs, kv_heads, group, hd, scale);
 }
+
+/* y [M, N] = x [M, K] w^T (+ bias), fp32, for weights without block codes (gemm_f32).
+
+   The weight is laid out once, at load (``pack`` in disagg.engine.fp32kernel): tiles of GEMM_COLS =
+   16 outputs, per tile and input k the 16 outputs' weights side by side, outputs zero-padded to whole
+   tiles. A decode row reads each weight once, as two vectors, so a step streams the weights; a group
+   of up to GEMM_MR rows shares each vector (12 sums in registers), and prompt rows go through it in
+   chunks of GEMM_CHUNK rows whose inputs stay in cache while the tiles pass.
+
+   Every output is one sum over k in order, whatever the row group, chunk or thread, so a row gets the
+   same bits whatever it is batched with. The work is split over tiles, on the OpenMP pool torch
+   already runs. */
+#define GEMM_COLS 16
+#define GEMM_MR 6
+#define GEMM_CHUNK 48
+#define GEMM_EACH(i, n) _Pragma("GCC unroll 8") for (int i = 0; i < (n); i++)
+
+/* MT rows from m0 of tile t (weights wt: K x 16), their outputs written with the bias */
+TARGET static inline __attribute__((always_inline)) void gemm_rows(const float *x, const float *wt, const float *bias,
+                                                                   float *y, const int MT, int64_t m0, int64_t N,
+                                                                   int64_t K, int64_t t) {
+    __m256 acc[GEMM_MR][2];
+    GEMM_EACH(m, MT) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 lo = _mm256_loadu_ps(wt + k * GEMM_COLS), hi = _mm256_loadu_ps(wt + k * GEMM_COLS + 8);
+        GEMM_EACH(m, MT) {
+            const __m256 xv = _mm256_broadcast_ss(x + (m0 + m) * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xv, lo, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xv, hi, acc[m][1]);
+        }
+    }
+    const int64_t n0 = t * GEMM_COLS;
+    GEMM_EACH(m, MT) {
+        float *row = y + (m0 + m) * N;
+        if (n0 + GEMM_COLS <= N && !bias) {
+            _mm256_storeu_ps(row + n0, acc[m][0]);
+            _mm256_storeu_ps(row + n0 + 8, acc[m][1]);
+            continue;
+        }
+        float out[GEMM_COLS];
+        _mm256_storeu_ps(out, acc[m][0]);
+        _mm256_storeu_ps(out + 8, acc[m][1]);
+        for (int64_t j = 0; j < GEMM_COLS && n0 + j < N; j++) row[n0 + j] = bias ? out[j] + bias[n0 + j] : out[j];
+    }
+}
+
+/* rows [first_row, last_row) of tile t, in groups of GEMM_MR and one group of the rest */
+TARGET static void gemm_tile(const float *x, const float *w, const float *bias, float *y, int64_t first_row,
+                             int64_t last_row, int64_t N, int64_t K, int64_t t) {
+    const float *wt = w + t * K * GEMM_COLS;
+    int64_t m = first_row;
+    for (; m + GEMM_MR <= last_row; m += GEMM_MR) gemm_rows(x, wt, bias, y, GEMM_MR, m, N, K, t);
+    switch (last_row - m) {
+    case 5: gemm_rows(x, wt, bias, y, 5, m, N, K, t); break;
+    case 4: gemm_rows(x, wt, bias, y, 4, m, N, K, t); break;
+    case 3: gemm_rows(x, wt, bias, y, 3, m, N, K, t); break;
+    case 2: gemm_rows(x, wt, bias, y, 2, m, N, K, t); break;
+    case 1: gemm_rows(x, wt, bias, y, 1, m, N, K, t); break;
+    default: break;
+    }
+}
+
+/* tiles first .. last for every row, a chunk of rows at a time */
+TARGET static void gemm_part(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                             int64_t K, int64_t first, int64_t last) {
+    for (int64_t r = 0; r < M; r += GEMM_CHUNK) {
+        const int64_t end = r + GEMM_CHUNK < M ? r + GEMM_CHUNK : M;
+        for (int64_t t = first; t < last; t++) gemm_tile(x, w, bias, y, r, end, N, K, t);
+    }
+}
+
+/* y [M, N] = x [M, K] w^T (+ bias) on the tiled weight above; on up to `threads` threads */
+TARGET void gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                     int64_t threads) {
+    const int64_t count = (N + GEMM_COLS - 1) / GEMM_COLS;
+    int64_t parts = threads < count / 2 ? threads : count / 2;
+    if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
+    if (parts <= 1) {
+        gemm_part(x, w, bias, y, M, N, K, 0, count);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t p = 0; p < parts; p++) gemm_part(x, w, bias, y, M, N, K, count * p / parts, count * (p + 1) / parts);
+}
+
+int64_t gemm_f32_tile_cols(void) { return GEMM_COLS; }
