@@ -4,8 +4,9 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
   - transformers (fp32, SDPA attention, eager): the baseline,
   - this engine in fp32 on the fp32 weights through MKL (``native_kernels: false``, the token-exact
     reference configuration),
-  - this engine in fp32 reading block-coded weights in its decode rows (``native_kernels: true``, as
-    the pools run fp32), when the checkpoint's weights are Q4_1 / Q8_0 codes and the CPU has AVX2,
+  - this engine in fp32 as the pools run fp32 (``native_kernels: true``), on a CPU with AVX2: its
+    fp32 kernels, reading block-coded weights in its decode rows where the checkpoint's weights are
+    Q4_1 / Q8_0 codes,
   - on a CPU whose oneDNN runs bf16 (AVX-512-BF16 or AMX; elsewhere bf16 is emulated and left out):
     this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
     pack_weights: false``), with weights prepacked for oneDNN (``native_kernels: false``), and as the
@@ -118,8 +119,11 @@ class EngineRunner:
             native_kernels=kernel,
         )
         self.engine = Engine(config)
-        if dtype == "float32" and self.engine.model.lm_head.blocks is not None:
+        projections = self.engine.describe()["projections"]
+        if dtype == "float32" and projections.startswith("blocks"):
             self.name += ", block codes"
+        elif dtype == "float32" and projections == "fp32-kernel":
+            self.name += ", fp32 kernels"
 
     def prefill(self, prompt: list[int]) -> None:
         (out,) = self.engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=1))], decode=False)
@@ -253,10 +257,10 @@ def run(
         return [1, *torch.randint(3, 1000, (n - 1,), generator=gen).tolist()]
 
     runners = [HFRunner(model_dir), EngineRunner(model_dir, "float32", kernel=False)]
-    coded = EngineRunner(model_dir, "float32")  # fp32 as the pools run it
-    if coded.engine.model.lm_head.blocks is not None:
-        runners.append(coded)
-    del coded
+    pools = EngineRunner(model_dir, "float32")  # fp32 as the pools run it: the engine's kernels, if any
+    if pools.engine.describe()["projections"] != "torch":
+        runners.append(pools)
+    del pools
     if onednn_bf16():  # elsewhere bf16 is emulated, many times slower than fp32: not a pool's choice
         runners += [
             EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),

@@ -1,16 +1,20 @@
-"""bf16 projections: the engine's kernel against oneDNN's prepacked kernel, side by side in one run.
+"""Projections: the engine's kernel against oneDNN's prepacked kernel (and MKL), side by side in one run.
 
 For every projection of one forward step of a model (its layers' qkv, o, gate_up and down, and the
-output head), at M input rows, on pinned cores:
-  - ``kernel``: ``disagg.engine.kernel.gemm`` on its own weight layout (what the pools run);
-  - ``oneDNN``: ``torch.ops.mkldnn._linear_pointwise`` on a weight reordered once by
-    ``_reorder_linear_weight`` (the engine's path where the kernels are not).
+output head), at M input rows, on pinned cores, in the dtype the pools compute in here:
+  - bf16 (a CPU with AVX-512-BF16): ``kernel``, ``disagg.engine.kernel.gemm`` on its own weight
+    layout (what the pools run), against ``oneDNN``, ``torch.ops.mkldnn._linear_pointwise`` on a
+    weight reordered once by ``_reorder_linear_weight`` (the engine's path where the kernels are not);
+  - fp32 (a CPU with AVX2 and FMA): ``kernel``, ``disagg.engine.fp32kernel.gemm`` on its tiled weight
+    (what the pools run on a plain fp32 checkpoint, and for prompt rows beside block codes), against
+    oneDNN's prepacked fp32 kernel (batch hint 256) and MKL's ``F.linear`` (the reference).
 Weights have the model's shapes (from its config.json; random values: speed does not depend on
 them), one copy per layer, so a step streams them from memory as the engine's does. Repetitions are
-interleaved (kernel, oneDNN, kernel, ...) and the median of each is reported. Writes
+interleaved (kernel, oneDNN, ..., kernel, ...) and the median of each is reported. Writes
 projection_bench.json and projection_bench.md into --out-dir.
 
     python perf/projection_bench.py [--model DIR] [--cores 0[,1]] [--rows 1,2,4,8,16,32,64,300]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -21,15 +25,50 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from disagg.engine import kernel
+from disagg.engine import fp32kernel, kernel
 from disagg.engine.checkpoint import load_config
 from disagg.paths import ensure_model, resolve_model_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ONEDNN_FP32_HINT = 256  # oneDNN's batch-size hint for fp32: the fastest at 8 to 300 rows here
+
+# a way to run a projection: (its name, the weight laid out once, then y = x W^T on that layout)
+Runner = tuple[str, Callable[[torch.Tensor], object], Callable[[torch.Tensor, object], torch.Tensor]]
+
+
+def _onednn(hint: int) -> Runner:
+    return (
+        "oneDNN",
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, hint),
+        lambda x, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    )
+
+
+def runners(dtype: str) -> list[Runner]:
+    """The engine's kernel first, then what it is compared with; refuses where the kernel is off."""
+    if dtype == "bfloat16":
+        gemm = kernel.gemm()
+        if gemm is None:
+            raise SystemExit(
+                "the bf16 kernels are off here (no AVX-512-BF16 or no C compiler): try --dtype float32"
+            )
+        return [("kernel", kernel.pack, lambda x, packed: gemm(x, packed, None)), _onednn(1)]
+    gemm32 = fp32kernel.gemm()
+    if gemm32 is None:
+        raise SystemExit(
+            "the fp32 kernels are off here (no AVX2 and FMA or no C compiler): nothing to compare"
+        )
+    return [
+        ("kernel", fp32kernel.pack, lambda x, tiles: gemm32(x, tiles, None)),
+        _onednn(ONEDNN_FP32_HINT),
+        ("MKL", lambda w: w, lambda x, w: F.linear(x, w)),
+    ]
 
 
 def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
@@ -40,50 +79,45 @@ def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int
     return layer, (cfg.vocab_size, h), cfg.num_layers
 
 
-def run(model_dir: Path, cores: tuple[int, ...], rows: list[int], reps: int) -> dict:
+def run(model_dir: Path, cores: tuple[int, ...], rows: list[int], reps: int, dtype: str) -> dict:
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
-    gemm = kernel.gemm()
-    if gemm is None:
-        raise SystemExit("the kernels are off here (no AVX-512-BF16 or no C compiler): nothing to compare")
+    paths = runners(dtype)
     layer, head, layers = shapes(model_dir)
-    weights = [torch.randn(n, k).bfloat16() for _ in range(layers) for n, k in layer] + [
-        torch.randn(*head).bfloat16()
+    weights = [torch.randn(n, k).to(getattr(torch, dtype)) for _ in range(layers) for n, k in layer] + [
+        torch.randn(*head).to(getattr(torch, dtype))
     ]
-    ours = [kernel.pack(w) for w in weights]
-    theirs = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    laid = {name: [prepare(w) for w in weights] for name, prepare, _ in paths}
     widths = [w.shape[1] for w in weights]
     del weights
     table = []
     for m in rows:
-        inputs = {k: torch.randn(m, k).bfloat16() for k in set(widths)}
+        inputs = {k: torch.randn(m, k).to(getattr(torch, dtype)) for k in set(widths)}
 
-        def kernel_step(inputs: dict = inputs) -> None:
-            for packed, k in zip(ours, widths, strict=True):
-                gemm(inputs[k], packed, None)
+        def step(name: str, call: Callable, inputs: dict = inputs) -> None:
+            for layout, k in zip(laid[name], widths, strict=True):
+                call(inputs[k], layout)
 
-        def onednn_step(inputs: dict = inputs) -> None:
-            for packed, k in zip(theirs, widths, strict=True):
-                torch.ops.mkldnn._linear_pointwise(inputs[k], packed, None, "none", [], "")
-
-        samples: dict[str, list[float]] = {"kernel": [], "oneDNN": []}
-        kernel_step()  # warm-up
-        onednn_step()
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+        for name, _, call in paths:  # warm-up
+            step(name, call)
         for _ in range(reps):
-            for name, step in (("kernel", kernel_step), ("oneDNN", onednn_step)):
+            for name, _, call in paths:
                 start = time.perf_counter()
-                step()
+                step(name, call)
                 samples[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
         table.append(
-            dict(rows=m, kernel_ms=ms["kernel"], onednn_ms=ms["oneDNN"], speedup=ms["oneDNN"] / ms["kernel"])
+            dict(rows=m, ms=ms, speedup={name: ms[name] / ms["kernel"] for name in ms if name != "kernel"})
         )
     return dict(
         model=str(model_dir),
+        dtype=dtype,
         cores=list(cores),
         reps=reps,
-        projections=len(ours),
-        weight_bytes=sum(p.nbytes for p in ours),
+        projections=len(widths),
+        weight_bytes=weight_bytes,
         torch=torch.__version__,
         amx=kernel.cpu_has_amx(),
         table=table,
@@ -91,21 +125,21 @@ def run(model_dir: Path, cores: tuple[int, ...], rows: list[int], reps: int) -> 
 
 
 def markdown(result: dict) -> str:
+    others = [name for name in result["table"][0]["ms"] if name != "kernel"]
     lines = [
-        "# bf16 projections: the engine's kernel and oneDNN",
+        f"# {result['dtype']} projections: the engine's kernel and {', '.join(others)}",
         "",
         f"Written by `perf/projection_bench.py`. Model shapes of `{Path(result['model']).name}`: "
-        f"{result['projections']} projections, {result['weight_bytes'] / 1e6:.0f} MB of bf16 weights per "
-        f"step; cores {result['cores']}, torch {result['torch']}, AMX: {result['amx']}; median of "
-        f"{result['reps']} interleaved repetitions.",
+        f"{result['projections']} projections, {result['weight_bytes'] / 1e6:.0f} MB of {result['dtype']} "
+        f"weights per step; cores {result['cores']}, torch {result['torch']}, AMX: {result['amx']}; median "
+        f"of {result['reps']} interleaved repetitions.",
         "",
-        "| rows | kernel, ms | oneDNN prepacked, ms | kernel speed-up |",
-        "|---:|---:|---:|---:|",
+        "| rows | kernel, ms | " + " | ".join(f"{name}, ms | kernel vs {name}" for name in others) + " |",
+        "|---:|---:|" + "---:|---:|" * len(others),
     ]
     for row in result["table"]:
-        lines.append(
-            f"| {row['rows']} | {row['kernel_ms']:.1f} | {row['onednn_ms']:.1f} | {row['speedup']:.2f}x |"
-        )
+        cells = " | ".join(f"{row['ms'][name]:.1f} | {row['speedup'][name]:.2f}x" for name in others)
+        lines.append(f"| {row['rows']} | {row['ms']['kernel']:.1f} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,11 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default="0", help="comma-separated core list (default 0)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,300")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="default: bfloat16 where its kernels run (AVX-512-BF16), else float32",
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     model_dir = ensure_model(resolve_model_dir(args.model))
     cores = tuple(int(c) for c in args.cores.split(","))
-    result = run(model_dir, cores, [int(r) for r in args.rows.split(",")], args.reps)
+    dtype = args.dtype or ("bfloat16" if kernel.gemm() is not None else "float32")
+    result = run(model_dir, cores, [int(r) for r in args.rows.split(",")], args.reps, dtype)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "projection_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
