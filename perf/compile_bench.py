@@ -1,20 +1,23 @@
-"""What ``torch.compile`` does for bf16 inference on these CPU cores, beside this engine's own kernels.
+"""What ``torch.compile`` does for inference on these CPU cores, beside this engine's own kernels.
 
 Issue 13 asks for a compiled fast path through inductor (freezing, weight prepacking for oneDNN, fused
 pointwise work) and allows custom kernels where a measurement shows inductor cannot get there. This is
 that measurement, side by side in one run, on the same cores and model:
 
-  - transformers bf16, eager, with a static KV cache (the graph inductor compiles);
-  - transformers bf16 through ``torch.compile(fullgraph=True, dynamic=False)`` with
+  - transformers, eager, with a static KV cache (the graph inductor compiles);
+  - transformers through ``torch.compile(fullgraph=True, dynamic=False)`` with
     ``torch._inductor.config.freezing`` (weights folded as constants and prepacked for oneDNN), one
     graph per shape: the 300-token prefill and decode at each batch size;
-  - this engine in bf16 as the pools run it (its own projection and attention kernels).
+  - this engine as the pools run it (its own projection and attention kernels),
+
+all in ``--dtype``: bf16 (the pools' dtype where oneDNN runs bf16) or fp32 (an AVX2-only CPU's).
 
 It reports prefill and decode tokens/s, milliseconds per call, and each compiled shape's compile time
 (the first call, which the pools would pay at start-up per shape bucket). Repetitions are interleaved
 (A B C A B C ...) and the median is reported.
 
     python perf/compile_bench.py [--model DIR ...] [--cores 0] [--reps R] [--batch 1 --batch 8]
+        [--dtype bfloat16|float32]
 
 Writes compile_bench.json and compile_bench.md into --out-dir (default perf/results/engine_1core).
 """
@@ -38,22 +41,25 @@ RESULTS = Path(__file__).resolve().parent / "results" / "engine_1core"
 
 
 class StaticCacheRunner:
-    """transformers in bf16 with a static KV cache, eager or compiled by inductor with freezing.
+    """transformers with a static KV cache, eager or compiled by inductor with freezing.
 
     One cache per batch size, reset between uses, so a compiled graph is reused (its guards see the
     same cache tensors) rather than recompiled per call.
     """
 
-    def __init__(self, model_dir: Path, compiled: bool, max_len: int, mode: str | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, compiled: bool, max_len: int, mode: str | None = None, dtype: str = "bfloat16"
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).eval()
-        self.dtype = "bfloat16"
+        self.dtype = dtype
         self.compiled = compiled
         label = f"torch.compile (inductor, freezing{', ' + mode if mode else ''})"
-        self.name = "transformers bf16, " + (label if compiled else "eager")
+        short = "bf16" if dtype == "bfloat16" else "fp32"
+        self.name = f"transformers {short}, " + (label if compiled else "eager")
         self.max_len = max_len
         self.caches: dict[int, object] = {}
         self.compile_s: dict[str, float] = {}
@@ -135,6 +141,7 @@ def run(
     steps: int,
     batches: tuple[int, ...],
     modes: tuple[str | None, ...],
+    dtype: str = "bfloat16",
 ) -> dict:
     """One model's rows: every runner at every shape, and the compiled runner's compile times."""
     os.sched_setaffinity(0, set(cores))
@@ -152,8 +159,9 @@ def run(
     max_len = max(prompt_len, context + steps) + 1
     # The first call of each shape compiles it: _interleaved's warm-up call per runner takes it, so
     # no timed repetition includes a compile.
-    compiled = [StaticCacheRunner(model_dir, True, max_len, mode) for mode in modes]
-    runners = [StaticCacheRunner(model_dir, False, max_len), *compiled, EngineRunner(model_dir, "bfloat16")]
+    compiled = [StaticCacheRunner(model_dir, True, max_len, mode, dtype) for mode in modes]
+    eager = StaticCacheRunner(model_dir, False, max_len, dtype=dtype)
+    runners = [eager, *compiled, EngineRunner(model_dir, dtype)]
     prompt = tokens(prompt_len)
 
     def time_prefill(runner) -> float:
@@ -180,6 +188,7 @@ def run(
         row["engine_speedup"] = row["seconds"] / ours["seconds"]
     return dict(
         model=str(model_dir),
+        dtype=dtype,
         cores=list(cores),
         torch=torch.__version__,
         cpu_flags=cpu_flags(),
@@ -213,7 +222,7 @@ def section(result: dict) -> str:
 
 def markdown(results: list[dict]) -> str:
     head = [
-        "# torch.compile (inductor) beside the engine's kernels, bf16",
+        f"# torch.compile (inductor) beside the engine's kernels, {results[0].get('dtype', 'bfloat16')}",
         "",
         "Written by `perf/compile_bench.py`. \"engine's speed-up\" is the row's time over the engine's "
         "time for the same phase and batch (above 1: the engine is faster).",
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.compile mode, repeatable; 'default' is inductor's default "
         "(default: default and max-autotune-no-cudagraphs, whose CPU GEMM templates are tuned per shape)",
     )
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     modes = tuple(
@@ -250,7 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.model or [None]:
         model_dir = ensure_model(resolve_model_dir(model))
         results.append(
-            run(model_dir, cores, args.reps, args.prompt_tokens, args.context, args.steps, batches, modes)
+            run(
+                model_dir,
+                cores,
+                args.reps,
+                args.prompt_tokens,
+                args.context,
+                args.steps,
+                batches,
+                modes,
+                args.dtype,
+            )
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "compile_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")

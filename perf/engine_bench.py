@@ -11,9 +11,10 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
     this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
     pack_weights: false``), with weights prepacked for oneDNN (``native_kernels: false``), and as the
     pools run it, with its own projection and paged decode attention kernels,
-  - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed.
-Repetitions are interleaved (A B C A B C ...) so drift on a shared machine hits all alike; the
-median of each is reported, and ratios against the baseline from the same run.
+  - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed (in a process of its
+    own, measured on request: ``benchlib/vllm_engine.py``).
+Repetitions are interleaved (A B C A B C ..., vLLM among them) so drift on a shared machine hits all
+alike; the median of each is reported, and ratios against the baseline from the same run.
 
     python perf/engine_bench.py [--model DIR ...] [--cores 0[,1]] [--reps R]
 
@@ -149,49 +150,65 @@ def _bind(cores: tuple[int, ...]) -> str:
     return ",".join(str(c) for c in ordered)
 
 
-def vllm_rows(
-    model_dir: Path, dtype: str, cores: tuple[int, ...], reps: int, prompt_len: int, context: int, steps: int
-) -> list[dict]:
-    """vLLM's offline engine on the same cores, dtype and model (``benchlib/vllm_engine.py``), its KV
-    space the same 1 GiB as ours. Not interleaved with ours: it runs in its own process after them."""
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": _bind(cores),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    command = [str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model", str(model_dir), "--dtype", dtype]
-    command += ["--prompt-tokens", str(prompt_len), "--context", str(context), "--steps", str(steps)]
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "vllm.json"
-        command += ["--reps", str(reps), "--out", str(out)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
-        measured = json.loads(out.read_text())
-    name = f"vLLM CPU {dtype}"
-    rows = [
-        dict(
-            phase="prefill",
-            runner=name,
-            batch=1,
-            tokens=prompt_len,
-            seconds=measured["prefill_s"],
-            dtype=dtype,
+class VllmRunner:
+    """vLLM's offline engine on the same cores, dtype and model (``benchlib/vllm_engine.py``, in its
+    own process and venv), its KV space the same 1 GiB as ours, measured on request so that its
+    repetitions interleave with ours. Its prompts are its own, unique, of the same lengths."""
+
+    def __init__(
+        self, model_dir: Path, dtype: str, cores: tuple[int, ...], prompt_len: int, context: int, steps: int
+    ) -> None:
+        self.name, self.dtype = f"vLLM CPU {dtype}", dtype
+        self.prompt_len, self.context, self.steps = prompt_len, context, steps
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": _bind(cores),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        read, write = os.pipe()
+        command = [str(VLLM_PYTHON), str(VLLM_SCRIPT), "--model", str(model_dir), "--dtype", dtype]
+        command += ["--prompt-tokens", str(prompt_len), "--context", str(context), "--steps", str(steps)]
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close(), with the process)
+        self.process = subprocess.Popen(
+            [*command, "--reply-fd", str(write)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            pass_fds=(write,),
         )
-    ]
-    for batch, m in measured["decode"].items():
-        rows.append(
-            dict(
-                phase="decode",
-                runner=name,
-                batch=int(batch),
-                tokens=int(batch) * steps,
-                seconds=m["decode_s"],
-                dtype=dtype,
+        os.close(write)
+        self.replies = os.fdopen(read)
+
+    def _ask(self, command: str) -> float:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        reply = self.replies.readline()
+        if not reply:
+            self.log.seek(0)
+            tail = self.log.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"vLLM run failed ({self.process.wait()}): {tail}")
+        return float(json.loads(reply)["seconds"])
+
+    def prefill(self, prompt: list[int]) -> float:
+        if len(prompt) != self.prompt_len:
+            raise ValueError(f"vLLM's runner was started for {self.prompt_len}-token prompts")
+        return self._ask("prefill")
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        if len(prompts[0]) != self.context or steps != self.steps:
+            raise ValueError(
+                f"vLLM's runner was started for a {self.context}-token context, {self.steps} steps"
             )
-        )
-    return rows
+        return self._ask(f"decode {len(prompts)}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+        self.replies.close()
+        self.log.close()
 
 
 def _interleaved(runners: list, measure: Callable[[object], float], reps: int) -> dict[str, float]:
@@ -216,8 +233,8 @@ def measure(
 
     def time_prefill(runner) -> float:
         start = time.perf_counter()
-        runner.prefill(prompt)
-        return time.perf_counter() - start
+        measured = runner.prefill(prompt)  # vLLM's runner times its own call, without the pipe
+        return measured if measured is not None else time.perf_counter() - start
 
     rows = [
         dict(phase="prefill", runner=name, batch=1, tokens=prompt_len, seconds=sec, dtype=dtypes[name])
@@ -268,13 +285,16 @@ def run(
             EngineRunner(model_dir, "bfloat16"),
         ]
     baseline = runners[0].name
-    rows = measure(runners, tokens, prompt_len, context, steps, reps)
-    limit = limits(runners[-1].engine, reps)  # the pools' configuration on this CPU: the last one
+    peers = [VllmRunner(model_dir, dtype, cores, prompt_len, context, steps) for dtype in vllm_dtypes]
+    try:
+        rows = measure(runners + peers, tokens, prompt_len, context, steps, reps)
+    finally:
+        for peer in peers:
+            peer.close()
+    limit = limits(runners[-1].engine, reps)  # the pools' configuration on this CPU: our last runner
     limit["runner"] = runners[-1].name
-    runners.clear()  # free their memory before vLLM loads
+    runners.clear()
     gc.collect()
-    for dtype in vllm_dtypes:
-        rows += vllm_rows(model_dir, dtype, cores, reps, prompt_len, context, steps)
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
     for row in rows:
