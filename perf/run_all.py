@@ -321,7 +321,11 @@ async def tune_grid(
                 )
                 records: dict[str, Any] = {"goodput": {}, "interference": {}}
                 await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
-            entry["goodput_rps"] = scratch["goodput"][workload][dep.name]["goodput_rps"]
+            found = scratch["goodput"].get(workload, {}).get(dep.name)
+            if found is None:  # the search skipped it: the run's time budget was spent
+                entry["error"] = "skipped: the run's time budget was spent"
+            else:
+                entry["goodput_rps"] = found["goodput_rps"]
         except Exception as exc:  # a configuration that cannot run is reported, the others still are
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         measured = entry["goodput_rps"]

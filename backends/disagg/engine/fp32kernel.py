@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,42 +97,30 @@ def decode_attention() -> kernel.DecodeAttention | None:
     )
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """A weight [N, K] laid out for ``gemm``: [ceil(N / TILE), K, TILE], outputs zero-padded."""
-
-    tiles: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.tiles.numel() * self.tiles.element_size()
-
-
 @torch.inference_mode()
-def pack(weight: torch.Tensor) -> Tiles:
-    """``weight`` [N, K] fp32 on CPU in ``gemm``'s layout (a copy; the caller drops the original)."""
+def pack(weight: torch.Tensor) -> kernel.PackedWeight:
+    """``weight`` [N, K] fp32 on CPU in ``gemm``'s layout, [ceil(N / TILE), K, TILE] (per tile of TILE
+    outputs, each input's TILE weights), outputs zero-padded (a copy; the caller drops the original)."""
     if weight.dim() != 2 or not _fp32(weight):
         raise ValueError("pack takes a 2-D fp32 CPU weight")
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % TILE))
-    return Tiles(padded.view(-1, TILE, k).transpose(1, 2).contiguous(), n, k)
+    return kernel.PackedWeight(padded.view(-1, TILE, k).transpose(1, 2).contiguous(), n, k)
 
 
-Gemm = Callable[[torch.Tensor, Tiles, "torch.Tensor | None"], torch.Tensor]
+Gemm = Callable[[torch.Tensor, kernel.PackedWeight, "torch.Tensor | None"], torch.Tensor]
 
 
 def gemm() -> Gemm | None:
-    """``gemm(x [M, K] fp32, weight: Tiles, bias [N] fp32 | None) -> y [M, N] fp32``, any M: every
-    output one sum over the inputs in order, so a row's bits do not depend on M or on the other rows.
-    None where the kernels are off."""
+    """``gemm(x [M, K] fp32, weight from ``pack``, bias [N] fp32 | None) -> y [M, N] fp32``, any M:
+    every output one sum over the inputs in order, so a row's bits do not depend on M or on the other
+    rows. None where the kernels are off."""
     loaded = library()
     if loaded is None:
         return None
     function = loaded.gemm_f32
 
-    def call(x: torch.Tensor, weight: Tiles, bias: torch.Tensor | None) -> torch.Tensor:
+    def call(x: torch.Tensor, weight: kernel.PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows, width = x.shape
         if not _fp32(x) or width != weight.in_features:
             raise ValueError(f"gemm takes fp32 rows of width {weight.in_features}")

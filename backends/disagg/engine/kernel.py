@@ -155,9 +155,9 @@ def library() -> ctypes.CDLL | None:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A projection weight [N, K] in the layout ``gemm`` reads: [ceil(N / TILE), K / 2, TILE, 2] (per
-    tile of TILE outputs, each input pair's TILE weight pairs), outputs zero-padded to whole tiles
-    (``kernels/bf16.c``)."""
+    """A projection weight [N, K] laid out for a kernel: here, the layout ``gemm`` reads, [ceil(N /
+    TILE), K / 2, TILE, 2] (per tile of TILE outputs, each input pair's TILE weight pairs), outputs
+    zero-padded to whole tiles (``kernels/bf16.c``); ``fp32kernel.pack`` makes the fp32 kernel's."""
 
     tiles: torch.Tensor
     out_features: int

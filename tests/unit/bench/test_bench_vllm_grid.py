@@ -87,6 +87,28 @@ def test_tuning_measures_every_configuration_and_takes_the_best(tmp_path: Path) 
     assert "failed: RuntimeError: vLLM would not start" in text
 
 
+def test_a_configuration_the_time_budget_left_out_is_reported_as_skipped(tmp_path: Path) -> None:
+    args = args_for(tmp_path, "--vllm-grid", "bfloat16:0-1,float32:auto")
+
+    @contextlib.contextmanager
+    def running(args, workdir, notes, choice):
+        yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, f"cmd {choice.label}"
+
+    async def search(dep, profile, factory, results, records, deadline, experiments, frozen):
+        if dep.name == "vllm (bfloat16, bind 0-1)":  # the second finds the budget spent and measures nothing
+            results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": 1.5}
+
+    results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
+    grid = run_all.vllm_tuning_grid(args)
+    profile = run_all.PROFILES["quick"]
+    best = asyncio.run(
+        run_all.tune_grid("vllm", grid, running, args, tmp_path, profile, None, results, 1e18, None, search)
+    )
+    assert best == run_all.VllmChoice("bfloat16", "0-1")
+    skipped = results["vllm_grid"]["tried"][1]
+    assert skipped["goodput_rps"] is None and skipped["error"] == "skipped: the run's time budget was spent"
+
+
 def minimal_results() -> dict:
     return {
         "meta": {
