@@ -57,7 +57,14 @@ def test_a_burst_sharing_a_prefix_is_cached_and_decoded_on_the_hot_pool(server: 
         r: metric_sum(server, "disagg_hot_routes_total", model="llm", route=r) for r in ("cold", "hot_pool")
     }
     assert routes == {"cold": THRESHOLD - 1, "hot_pool": len(PROMPTS) - THRESHOLD + 1}, routes
-    assert metric_sum(server, "disagg_engine_steps_total", model="decode_hot") >= MAX_TOKENS
+    # the pools publish their counters a little after the steps (every 0.25 s): wait for them; a
+    # request's first token comes from prefill, and these decode to MAX_TOKENS without an end token
+    hot_steps = (len(PROMPTS) - THRESHOLD + 1) * (MAX_TOKENS - 1)
+    wait_until(
+        lambda: metric_sum(server, "disagg_engine_steps_total", model="decode_hot") >= hot_steps,
+        10,
+        "the hot pool's decode steps on /metrics",
+    )
     hits = metric_sum(server, "disagg_prefix_cache_hits_total", pool="prefill") - hits_before
     assert hits >= len(PROMPTS) - 1, "every prompt after the first found the shared blocks"
     wait_until(lambda: metric_sum(server, "disagg_hot_groups", model="llm") == 1, 10, "the group on /metrics")

@@ -231,7 +231,7 @@ def test_an_engine_decodes_the_same_with_and_without_its_kernels() -> None:
     for name, dtype, native in (
         ("kernels", "bfloat16", True),
         ("torch", "bfloat16", False),
-        ("fp32", "float32", True),
+        ("fp32", "float32", False),  # the token-exact reference path
     ):
         config = EngineConfig(
             model_dir=paths.tiny_model_dir(), dtype=dtype, num_blocks=64, native_kernels=native
