@@ -121,7 +121,7 @@ class EngineRunner:
         )
         self.engine = Engine(config)
         projections = self.engine.describe()["projections"]
-        if dtype == "float32" and projections.startswith("blocks"):
+        if "blocks" in projections:
             self.name += ", block codes"
         elif dtype == "float32" and projections == "fp32-kernel":
             self.name += ", fp32 kernels"

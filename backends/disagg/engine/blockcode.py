@@ -40,7 +40,8 @@ SAMPLE = 16  # rows tried first: a weight that is no code is refused without rea
 class BlockCode:
     """A weight [N, K] in the layout ``gemm`` reads: ``codes`` [ceil(N / TILE), K, TILE * bits / 8]
     (4-bit: outputs 0..7 in the low nibbles, 8..15 in the high), ``scales`` and ``mins`` fp16
-    [ceil(N / TILE), K / RUN, TILE] (``mins`` None for Q8_0); outputs zero-padded to whole tiles."""
+    [ceil(N / TILE), K / RUN, TILE] (``mins`` None for Q8_0); outputs zero-padded to whole tiles.
+    ``bf16_gemm`` reads 4-bit codes in another order (``quads``)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -48,6 +49,7 @@ class BlockCode:
     bits: int
     out_features: int
     in_features: int
+    layout: str = "inputs"  # "quads": the codes re-laid for the bf16 kernel (``quads``)
 
     @property
     def name(self) -> str:
@@ -166,6 +168,19 @@ def _recovered(weight: torch.Tensor) -> BlockCode | None:
     return None
 
 
+def quads(code: BlockCode) -> BlockCode:
+    """A 4-bit ``code`` in the layout ``bf16_gemm`` reads: per tile and group of four inputs k .. k + 3,
+    32 bytes, byte 2 j + p holding output j's code of input k + p (low nibble) and of k + 2 + p (high)
+    (``kernels/bf16.c``, gemm_codes_bf16). The scales and mins are shared with ``code``."""
+    if code.bits != 4 or code.layout != "inputs":
+        raise ValueError("quads takes 4-bit codes in the inputs layout")
+    tiles, k = code.codes.shape[0], code.in_features
+    per_output = torch.cat([code.codes & 15, code.codes >> 4], -1).view(tiles, k // 4, 4, TILE)
+    low, high = (per_output[:, :, part].transpose(2, 3) for part in (slice(0, 2), slice(2, 4)))
+    packed = (low | (high << 4)).reshape(tiles, k // 4, 2 * TILE).contiguous()
+    return BlockCode(packed, code.scales, code.mins, 4, code.out_features, code.in_features, "quads")
+
+
 def cpu_supports() -> bool:
     """AVX2 with FMA and F16C: what ``kernels/blocks.c`` needs."""
     return kernel.cpu_flags() >= NEEDS
@@ -223,6 +238,46 @@ def gemm() -> BlockGemm | None:
             )
             if status:
                 raise MemoryError("block gemm could not allocate its scratch")
+        return out
+
+    return call
+
+
+def bf16_gemm() -> BlockGemm | None:
+    """``gemm(x [M, K] bf16, code: BlockCode (4-bit, ``quads``), bias [N] bf16 | None, wide=False) ->
+    y [M, N]``, bf16, or fp32 with ``wide``; any M, and a row's bits do not depend on M or on the other
+    rows. Where the bf16 kernels run (AVX-512-BF16; ``kernel.library``), else None."""
+    loaded = kernel.library()
+    if loaded is None:
+        return None
+    function = loaded.gemm_codes_bf16
+
+    def call(x: torch.Tensor, code: BlockCode, bias: torch.Tensor | None, wide: bool = False) -> torch.Tensor:
+        rows, width = x.shape
+        if code.layout != "quads":
+            raise ValueError("bf16 block gemm takes 4-bit codes laid out by quads()")
+        if x.dtype != torch.bfloat16 or width != code.in_features:
+            raise ValueError(f"bf16 block gemm takes bf16 rows of width {code.in_features}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (code.out_features,)):
+            raise ValueError(f"bf16 block gemm takes a bf16 bias of {code.out_features}")
+        x = x.contiguous()
+        out = torch.empty(rows, code.out_features, dtype=torch.float32 if wide else torch.bfloat16)
+        if rows:
+            sums = torch.empty(rows * (width // RUN), dtype=torch.float32)
+            function(
+                x.data_ptr(),
+                code.codes.data_ptr(),
+                code.scales.data_ptr(),
+                code.mins.data_ptr(),
+                None if bias is None else bias.contiguous().data_ptr(),
+                out.data_ptr(),
+                sums.data_ptr(),
+                rows,
+                code.out_features,
+                width,
+                torch.get_num_threads(),
+                int(wide),
+            )
         return out
 
     return call

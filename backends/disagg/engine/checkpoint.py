@@ -263,8 +263,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every needed tensor from the folder's ``*.safetensors`` files, checked against the config."""
+def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Read every needed tensor from the folder's ``*.safetensors`` files, checked against the config,
+    in ``dtype`` (None: as stored)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise CheckpointError("checkpoint folder has no *.safetensors file")
@@ -276,7 +277,7 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[
                 if name in wanted:
                     out[name] = f.get_tensor(name)
     check_tensors(out, cfg)
-    return {name: out[name].to(dtype) for name in wanted}
+    return {name: out[name] if dtype is None else out[name].to(dtype) for name in wanted}
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:

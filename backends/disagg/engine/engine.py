@@ -131,7 +131,9 @@ class Engine:
             pin_cpu(config.cores, config.num_threads)
         self.model_config: ModelConfig = load_config(config.model_dir)
         dtype = DTYPES[config.dtype]
-        weights = load_weights(config.model_dir, self.model_config, dtype)
+        # a native bf16 CPU engine reads the stored values: block codes are found in fp32 ones
+        stored = config.native_kernels and self.device.type == "cpu" and dtype == torch.bfloat16
+        weights = load_weights(config.model_dir, self.model_config, None if stored else dtype)
         self.model = Transformer(
             self.model_config,
             weights,
@@ -193,8 +195,8 @@ class Engine:
     def describe(self) -> dict[str, str]:
         head = self.model.lm_head
         layer = self.model.layers[0].gate_up if self.model.layers else head
-        if head.native is not None:
-            projections = "kernel"
+        if head.native is not None:  # bf16: the kernel, with decode rows on the layers' codes if any
+            projections = "kernel" if layer.blocks is None else f"kernel+blocks-{layer.blocks.name}"
         elif layer.blocks is not None:  # the head's code may differ from the layers' (Q8_0 vs Q4_1)
             projections = f"blocks-{layer.blocks.name}"
         elif layer.tiles is not None:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16.c"
 TILE = 64  # outputs per tile of the gemm layout; kernels/bf16.c's COLS
+CODE_TILE = 16  # outputs per tile of block codes (disagg.engine.blockcode.TILE); kernels/bf16.c's QCOLS
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 
 Gemm = Callable[..., torch.Tensor]
@@ -141,9 +142,14 @@ def _declare(loaded: ctypes.CDLL) -> str | None:
     loaded.rope_cache_bf16.restype = None
     loaded.decode_attention_bf16.argtypes = DECODE_ATTENTION_ARGS
     loaded.decode_attention_bf16.restype = None
+    loaded.gemm_codes_bf16.argtypes = [pointer] * 7 + [size] * 5
+    loaded.gemm_codes_bf16.restype = None
     loaded.gemm_tile_cols.restype = size
+    loaded.codes_tile_cols.restype = size
     if loaded.gemm_tile_cols() != TILE:
         return f"{SOURCE.name} tiles {loaded.gemm_tile_cols()} outputs, this module {TILE}"
+    if loaded.codes_tile_cols() != CODE_TILE:
+        return f"{SOURCE.name} tiles block codes by {loaded.codes_tile_cols()}, blockcode by {CODE_TILE}"
     return None
 
 

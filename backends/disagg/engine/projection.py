@@ -10,6 +10,12 @@
   projection keeps oneDNN's packed weight as well (twice the weight memory; ``split``) and sends the
   rows the caller marks as prompt rows to it; decode rows, bound by the weight's reading, stay on
   the kernel.
+- **bf16 on block-coded weights** (``native``, AVX-512-BF16, and ``source``: the fp32 values the bf16
+  weight was rounded from): where those are exactly Q4_1 codes (``disagg.engine.blockcode``), decode
+  rows go to the bf16 block-code kernel (``blockcode.bf16_gemm``), which reads 4.5 bits a weight
+  instead of 16 and computes with the codes' exact values; prompt rows (compute-bound) stay on the
+  bf16 kernel (or oneDNN on AMX) and the bf16 weight. SmolLM2's layer projections on one core, read
+  from memory at batch 1: 4.1 ms against 9.6 ms on the bf16 weights (``perf/projection_bench.py``).
 - **bf16 elsewhere** (``pack``): the weight reordered once, at load, into oneDNN's blocked layout and
   called through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for frozen bf16
   linears): the same bits as ``F.linear``, which reorders on every call, and faster.
@@ -28,6 +34,8 @@
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,28 +61,35 @@ class Projection:
         native: bool = False,
         wide: bool = False,
         split: bool = True,
+        source: torch.Tensor | None = None,
     ) -> None:
-        """``wide``: the kernel's outputs in fp32, unrounded (an output head's logits). ``split``: on
-        AMX, keep oneDNN's layout for prompt rows (off for a projection that only ever sees a few
-        rows, such as the output head: one row per prompt)."""
+        """``wide``: the kernel's outputs in fp32, unrounded (an output head's logits). ``split``: keep
+        a second path for prompt rows where one is faster for them (off for a projection that only
+        ever sees a few rows, such as the output head: one row per prompt). ``source``: the fp32
+        values a bf16 ``weight`` was rounded from (the checkpoint's), where block codes may be found."""
         self.bias = bias
         self.wide = wide
-        on_cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        on_cpu = weight.device.type == "cpu"
+        on_cpu_bf16 = on_cpu and weight.dtype == torch.bfloat16
+        on_cpu_fp32 = on_cpu and weight.dtype == torch.float32
         gemm = kernel.gemm() if native and on_cpu_bf16 and weight.shape[1] % 2 == 0 else None
-        self._gemm = gemm
-        self.native = kernel.pack(weight) if gemm is not None else None
-        on_cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        block_gemm = blockcode.gemm() if native and on_cpu_fp32 else None
-        self.blocks = blockcode.recover(weight) if block_gemm is not None else None
-        self._block_gemm = block_gemm if self.blocks is not None else None
+        # block codes: decode rows read them (fp32 kernel on AVX2; bf16 kernel on AVX-512-BF16, 4-bit)
+        self.blocks: blockcode.BlockCode | None = None
+        if native and on_cpu_fp32 and blockcode.gemm() is not None:
+            self.blocks = blockcode.recover(weight)
+        elif gemm is not None and source is not None and blockcode.bf16_gemm() is not None:
+            found = blockcode.recover(source)
+            self.blocks = blockcode.quads(found) if found is not None and found.bits == 4 else None
+        amx_prompts = split and kernel.cpu_has_amx()
+        # the bf16 kernel's layout: every row, or the prompt rows beside codes (without AMX)
+        keep_native = gemm is not None and (self.blocks is None or (split and not amx_prompts))
+        self.native = kernel.pack(weight) if keep_native else None
         # fp32 rows through the engine's fp32 kernel: every row without codes, prompt rows beside them
         fp32_gemm = fp32kernel.gemm() if native and on_cpu_fp32 and (self.blocks is None or split) else None
         self.tiles = fp32kernel.pack(weight) if fp32_gemm is not None else None
-        self._fp32_gemm = fp32_gemm
         # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX
-        onednn = (
-            (gemm is None or (split and kernel.cpu_has_amx())) and self.blocks is None and self.tiles is None
-        )
+        codes_only = self.blocks is not None and not split
+        onednn = (gemm is None or amx_prompts) and self.tiles is None and not codes_only
         self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
         if not onednn:
             self.weight = None
@@ -82,39 +97,55 @@ class Projection:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         else:
             self.weight = weight
+        plain = self._plain(gemm, fp32_gemm)
+        self._decode = plain if self.blocks is None else self._coded()
+        # prompt rows apart from decode rows: beside codes, or on AMX
+        self._prompt = plain if plain is not self._decode or (gemm is not None and amx_prompts) else None
+        if self._prompt is not None and self.native is not None and self.weight is not None:
+            self._prompt = self._onednn  # AMX: oneDNN for prompt rows, the bf16 kernel for decode rows
 
-    def __call__(self, x: torch.Tensor, native_rows: int | None = None) -> torch.Tensor:
-        """``native_rows``: how many leading rows are decode rows, the rest being prompt rows
-        (None: all decode rows). Only a projection holding both paths (AMX, block codes) tells them
-        apart."""
-        if self.native is None and self.blocks is None:
-            return self._rows(x)
-        if (self.weight is None and self.tiles is None) or native_rows is None or native_rows >= x.shape[0]:
-            return self._kernel(x)
-        if native_rows == 0:
-            return self._rows(x)
-        decode = self._kernel(x[:native_rows])
-        return torch.cat([decode, self._rows(x[native_rows:]).to(decode.dtype)])
-
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode rows: the block codes, or the bf16 kernel."""
-        if self.blocks is not None:
-            return self._block_gemm(x, self.blocks, self.bias)
-        return self._gemm(x, self.native, self.bias, self.wide)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows of the plain path, in the weight's dtype: the fp32 kernel, or oneDNN (which rounds
-        its outputs whatever ``wide`` says), or ``F.linear``."""
+    def _plain(self, gemm: kernel.Gemm | None, fp32_gemm: fp32kernel.Gemm | None) -> Rows | None:
+        """Rows on the weight itself: the bf16 kernel, the fp32 kernel, oneDNN or ``F.linear``."""
+        if self.native is not None:
+            return lambda x: gemm(x, self.native, self.bias, self.wide)
         if self.tiles is not None:
-            return self._fp32_gemm(x, self.tiles, self.bias)
+            return lambda x: fp32_gemm(x, self.tiles, self.bias)
+        if self.weight is not None:
+            return self._onednn
+        return None
+
+    def _coded(self) -> Rows:
+        blocks = self.blocks
+        if blocks.layout == "quads":
+            code_gemm = blockcode.bf16_gemm()
+            return lambda x: code_gemm(x, blocks, self.bias, self.wide)
+        block_gemm = blockcode.gemm()
+        return lambda x: block_gemm(x, blocks, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's prepacked kernel (which rounds its outputs whatever ``wide`` says), or ``F.linear``."""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def __call__(self, x: torch.Tensor, native_rows: int | None = None) -> torch.Tensor:
+        """``native_rows``: how many leading rows are decode rows, the rest being prompt rows
+        (None: all decode rows). Only a projection holding two paths (AMX, block codes) tells them
+        apart."""
+        if self._prompt is None or native_rows is None or native_rows >= x.shape[0]:
+            return self._decode(x)
+        if native_rows == 0:
+            return self._prompt(x)
+        decode = self._decode(x[:native_rows])
+        return torch.cat([decode, self._prompt(x[native_rows:]).to(decode.dtype)])
+
     @property
     def nbytes(self) -> int:
-        """Bytes of weight held (both layouts where prompt rows go to oneDNN)."""
+        """Bytes of weight held (every layout kept)."""
         held = [t for t in (self.weight, None if self.native is None else self.native.tiles) if t is not None]
         codes = 0 if self.blocks is None else self.blocks.nbytes
         tiles = 0 if self.tiles is None else self.tiles.nbytes
         return codes + tiles + sum(t.numel() * t.element_size() for t in held)
+
+
+Rows = Callable[[torch.Tensor], torch.Tensor]

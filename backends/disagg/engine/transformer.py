@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import fp32kernel, kernel
+from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import ModelConfig
 from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
@@ -86,9 +86,16 @@ class Transformer:
         def b(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
+        # a bf16 pool on AVX-512-BF16 finds block codes in the checkpoint's fp32 values (see Projection)
+        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        codes = native and on_cpu_bf16 and blockcode.bf16_gemm() is not None
+
         def proj(names: list[str]) -> Projection:
             weight = torch.cat([w(name + ".weight") for name in names])
-            return Projection(weight, _cat([b(name + ".bias") for name in names]), pack, native)
+            stored = [weights[name + ".weight"] for name in names]
+            source = torch.cat(stored) if codes and all(t.dtype == torch.float32 for t in stored) else None
+            bias = _cat([b(name + ".bias") for name in names])
+            return Projection(weight, bias, pack, native, source=source)
 
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
@@ -115,7 +122,6 @@ class Transformer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         fits = kernel.attention_covers(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         bf16_cache = self.kv_dtype == torch.bfloat16  # the attention kernels read a bf16 cache
         # the decode rows' attention in one call over the paged cache, or None (grouped PyTorch path)
         self.paged = kernel.decode_attention() if native and on_cpu_bf16 and bf16_cache and fits else None

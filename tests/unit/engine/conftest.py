@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import write_checkpoint, write_legacy_checkpoint
+from coded import coded_copy
 
 from disagg.engine.engine import Engine, EngineConfig
 
@@ -34,3 +35,14 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., Engine]:
         return Engine(EngineConfig(model_dir=checkpoint(kind), **settings), kv_memory=kv_memory)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("plain"), "llama-gqa")
+
+
+@pytest.fixture(scope="session")
+def coded_model(plain_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``plain_model`` with its projections made Q4_1 codes (the head Q8_0), stored in fp32."""
+    return coded_copy(plain_model, tmp_path_factory.mktemp("coded") / "model")

@@ -4,6 +4,8 @@ decode rows to it and prompt rows to the fp32 weight."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from disagg.engine import blockcode, fp32kernel
+from disagg.engine.params import SamplingParams
 from disagg.engine.projection import Projection
+from disagg.engine.sequence import Request
 
 needs_kernel = pytest.mark.skipif(blockcode.gemm() is None, reason="no AVX2 / FMA / F16C, or no C compiler")
 
@@ -104,3 +108,125 @@ def test_a_projection_sends_decode_rows_to_the_codes_and_prompt_rows_to_the_fp32
     assert torch.equal(head(x, 2), codes)
     plain = Projection(weight, None, native=False)
     assert plain.blocks is None and torch.equal(plain(x), F.linear(x, weight))
+
+
+needs_bf16_codes = pytest.mark.skipif(
+    blockcode.bf16_gemm() is None, reason="no AVX-512-BF16, or no C compiler"
+)
+
+
+@needs_bf16_codes
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 160), (40, 160), (200, 1024)])
+def test_the_bf16_kernel_computes_the_codes_products_and_a_row_gets_the_same_bits_at_any_batch(
+    out_features: int, in_features: int
+) -> None:
+    weight = coded(out_features, in_features, GGMLQuantizationType.Q4_1, seed=out_features)
+    code = blockcode.quads(blockcode.recover(weight))
+    gemm = blockcode.bf16_gemm()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(13, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    reference = x.double() @ weight.double().T + bias.double()  # the codes' exact values, unrounded
+    wide = gemm(x, code, bias, wide=True)
+    assert wide.dtype == torch.float32 and wide.shape == (13, out_features)
+    assert torch.allclose(wide.double(), reference, rtol=1e-5, atol=1e-5)
+    y = gemm(x, code, bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, wide.bfloat16())  # rounded to nearest even
+    for rows in (1, 2, 5, 6, 7):  # row groups of 6, and the last rows: the same sums
+        assert torch.equal(gemm(x[:rows], code, bias, wide=True), wide[:rows])
+    assert torch.equal(gemm(x[9:10], code, bias, wide=True), wide[9:10])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):  # split by tiles (the largest shape is big enough to split)
+            torch.set_num_threads(count)
+            assert torch.equal(gemm(x, code, bias, wide=True), wide)
+    finally:
+        torch.set_num_threads(threads)
+    assert gemm(x[:0], code, None).shape == (0, out_features)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        gemm(x.float(), code, None)
+    with pytest.raises(ValueError, match="bf16 bias"):
+        gemm(x, code, bias[:-1])
+    with pytest.raises(ValueError, match="quads"):
+        gemm(x, blockcode.recover(weight), None)  # the fp32 kernel's layout
+
+
+def test_only_4_bit_codes_are_laid_out_for_the_bf16_kernel() -> None:
+    code = blockcode.quads(blockcode.recover(coded(20, 64, GGMLQuantizationType.Q4_1)))
+    assert code.layout == "quads" and code.codes.shape == (2, 16, 32)  # 2 tiles, 16 groups of 4 inputs
+    assert code.nbytes == blockcode.recover(coded(20, 64, GGMLQuantizationType.Q4_1)).nbytes
+    with pytest.raises(ValueError, match="4-bit"):
+        blockcode.quads(blockcode.recover(coded(20, 64, GGMLQuantizationType.Q8_0)))
+    with pytest.raises(ValueError, match="4-bit"):
+        blockcode.quads(code)
+
+
+@needs_bf16_codes
+def test_a_bf16_projection_sends_decode_rows_to_the_codes_and_prompt_rows_to_the_bf16_weight() -> None:
+    from disagg.engine import kernel
+
+    source = coded(48, 64, GGMLQuantizationType.Q4_1)
+    weight = source.bfloat16()
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    projection = Projection(weight, None, native=True, source=source)
+    assert projection.blocks is not None and projection.blocks.layout == "quads"
+    codes = blockcode.bf16_gemm()(x, projection.blocks, None)
+    assert torch.equal(projection(x), codes)  # all decode rows
+    mixed = projection(x, 2)  # two decode rows, then four prompt rows
+    assert torch.equal(mixed[:2], codes[:2])
+    if not kernel.cpu_has_amx():  # with AMX, prompt rows go to oneDNN
+        assert torch.equal(mixed[2:], kernel.gemm()(x[2:], kernel.pack(weight), None))
+    torch.testing.assert_close(
+        mixed[2:].float(), F.linear(x[2:].float(), weight.float()), rtol=0.02, atol=0.02
+    )
+    head = Projection(weight, None, native=True, wide=True, split=False, source=source)  # the codes alone
+    assert head.native is None and head.weight is None and head.nbytes == head.blocks.nbytes
+    assert torch.equal(head(x, 2), blockcode.bf16_gemm()(x, head.blocks, None, wide=True))
+    eight = coded(48, 64, GGMLQuantizationType.Q8_0)
+    for unfound in (
+        Projection(weight, None, native=True),
+        Projection(eight.bfloat16(), None, native=True, source=eight),
+    ):
+        assert unfound.blocks is None and unfound.native is not None  # no source, or not 4-bit: bf16 weight
+
+
+@needs_bf16_codes
+def test_a_bf16_engine_decodes_on_the_codes_close_to_fp32_and_alone_as_in_a_batch(
+    coded_model: Path, tmp_path: Path
+) -> None:
+    """A bf16 engine on a Q4_1-coded checkpoint: decode rows on the codes. One decode step's logits
+    are as close to fp32's as those of the same engine on the bf16-rounded weights (where no code
+    can be found); a sequence's greedy tokens do not depend on its batch or on prefill in chunks."""
+    from checkpoints import write_checkpoint
+    from coded import coded_copy, greedy
+
+    from disagg.engine.engine import Engine, EngineConfig
+
+    rounded = coded_copy(
+        write_checkpoint(tmp_path / "plain", "llama-gqa"), tmp_path / "rounded", torch.bfloat16
+    )
+    logits = {}
+    for name, model_dir, dtype in (
+        ("codes", coded_model, "bfloat16"),
+        ("rounded", rounded, "bfloat16"),
+        ("fp32", coded_model, "float32"),
+    ):
+        engine = Engine(
+            EngineConfig(model_dir=model_dir, dtype=dtype, num_blocks=64, native_kernels=dtype == "bfloat16")
+        )
+        if name == "codes":
+            assert engine.describe()["projections"] == "kernel+blocks-q4_1"
+        elif name == "rounded":
+            assert engine.describe()["projections"] == "kernel"
+        engine.prefill([Request(tuple(range(3, 3 + n)), SamplingParams(max_tokens=4)) for n in (5, 21, 40)])
+        rows = engine._decode_rows(list(engine._sequences.values()))
+        logits[name], _ = engine.model.step(rows, [], engine.kv.cache)
+    reference = logits["fp32"]
+    codes, rounded_err = ((logits[n] - reference).abs().max().item() for n in ("codes", "rounded"))
+    assert codes < 1.5 * rounded_err + 0.01 * reference.abs().max().item()
+
+    engine = Engine(EngineConfig(model_dir=coded_model, dtype="bfloat16", num_blocks=256, block_size=4))
+    prompts = [tuple([1, *range(7, 7 + n)]) for n in (3, 20, 45)]
+    together = greedy(engine, prompts, 12)
+    assert greedy(engine, prompts[2:], 12) == together[2:]
+    assert greedy(engine, prompts, 12, chunk=7) == together

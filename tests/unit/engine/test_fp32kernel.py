@@ -4,24 +4,18 @@ plain checkpoint running them with the tokens of the reference fp32 engine."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from coded import greedy
 from margins import TIE, record_margins
-from safetensors.torch import load_file, save_file
 
 from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import RopeConfig
 from disagg.engine.engine import Engine, EngineConfig
-from disagg.engine.params import SamplingParams
 from disagg.engine.rope import RotaryTable
-from disagg.engine.sequence import Request
 
 needs_kernels = pytest.mark.skipif(
     fp32kernel.library() is None or blockcode.gemm() is None, reason="no AVX2 / FMA / F16C, or no C compiler"
@@ -153,54 +147,6 @@ def test_decode_attention_reads_each_rows_own_blocks(threads: int, head_dim: int
         attend(q[:2], cache, 2, block_table, positions, kernel.decode_plan(block_table, positions, 3))
 
 
-def _coded_copy(source: Path, out: Path) -> Path:
-    """``source`` with every projection weight made a Q4_1 code and the output head a Q8_0 one, the
-    values stored in fp32, as the GGUF converter writes a quantized model."""
-    shutil.copytree(source, out)
-    weights = load_file(source / "model.safetensors")
-    for name, tensor in weights.items():
-        kind = GGMLQuantizationType.Q8_0 if name == "lm_head.weight" else GGMLQuantizationType.Q4_1
-        if tensor.dim() == 2 and tensor.shape[1] % 32 == 0 and name != "model.embed_tokens.weight":
-            values = tensor.float().numpy()
-            weights[name] = torch.from_numpy(dequantize(quantize(values, kind), kind).astype(np.float32))
-        else:
-            weights[name] = tensor.float().contiguous()
-    save_file(weights, out / "model.safetensors")
-    return out
-
-
-@pytest.fixture(scope="module")
-def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from checkpoints import write_checkpoint
-
-    return write_checkpoint(tmp_path_factory.mktemp("plain"), "llama-gqa")
-
-
-@pytest.fixture(scope="module")
-def coded_model(plain_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _coded_copy(plain_model, tmp_path_factory.mktemp("coded") / "model")
-
-
-def _greedy(
-    engine: Engine, prompts: list[tuple[int, ...]], tokens: int, chunk: int | None = None
-) -> list[list[int]]:
-    out: dict[int, list[int]] = {}
-    if chunk is None:
-        firsts = engine.prefill([Request(p, SamplingParams(max_tokens=tokens)) for p in prompts])
-        out = {f.seq_id: [f.token_id] for f in firsts}
-    else:
-        for prompt in prompts:
-            seq_id = engine.start(Request(prompt, SamplingParams(max_tokens=tokens)))
-            first = None
-            while first is None:
-                first = engine.prefill_chunk(seq_id, chunk)
-            out[first.seq_id] = [first.token_id]
-    while any(len(t) < tokens for t in out.values()):
-        for step in engine.decode_step():
-            out[step.seq_id].append(step.token_id)
-    return [out[k] for k in sorted(out)]
-
-
 @pytest.mark.parametrize(
     ("model", "projections"), [("coded_model", "blocks-q4_1"), ("plain_model", "fp32-kernel")]
 )
@@ -218,13 +164,13 @@ def test_an_fp32_engine_runs_the_kernels_with_the_plain_engines_tokens(
     fast = make(True)
     assert fast.describe()["projections"] == projections and fast.describe()["attention"] == "kernel"
     prompts = [tuple([1, *range(7, 7 + n)]) for n in (3, 20, 45)]
-    batched, chunked = _greedy(fast, prompts, 16), _greedy(fast, prompts, 16, chunk=7)
+    batched, chunked = greedy(fast, prompts, 16), greedy(fast, prompts, 16, chunk=7)
     compared = 0
     for prompt, got, got_chunked in zip(prompts, batched, chunked, strict=True):
         plain = make(False)  # one sequence at a time, so its margins are this sequence's, in order
         assert plain.describe()["projections"] == "torch" and plain.describe()["attention"] == "torch"
         margins = record_margins(plain)
-        (expected,) = _greedy(plain, [prompt], 16)
+        (expected,) = greedy(plain, [prompt], 16)
         for step, want in enumerate(expected):
             if margins[step] < TIE:
                 break
@@ -234,7 +180,7 @@ def test_an_fp32_engine_runs_the_kernels_with_the_plain_engines_tokens(
             compared += 1
     assert compared >= 24  # most of the stream is compared, not cut short at a tie
     # a sequence's tokens do not depend on its batch: the long prompt alone, then beside the others
-    assert _greedy(fast, prompts[2:], 16) == _greedy(fast, prompts, 16)[2:]
+    assert greedy(fast, prompts[2:], 16) == greedy(fast, prompts, 16)[2:]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 /* The engine's bf16 CPU kernels (AVX-512-BF16): gemm_bf16 (every projection, on its own weight
-   layout), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16,
+   layout), gemm_codes_bf16 (decode rows on a Q4_1 block-coded weight), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16,
    silu_mul_bf16 and rope_cache_bf16 (the pointwise work between projections; the last one also
    writes a layer's new keys and values into the cache).
 
@@ -132,6 +132,134 @@ TARGET void gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t 
 }
 
 int64_t gemm_tile_cols(void) { return COLS; }
+
+/* The projection's decode rows on a Q4_1 block-coded weight (disagg.engine.blockcode): gemm_codes_bf16.
+
+   A weight converted from llama.cpp's Q4_1 is, per run of 32 inputs of an output, d * q + m with
+   codes q in 0..15 and an fp16 scale d and min m. Reading the codes (4.5 bits a weight) instead of
+   the bf16 weights (16) is what a decode step, bound by reading the weights, pays for. Each code is
+   exact in bf16, so the products with the bf16 inputs are vdpbf16ps as above:
+
+   y[m, n] = sum_b ( d[n, b] * sum_{k in b} x[m, k] q[n, k] + m[n, b] * sum_{k in b} x[m, k] ) + bias[n]
+
+   the code's own value, in fp32 (the bf16 weights are that value rounded), then rounded to bf16 to
+   nearest even, or kept as fp32 (`wide`).
+
+   The layout (``quads`` in disagg.engine.blockcode): tiles of QCOLS = 16 outputs; per tile and
+   group of four inputs k .. k + 3, 32 bytes, byte 2 j + p holding output j's code of input k + p in
+   its low nibble and of input k + 2 + p in its high nibble. Zero-extended to 16-bit words, those 32
+   bytes are 16 lanes of (k, k + 1) pairs; the words index a 32-entry table of the codes' bf16
+   values (vpermw reads only the index's low 5 bits, so the high nibble needs no mask), and the
+   words shifted by 4 give the (k + 2, k + 3) pairs. Per tile and run, the 16 scales and mins, fp16.
+
+   Each output's sum runs in an order fixed by k alone: within a run, the (k, k + 1) pairs in one
+   sum and the (k + 2, k + 3) pairs in another, added at the run's end, scaled, and the runs in
+   order. So a row's bits do not depend on the rows batched with it, on its row group or on the
+   thread, as for gemm_bf16. */
+#define QCOLS 16
+#define QRUN 32
+#define QMR 6
+#define QPREFETCH_RUNS 8
+
+TARGET static inline __attribute__((always_inline)) void codes_tile(const uint16_t *x, const float *sums,
+                                                                    const uint8_t *q, const uint16_t *scales,
+                                                                    const uint16_t *mins, const uint16_t *bias,
+                                                                    uint16_t *y, const int MT, int64_t m0, int64_t t,
+                                                                    int64_t N, int64_t K, int wide) {
+    const int64_t runs = K / QRUN, pairs = K / 2;
+    const uint8_t *qt = q + t * K * (QCOLS / 2);
+    const uint16_t *st = scales + t * runs * QCOLS, *mt = mins + t * runs * QCOLS;
+    const uint32_t *in = (const uint32_t *)(x + m0 * K);
+    /* the bf16 value of code i & 15 */
+    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0,
+                                           0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160,
+                                           0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                                           0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    __m512 total[QMR];
+    EACH(m, MT) total[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < runs; b++) {
+        const uint8_t *qb = qt + b * QRUN * (QCOLS / 2);
+        /* the codes a few runs ahead (into the next tile: the tiles lie in one array; an address past
+           its end is only prefetched, never read) */
+        const uintptr_t ahead = (uintptr_t)qb + QPREFETCH_RUNS * QRUN * (QCOLS / 2);
+        EACH(line, QRUN * (QCOLS / 2) / 64) _mm_prefetch((const char *)(ahead + line * 64), _MM_HINT_T0);
+        __m512 low[QMR], high[QMR];
+        EACH(m, MT) low[m] = high[m] = _mm512_setzero_ps();
+        EACH(g, QRUN / 4) {
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qb + g * 32)));
+            const __m512bh first = (__m512bh)_mm512_permutexvar_epi16(words, table);
+            const __m512bh second = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+            const int64_t p = (b * QRUN + g * 4) / 2;
+            EACH(m, MT) {
+                low[m] = _mm512_dpbf16_ps(low[m], first, (__m512bh)_mm512_set1_epi32((int)in[m * pairs + p]));
+                high[m] = _mm512_dpbf16_ps(high[m], second, (__m512bh)_mm512_set1_epi32((int)in[m * pairs + p + 1]));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + b * QCOLS)));
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + b * QCOLS)));
+        EACH(m, MT) {
+            total[m] = _mm512_fmadd_ps(d, _mm512_add_ps(low[m], high[m]), total[m]);
+            total[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[(m0 + m) * runs + b]), total[m]);
+        }
+    }
+    const int64_t n = t * QCOLS;
+    const __mmask16 lanes = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n)), 16));
+    if (wide)
+        EACH(m, MT) _mm512_mask_storeu_ps((float *)y + (m0 + m) * N + n, lanes, _mm512_add_ps(total[m], bv));
+    else
+        EACH(m, MT) _mm256_mask_storeu_epi16(y + (m0 + m) * N + n, lanes, round_bf16(_mm512_add_ps(total[m], bv)));
+}
+
+/* Tiles first .. last, each for every row group of QMR rows, then the last rows. */
+TARGET static void codes_tiles(const uint16_t *x, const float *sums, const uint8_t *q, const uint16_t *scales,
+                               const uint16_t *mins, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                               int64_t K, int64_t first, int64_t last, int wide) {
+    for (int64_t t = first; t < last; t++) {
+        int64_t m = 0;
+        for (; m + QMR <= M; m += QMR) codes_tile(x, sums, q, scales, mins, bias, y, QMR, m, t, N, K, wide);
+        switch (M - m) {
+            case 5: codes_tile(x, sums, q, scales, mins, bias, y, 5 % QMR, m, t, N, K, wide); break;
+            case 4: codes_tile(x, sums, q, scales, mins, bias, y, 4 % QMR, m, t, N, K, wide); break;
+            case 3: codes_tile(x, sums, q, scales, mins, bias, y, 3, m, t, N, K, wide); break;
+            case 2: codes_tile(x, sums, q, scales, mins, bias, y, 2, m, t, N, K, wide); break;
+            case 1: codes_tile(x, sums, q, scales, mins, bias, y, 1, m, t, N, K, wide); break;
+            default: break;
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] w^T (+ bias) on a Q4_1 weight laid out as above, bf16 or (`wide`) fp32; K a
+   multiple of 32. `sums` [M, K / 32]: scratch for each row's sum over each run of inputs (the mins'
+   factor), in fp32, in k order. On up to `threads` threads of the process's OpenMP pool, split by
+   tiles. */
+TARGET void gemm_codes_bf16(const uint16_t *x, const uint8_t *q, const uint16_t *scales, const uint16_t *mins,
+                            const uint16_t *bias, uint16_t *y, float *sums, int64_t M, int64_t N, int64_t K,
+                            int64_t threads, int64_t wide) {
+    const int64_t runs = K / QRUN, count = (N + QCOLS - 1) / QCOLS;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < runs; b++) {
+            float s = 0.0f;
+            for (int64_t k = b * QRUN; k < (b + 1) * QRUN; k++) {
+                union { uint32_t u; float f; } v = {.u = (uint32_t)x[m * K + k] << 16};
+                s += v.f;
+            }
+            sums[m * runs + b] = s;
+        }
+    int64_t parts = threads < count / 2 ? threads : count / 2;
+    if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
+    if (parts <= 1) {
+        codes_tiles(x, sums, q, scales, mins, bias, y, M, N, K, 0, count, (int)wide);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int64_t p = 0; p < parts; p++)
+        codes_tiles(x, sums, q, scales, mins, bias, y, M, N, K, count * p / parts, count * (p + 1) / parts, (int)wide);
+}
+
+int64_t codes_tile_cols(void) { return QCOLS; }
 
 /* e^x for x <= 0 (softmax after subtracting the maximum): 2^(x log2 e) split into an integer
    power (scalef) and 2^f, f in [-0.5, 0.5], by its degree-6 Taylor polynomial (relative error
