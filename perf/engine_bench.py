@@ -10,7 +10,9 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
   - on a CPU whose oneDNN runs bf16 (AVX-512-BF16 or AMX; elsewhere bf16 is emulated and left out):
     this engine in bf16 with plain weights through ``F.linear`` (``native_kernels: false,
     pack_weights: false``), with weights prepacked for oneDNN (``native_kernels: false``), and as the
-    pools run it, with its own projection and paged decode attention kernels,
+    pools run it, with its own projection and paged decode attention kernels (decode rows on the
+    checkpoint's Q4_1 codes where it holds them; then also on a copy stored in bf16, the same weights
+    without codes, for comparison),
   - vLLM CPU's offline engine in bf16 and fp32, when ``.venv-vllm`` is installed (in a process of its
     own, measured on request: ``benchlib/vllm_engine.py``).
 Repetitions are interleaved (A B C A B C ..., vLLM among them) so drift on a shared machine hits all
@@ -35,6 +37,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import torch
 from benchlib.timing import median_time
+from safetensors.torch import load_file, save_file
 
 from disagg.engine.device import onednn_bf16
 from disagg.engine.engine import Engine, EngineConfig
@@ -140,6 +144,17 @@ class EngineRunner:
         for out in outs:
             self.engine.free(out.seq_id)
         return elapsed
+
+
+def _stored_bf16(model_dir: Path, scratch: Path) -> Path:
+    """A copy of ``model_dir`` in ``scratch`` with its tensors stored in bf16: the same weights as a
+    bf16 pool computes with, where no block code can be found (the comparison for a coded model)."""
+    out = scratch / model_dir.name
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in model_dir.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: t.bfloat16().contiguous() for name, t in tensors.items()}, out / file.name)
+    return out
 
 
 def _bind(cores: tuple[int, ...]) -> str:
@@ -278,12 +293,18 @@ def run(
     if pools.engine.describe()["projections"] != "torch":
         runners.append(pools)
     del pools
+    scratch = tempfile.TemporaryDirectory(prefix="engine-bench-")
     if onednn_bf16():  # elsewhere bf16 is emulated, many times slower than fp32: not a pool's choice
         runners += [
             EngineRunner(model_dir, "bfloat16", pack=False, kernel=False),
             EngineRunner(model_dir, "bfloat16", kernel=False),
-            EngineRunner(model_dir, "bfloat16"),
         ]
+        bf16_pools = EngineRunner(model_dir, "bfloat16")
+        if "blocks" in bf16_pools.engine.describe()["projections"]:  # beside it: the same without codes
+            rounded = EngineRunner(_stored_bf16(model_dir, Path(scratch.name)), "bfloat16")
+            rounded.name += ", bf16 weights (no codes)"
+            runners.append(rounded)
+        runners.append(bf16_pools)
     baseline = runners[0].name
     peers = [VllmRunner(model_dir, dtype, cores, prompt_len, context, steps) for dtype in vllm_dtypes]
     try:
@@ -295,6 +316,7 @@ def run(
     limit["runner"] = runners[-1].name
     runners.clear()
     gc.collect()
+    scratch.cleanup()
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
     for row in rows:

@@ -4,7 +4,9 @@ For every projection of one forward step of a model (its layers' qkv, o, gate_up
 output head), at M input rows, on pinned cores, in the dtype the pools compute in here:
   - bf16 (a CPU with AVX-512-BF16): ``kernel``, ``disagg.engine.kernel.gemm`` on its own weight
     layout (what the pools run), against ``oneDNN``, ``torch.ops.mkldnn._linear_pointwise`` on a
-    weight reordered once by ``_reorder_linear_weight`` (the engine's path where the kernels are not);
+    weight reordered once by ``_reorder_linear_weight`` (the engine's path where the kernels are not),
+    and ``Q4_1 codes``, the decode rows of a bf16 pool on a Q4_1-coded checkpoint (SmolLM2's):
+    ``disagg.engine.blockcode.bf16_gemm`` for the layers, the bf16 kernel for the head;
   - fp32 (a CPU with AVX2 and FMA): ``kernel``, ``disagg.engine.fp32kernel.gemm`` on its tiled weight
     (what the pools run on a plain fp32 checkpoint, and for prompt rows beside block codes), against
     oneDNN's prepacked fp32 kernel (batch hint 256) and MKL's ``F.linear`` (the reference).
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import fp32kernel, kernel
+from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import load_config
 from disagg.paths import ensure_model, resolve_model_dir
 
@@ -50,7 +52,34 @@ def _onednn(hint: int) -> Runner:
     )
 
 
-def runners(dtype: str) -> list[Runner]:
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` rounded to Q4_1 codes (per run of 32 inputs: codes 0..15, an fp16 scale and min) and
+    stored as their fp32 values, as the converter stores a quantized GGUF model."""
+    runs = weight.float().reshape(-1, blockcode.RUN)
+    low = runs.amin(-1, keepdim=True).half().float()
+    scale = ((runs.amax(-1, keepdim=True) - low) / 15).half().float()
+    codes = torch.where(scale > 0, ((runs - low) / scale.clamp(min=1e-30)).round().clamp(0, 15), 0)
+    return (scale * codes + low).reshape(weight.shape)
+
+
+def _codes(head: tuple[int, int]) -> Runner:
+    """Decode rows as the bf16 pools run them on a Q4_1-coded checkpoint (SmolLM2's): the layers'
+    projections on the codes, the output head (Q8_0 there) on the bf16 kernel."""
+    gemm, code_gemm = kernel.gemm(), blockcode.bf16_gemm()
+
+    def prepare(weight: torch.Tensor) -> tuple[str, object]:
+        if tuple(weight.shape) == head:
+            return "bf16", kernel.pack(weight)
+        return "codes", blockcode.quads(blockcode.recover(q4_1(weight)))
+
+    def call(x: torch.Tensor, laid: tuple[str, object]) -> torch.Tensor:
+        kind, layout = laid
+        return gemm(x, layout, None) if kind == "bf16" else code_gemm(x, layout, None)
+
+    return "Q4_1 codes", prepare, call
+
+
+def runners(dtype: str, head: tuple[int, int]) -> list[Runner]:
     """The engine's kernel first, then what it is compared with; refuses where the kernel is off."""
     if dtype == "bfloat16":
         gemm = kernel.gemm()
@@ -58,7 +87,7 @@ def runners(dtype: str) -> list[Runner]:
             raise SystemExit(
                 "the bf16 kernels are off here (no AVX-512-BF16 or no C compiler): try --dtype float32"
             )
-        return [("kernel", kernel.pack, lambda x, packed: gemm(x, packed, None)), _onednn(1)]
+        return [("kernel", kernel.pack, lambda x, packed: gemm(x, packed, None)), _onednn(1), _codes(head)]
     gemm32 = fp32kernel.gemm()
     if gemm32 is None:
         raise SystemExit(
@@ -82,8 +111,8 @@ def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int
 def run(model_dir: Path, cores: tuple[int, ...], rows: list[int], reps: int, dtype: str) -> dict:
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(len(cores))
-    paths = runners(dtype)
     layer, head, layers = shapes(model_dir)
+    paths = runners(dtype, head)
     weights = [torch.randn(n, k).to(getattr(torch, dtype)) for _ in range(layers) for n, k in layer] + [
         torch.randn(*head).to(getattr(torch, dtype))
     ]
