@@ -253,15 +253,10 @@ def bf16_gemm() -> BlockGemm | None:
     function = loaded.gemm_codes_bf16
 
     def call(x: torch.Tensor, code: BlockCode, bias: torch.Tensor | None, wide: bool = False) -> torch.Tensor:
-        rows, width = x.shape
         if code.layout != "quads":
             raise ValueError("bf16 block gemm takes 4-bit codes laid out by quads()")
-        if x.dtype != torch.bfloat16 or width != code.in_features:
-            raise ValueError(f"bf16 block gemm takes bf16 rows of width {code.in_features}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (code.out_features,)):
-            raise ValueError(f"bf16 block gemm takes a bf16 bias of {code.out_features}")
-        x = x.contiguous()
-        out = torch.empty(rows, code.out_features, dtype=torch.float32 if wide else torch.bfloat16)
+        x, out = kernel.bf16_operands("bf16 block gemm", x, code.in_features, code.out_features, bias, wide)
+        rows, width = x.shape
         if rows:
             sums = torch.empty(rows * (width // RUN), dtype=torch.float32)
             function(

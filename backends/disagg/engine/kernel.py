@@ -186,6 +186,20 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(tiles.contiguous(), n, k)
 
 
+def bf16_operands(
+    name: str, x: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None, wide: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 projection's checked inputs (``x`` [M, in_features] bf16, made contiguous; ``bias``
+    [out_features] bf16 or None) and its output, [M, out_features], fp32 with ``wide``, else bf16;
+    ValueError naming ``name`` for anything else."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"{name} takes bf16 rows of width {in_features}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+        raise ValueError(f"{name} takes a bf16 bias of {out_features}")
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32 if wide else torch.bfloat16)
+    return x.contiguous(), out
+
+
 def gemm() -> Gemm | None:
     """``gemm(x [M, K] bf16, weight: PackedWeight, bias [N] | None, wide=False) -> y [M, N]``, bf16, or
     fp32 with ``wide`` (the sums unrounded: an output head's logits), any M: a row's bits do not
@@ -198,13 +212,8 @@ def gemm() -> Gemm | None:
     def call(
         x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, wide: bool = False
     ) -> torch.Tensor:
+        x, out = bf16_operands("gemm", x, weight.in_features, weight.out_features, bias, wide)
         rows, width = x.shape
-        if x.dtype != torch.bfloat16 or width != weight.in_features:
-            raise ValueError(f"gemm takes bf16 rows of width {weight.in_features}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (weight.out_features,)):
-            raise ValueError(f"gemm takes a bf16 bias of {weight.out_features}")
-        x = x.contiguous()
-        out = torch.empty(rows, weight.out_features, dtype=torch.float32 if wide else torch.bfloat16)
         if rows:
             bias_at = None if bias is None else bias.contiguous().data_ptr()
             function(
