@@ -15,8 +15,8 @@
   rows go to the bf16 block-code kernel (``blockcode.bf16_gemm``), which reads 4.5 bits a weight
   instead of 16 and computes with the codes' exact values; prompt rows (compute-bound) stay on the
   bf16 kernel (or oneDNN on AMX) and the bf16 weight. SmolLM2's projections on one core
-  (``perf/projection_bench.py``, its Q8_0 head on the bf16 kernel in both): 5.9 ms against 10.0 ms
-  on the bf16 weights at 1 row, equal at 8, 1.11x the time at 32 (bound by the kernel's arithmetic).
+  (``perf/projection_bench.py``, its Q8_0 head on the bf16 kernel in both): 6.3 ms against 11.2 ms
+  on the bf16 weights at 1 row, 13.4 / 14.7 at 8, 1.05x the time at 32 (the kernel's arithmetic).
 - **bf16 elsewhere** (``pack``): the weight reordered once, at load, into oneDNN's blocked layout and
   called through ``torch.ops.mkldnn._linear_pointwise`` (the op inductor emits for frozen bf16
   linears): the same bits as ``F.linear``, which reorders on every call, and faster.
