@@ -98,12 +98,15 @@ class Projection:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         else:
             self.weight = weight
+        # decode rows, and prompt rows where they take another path (None: the decode rows' path)
         plain = self._plain(gemm, fp32_gemm)
-        self._decode = plain if self.blocks is None else self._coded()
-        # prompt rows apart from decode rows: beside codes, or on AMX
-        self._prompt = plain if plain is not self._decode or (gemm is not None and amx_prompts) else None
-        if self._prompt is not None and self.native is not None and self.weight is not None:
-            self._prompt = self._onednn  # AMX: oneDNN for prompt rows, the bf16 kernel for decode rows
+        self._prompt: Rows | None = None
+        if self.blocks is not None:  # the codes; prompt rows on the weight, if kept
+            self._decode, self._prompt = self._coded(), plain
+        elif self.native is not None and self.weight is not None:  # AMX: prompt rows to oneDNN
+            self._decode, self._prompt = plain, self._onednn
+        else:
+            self._decode = plain
 
     def _plain(self, gemm: kernel.Gemm | None, fp32_gemm: fp32kernel.Gemm | None) -> Rows | None:
         """Rows on the weight itself: the bf16 kernel, the fp32 kernel, oneDNN or ``F.linear``."""

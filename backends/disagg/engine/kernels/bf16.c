@@ -1,6 +1,6 @@
 /* The engine's bf16 CPU kernels (AVX-512-BF16): gemm_bf16 (every projection, on its own weight
-   layout), gemm_codes_bf16 (decode rows on a Q4_1 block-coded weight), decode_attention_bf16 and prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16,
-   silu_mul_bf16 and rope_cache_bf16 (the pointwise work between projections; the last one also
+   layout), gemm_codes_bf16 (decode rows on a Q4_1 block-coded weight), decode_attention_bf16 and
+   prompt_attention_bf16 (over the paged KV cache), rms_norm_bf16, silu_mul_bf16 and rope_cache_bf16 (the pointwise work between projections; the last one also
    writes a layer's new keys and values into the cache).
 
    Built by disagg.engine.kernel (gcc -O3 -fopenmp, at `make` or first use) and called through ctypes
