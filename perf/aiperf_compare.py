@@ -21,6 +21,10 @@ Where the two clients' definitions differ (the report prints this too):
 - Goodput: ours is requests meeting both SLOs over the window from the first scheduled arrival to the
   last completion; AIPerf's is the same count over its own benchmark duration. Errors count as misses
   in both.
+
+Both clients run on the deployment's two cores, so the CPU a client spends is taken from the server: the
+CPU seconds of each client's processes and of the deployment's (benchlib.cpuprobe) are measured over each
+run, beside its wall time, to show where a difference between the clients comes from.
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, write_json
+from benchlib.cpuprobe import CpuProbe, group_members
 from benchlib.deploy import (
     VllmConfig,
     VllmServer,
@@ -147,6 +155,37 @@ class Figures:
     throughput_rps: float | None
     goodput_rps: float | None
     output_tokens_mean: float | None
+    cpu: Usage | None = None
+    """CPU seconds of the client and of the deployment while this client's run lasted."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """CPU seconds spent by a client's processes and by the deployment's over a run of `wall_s`."""
+
+    wall_s: float
+    client_cpu_s: float
+    server_cpu_s: float
+
+
+def cpu_seconds(usage: Mapping[str, Mapping[str, float]]) -> float:
+    """The total of a `CpuProbe.stop()` result."""
+    return round(sum(sum(per.values()) for per in usage.values()), 3)
+
+
+@contextlib.contextmanager
+def metered(client: Callable[[], list[int]], server: Callable[[], list[int]]) -> Iterator[list[Usage]]:
+    """Probes the client's and the server's processes while the block runs; the list it yields gets the
+    Usage when the block ends."""
+    probes = CpuProbe(client).start(), CpuProbe(server).start()
+    started = time.monotonic()
+    out: list[Usage] = []
+    try:
+        yield out
+    finally:
+        wall = time.monotonic() - started
+        client_usage, server_usage = (probe.stop() for probe in probes)
+        out.append(Usage(round(wall, 3), cpu_seconds(client_usage), cpu_seconds(server_usage)))
 
 
 def ours(summary: Summary) -> Figures:
@@ -213,8 +252,11 @@ def read_export(artifact_dir: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def deployment(name: str, args: argparse.Namespace, scratch: Path) -> Iterator[tuple[str, str]]:
-    """Start `name`; yields (OpenAI base URL without /v1, the exact command that started it)."""
+def deployment(
+    name: str, args: argparse.Namespace, scratch: Path
+) -> Iterator[tuple[str, str, Callable[[], list[int]]]]:
+    """Start `name`; yields (OpenAI base URL without /v1, the exact command that started it, the live
+    processes serving it)."""
     if name == "vllm":
         config = VllmConfig(
             model_dir=args.model_dir.resolve(),
@@ -227,7 +269,7 @@ def deployment(name: str, args: argparse.Namespace, scratch: Path) -> Iterator[t
         log(f"starting vLLM: {command}")
         with VllmServer(config).start() as server:
             server.wait_healthy()
-            yield config.url, command
+            yield config.url, command, lambda: group_members(server.pid)
         return
     from disagg.openai.launcher import FrontendLaunch, FrontendProcess
 
@@ -243,7 +285,11 @@ def deployment(name: str, args: argparse.Namespace, scratch: Path) -> Iterator[t
         frontend.start()
         url = frontend.url.removesuffix("/v1")
         wait_for_health(f"{url}/health", frontend, "the OpenAI front end")
-        yield url, f"disagg serve on {repository.name} ({name}), OpenAI front end {url}"
+
+        def serving() -> list[int]:
+            return [*group_members(server.pid), *([frontend.pid] if frontend.pid else [])]
+
+        yield url, f"disagg serve on {repository.name} ({name}), OpenAI front end {url}", serving
     finally:
         frontend.stop()
         server.stop(grace_s=5)
@@ -266,21 +312,26 @@ async def harness_run(url: str, args: argparse.Namespace, workload: Workload, sl
 def measure(
     name: str, args: argparse.Namespace, workload: Workload, slo: Slo, scratch: Path
 ) -> dict[str, Any]:
-    with deployment(name, args, scratch) as (url, started):
+    with deployment(name, args, scratch) as (url, started, serving):
         log(f"{name}: the harness, {args.count} requests at {args.rate:g}/s ...")
-        summary = asyncio.run(harness_run(url, args, workload, slo))
+        with metered(lambda: [os.getpid()], serving) as harness_cpu:
+            summary = asyncio.run(harness_run(url, args, workload, slo))
         artifacts = args.out_dir / "aiperf" / name
         command = aiperf_command(
             args.aiperf, url, args.model_dir.name, args.model_dir.resolve(), workload, args.rate,
             args.count, slo, artifacts, args.seed,
         )  # fmt: skip
         log(f"{name}: AIPerf: {shlex.join(command)}")
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-            raise RuntimeError(f"AIPerf exited with {done.returncode}:\n{tail}")
-        theirs = parse_export(read_export(artifacts))
-    mine = ours(summary)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        with metered(lambda: group_members(process.pid), serving) as aiperf_cpu:
+            output, _ = process.communicate()
+        if process.returncode != 0:
+            tail = "\n".join(output.splitlines()[-15:])
+            raise RuntimeError(f"AIPerf exited with {process.returncode}:\n{tail}")
+        theirs = dataclasses.replace(parse_export(read_export(artifacts)), cpu=aiperf_cpu[0])
+    mine = dataclasses.replace(ours(summary), cpu=harness_cpu[0])
     return {
         "deployment": name,
         "started": started,
@@ -294,6 +345,11 @@ def measure(
 def markdown(out: Mapping[str, Any]) -> str:
     def num(value: float | None, digits: int = 1) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
+
+    def cores(usage: Mapping[str, float] | None) -> list[str]:
+        if not usage or not usage["wall_s"]:
+            return ["–", "–"]
+        return [f"{usage[k] / usage['wall_s']:.2f}" for k in ("client_cpu_s", "server_cpu_s")]
 
     def share(value: float | None) -> str:
         if value is None:
@@ -310,8 +366,8 @@ def markdown(out: Mapping[str, Any]) -> str:
         f"The harness ran first, then AIPerf {out['aiperf_version']}, on the same warm server.",
         "",
         "| deployment | client | requests | errors | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | "
-        "output tokens | throughput | goodput |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "output tokens | throughput | goodput | client CPU (cores) | server CPU (cores) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in out["runs"]:
         for side in ("harness", "aiperf"):
@@ -319,14 +375,22 @@ def markdown(out: Mapping[str, Any]) -> str:
             cells = [row["deployment"], side, str(f["requests"]), str(f["errors"])]
             cells += [num(f["ttft_p50_ms"], 0), num(f["ttft_p90_ms"], 0)]
             cells += [num(f["tpot_p50_ms"], 2), num(f["tpot_p90_ms"], 2), num(f["output_tokens_mean"])]
-            cells += [num(f["throughput_rps"], 2), num(f["goodput_rps"], 2)]
+            cells += [num(f["throughput_rps"], 2), num(f["goodput_rps"], 2), *cores(f.get("cpu"))]
             lines.append("| " + " | ".join(cells) + " |")
         d = row["difference"]
         cells = [row["deployment"], "AIPerf vs harness", "", ""]
         cells += [share(d[k]) for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")]
-        cells += ["", share(d["throughput_rps"]), share(d["goodput_rps"])]
+        cells += ["", share(d["throughput_rps"]), share(d["goodput_rps"]), "", ""]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"**!**: the clients differ by more than {DIFFERENCE_FLAG:.0%}. Definitions:", ""]
+    lines += [
+        "",
+        "CPU (cores): CPU seconds over the run's wall time, of the client's processes and of the "
+        "deployment's (Triton, its stubs and the OpenAI front end; vLLM's processes), sampled from /proc. "
+        "Both clients share the machine's cores with the deployment.",
+        "",
+        f"**!**: the clients differ by more than {DIFFERENCE_FLAG:.0%}. Definitions:",
+        "",
+    ]
     lines += [f"- {line}" for line in DEFINITIONS]
     lines += ["", "Commands:", ""]
     for row in out["runs"]:

@@ -2,7 +2,14 @@
 the interference experiment, then perf/RESULTS.md, JSON and PNG plots.
 
     python perf/run_all.py --quick   # first look, <= 10 min: codegen only, short runs
-    python perf/run_all.py --full    # <= 45 min: codegen, chat, summarize
+    python perf/run_all.py --full    # <= 90 min: codegen, chat, summarize, codegen@article
+
+A workload named `<workload>@<source>` (benchlib.slo.FIXED_SLOS) sends the workload's prompts and is
+judged by SLOs given from outside the rule (`codegen@article`: the source article's 500 ms / 50 ms).
+
+Before each goodput search, a deployment serves three requests of the workload alone; one whose median
+already misses an SLO alone cannot reach the target attainment at any rate, so it is reported with goodput
+0 and its figures alone, and not searched (a search would probe ever lower rates, each minutes long).
 
 Deployments (all on the same two cores, measured one after another):
   disagg     Triton `ensemble`  (prefill pool core 0, decode pool core 1, BLS orchestrator)
@@ -47,15 +54,17 @@ from benchlib.deploy import (
     wait_for_health,
     with_pool_parameters,
 )
-from benchlib.experiment import RunPlan, interference, search_goodput, start_rate
+from benchlib.experiment import GoodputResult, RunPlan, interference, search_goodput, start_rate
 from benchlib.search import SearchConfig
 from benchlib.slo import (
+    FIXED_SLOS,
     REFERENCE_DEPLOYMENT,
     SLO_FILE,
     TPOT_FACTOR,
     TTFT_FACTOR,
     Calibration,
     FrozenSlo,
+    base_workload,
     calibrate,
     freeze,
     judged_by,
@@ -74,6 +83,11 @@ SLO_RULE = (
     "idle figures beside the frozen SLOs and when they were derived."
 )
 TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm": "llm"}
+MEASURING_ORDER = ("colocated", "disagg", "llm", "vllm", "vllm-pd")
+"""The SLO reference first, then our deployments, the tuned peer, and vLLM's own P/D last: when the time
+budget runs out, what it cuts is the deployment with the least to show."""
+IDLE_REPS = 3
+"""Requests served alone, before a deployment's goodput search, to see whether it can meet the SLOs."""
 NOTES = {
     "disagg": "Triton ensemble: prefill pool on core 0, decode pool on core 1, BLS orchestrator",
     "colocated": "Triton ensemble_colocated: one continuous-batching pool (SLO reference)",
@@ -100,7 +114,15 @@ PROFILES = {
     # budgets: the vLLM grid's tuning searches (four configurations by default) come first
     "quick": Profile("quick", ("codegen",), RunPlan(12, 12, 60, 30), 4, 0.15, 3, 40, 4.0, 1500),
     "full": Profile(
-        "full", ("codegen", "chat", "summarize"), RunPlan(25, 16, 150, 60), 5, 0.1, 5, 100, 4.0, 4800
+        "full",
+        ("codegen", "chat", "summarize", "codegen@article"),
+        RunPlan(25, 16, 150, 60),
+        5,
+        0.1,
+        5,
+        100,
+        4.0,
+        4800,
     ),
 }
 
@@ -456,16 +478,29 @@ async def measure(
             is_reference = dep.name.partition(" (")[0] == REFERENCE_DEPLOYMENT  # or one of its grid's
             reference = dep.name if is_reference else f"{dep.name} (stand-in for {REFERENCE_DEPLOYMENT})"
             for name in (*profile.workloads, "decode"):
-                cal = await calibrate(
-                    client, WORKLOADS[name], factory, reference, reps=profile.calibration_reps
-                )
-                if frozen is not None:
+                fixed = FIXED_SLOS.get(name)
+                if fixed is not None and fixed.workload in cals:  # the same prompts: measured already
+                    cal = _calibration(cals[fixed.workload])
+                else:
+                    cal = await calibrate(
+                        client, WORKLOADS[base_workload(name)], factory, reference,
+                        reps=profile.calibration_reps,
+                    )  # fmt: skip
+                if fixed is not None:
+                    cal = dataclasses.replace(cal, workload=name, slo=fixed.slo)
+                elif frozen is not None:
                     cal = judged_by(cal, frozen[name])
                 cals[name] = cal.to_dict()
-                if frozen is not None:
+                if fixed is not None:
+                    cals[name]["fixed"] = fixed.source
+                elif frozen is not None:
                     cals[name]["frozen"] = dataclasses.asdict(frozen[name])
                 slo = cal.slo
-                source = f"frozen {frozen[name].derived}" if frozen is not None else "derived now"
+                source = (
+                    "given" if fixed is not None
+                    else f"frozen {frozen[name].derived}" if frozen is not None
+                    else "derived now"
+                )  # fmt: skip
                 log(
                     f"SLO {name} ({source}): TTFT {slo.ttft_s * 1000:.0f} ms, "
                     f"TPOT {slo.tpot_s * 1000:.1f} ms (idle today {cal.idle_ttft_s * 1000:.0f} / "
@@ -477,7 +512,9 @@ async def measure(
                 continue
             if _server_lost(dep, name, results):
                 continue
-            workload, cal = WORKLOADS[name], _calibration(cals[name])
+            workload, cal = WORKLOADS[base_workload(name)], _calibration(cals[name])
+            if await _misses_alone(client, dep, name, workload, factory, cal, results, records):
+                continue
             start = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
             search = SearchConfig(
                 start=start, min_rate=start / 16, max_rate=start * 64,
@@ -522,6 +559,41 @@ async def measure(
         )
     finally:
         await client.close()
+
+
+async def _misses_alone(
+    client: Any,
+    dep: Deployment,
+    name: str,
+    workload: Any,
+    factory: PromptFactory,
+    cal: Calibration,
+    results: dict[str, Any],
+    records: dict[str, Any],
+) -> bool:
+    """Serve IDLE_REPS requests of `workload` alone on `dep` and record their median TTFT / TPOT in
+    results["alone"]; True (with goodput 0 recorded, and a note) when that median already misses an SLO
+    of `cal`: then no rate can reach the target attainment, and the search is skipped."""
+    try:
+        alone = await calibrate(client, workload, factory, dep.name, reps=IDLE_REPS)
+    except ValueError as exc:  # a failing request: the search below measures and reports the errors
+        results.setdefault("alone", {}).setdefault(name, {})[dep.name] = {"error": str(exc)[:300]}
+        return False
+    figures = {"ttft_s": alone.idle_ttft_s, "tpot_s": alone.idle_tpot_s, "requests": IDLE_REPS}
+    results.setdefault("alone", {}).setdefault(name, {})[dep.name] = figures
+    if alone.idle_ttft_s <= cal.slo.ttft_s and alone.idle_tpot_s <= cal.slo.tpot_s:
+        return False
+    res = GoodputResult(workload.name, 0.0, dep.cores, []).to_dict()
+    results["goodput"].setdefault(name, {})[dep.name] = {**res, "misses_alone": True}
+    records["goodput"].setdefault(name, {})[dep.name] = None
+    note = (
+        f"{dep.name} {name}: goodput 0 without a search: alone, its median TTFT "
+        f"{alone.idle_ttft_s * 1000:.0f} ms / TPOT {alone.idle_tpot_s * 1000:.1f} ms already miss the SLOs "
+        f"({cal.slo.ttft_s * 1000:.0f} / {cal.slo.tpot_s * 1000:.1f} ms)"
+    )
+    results["meta"]["notes"].append(note)
+    log(note)
+    return True
 
 
 def server_alive(pid: int | None) -> bool:
@@ -579,15 +651,15 @@ def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argpar
 async def main_async(args: argparse.Namespace) -> int:
     profile = PROFILES[args.mode]
     if args.workloads:
-        unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+        unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS and w not in FIXED_SLOS]
         if unknown:
-            raise SystemExit(f"unknown workloads: {unknown}; known: {sorted(WORKLOADS)}")
+            raise SystemExit(f"unknown workloads: {unknown}; known: {sorted({*WORKLOADS, *FIXED_SLOS})}")
         profile = Profile(**{**profile.__dict__, "workloads": tuple(args.workloads.split(","))})
     experiments = tuple(e.strip() for e in args.experiments.split(",") if e.strip())
     if not experiments or set(experiments) - {"goodput", "interference"}:
         raise SystemExit("--experiments takes goodput and/or interference")
     model_key = args.model_dir.resolve().name
-    needed = (*profile.workloads, "decode")
+    needed = tuple(dict.fromkeys(w for w in (*profile.workloads, "decode") if w not in FIXED_SLOS))
     frozen: dict[str, FrozenSlo] | None = None
     derived = False
     if args.derive_slos:
@@ -695,7 +767,7 @@ async def main_async(args: argparse.Namespace) -> int:
         records: dict[str, Any] = {"goodput": {}, "interference": {}}
         # The SLO reference is measured first; without it, the first available deployment stands in
         # (and the report says so).
-        order = sorted(names, key=lambda n: (n != "colocated", n == "vllm"))
+        order = sorted(names, key=MEASURING_ORDER.index)
         if not (deployments.get("colocated") and deployments["colocated"].available):
             results["meta"]["notes"].append(
                 f"{REFERENCE_DEPLOYMENT} was not available: the SLOs were calibrated on a stand-in "
@@ -733,9 +805,11 @@ async def main_async(args: argparse.Namespace) -> int:
                         await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
                 elif args.derive_slos:
                     await measure(dep, profile, factory, results, records, deadline, ())
-                    if dep.name != "colocated" or len(results["calibrations"]) != len(needed):
+                    cals = {
+                        n: _calibration(d) for n, d in results["calibrations"].items() if n in needed
+                    }  # SLOs given from outside are never frozen
+                    if dep.name != "colocated" or len(cals) != len(needed):
                         raise RuntimeError("the SLOs could not be measured on colocated")
-                    cals = {n: _calibration(d) for n, d in results["calibrations"].items()}
                     command = "python perf/run_all.py " + " ".join(sys.argv[1:])
                     freeze(
                         args.slo_file, model_key, cals, started_wall.isoformat(timespec="seconds"), command

@@ -191,3 +191,34 @@ def freeze(path: Path, model: str, calibrations: dict[str, Calibration], derived
 def judged_by(cal: Calibration, frozen: FrozenSlo) -> Calibration:
     """Today's calibration (its idle figures still measured and reported) judged by the frozen SLO."""
     return replace(cal, slo=frozen.slo)
+
+
+# ---- SLOs given from outside --------------------------------------------------------------------------
+#
+# Beside the rule's SLOs, a workload can be judged by SLOs stated elsewhere, under a name of its own
+# (`<workload>@<source>`): the same prompts and lengths, another bar. They are never derived or frozen.
+
+
+@dataclass(frozen=True)
+class FixedSlo:
+    """A workload judged by SLOs given from outside the rule, and where they come from."""
+
+    workload: str
+    slo: Slo
+    source: str
+
+
+FIXED_SLOS: dict[str, FixedSlo] = {
+    "codegen@article": FixedSlo(
+        "codegen",
+        Slo(ttft_s=0.5, tpot_s=0.05),
+        "the source article's SLOs for code completion: TTFT <= 500 ms and TPOT <= 50 ms for a "
+        "~300-token prompt",
+    )
+}
+
+
+def base_workload(name: str) -> str:
+    """The workload whose prompts and lengths `name` uses: itself, or a fixed-SLO variant's base."""
+    fixed = FIXED_SLOS.get(name)
+    return fixed.workload if fixed is not None else name

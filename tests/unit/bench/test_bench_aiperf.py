@@ -142,3 +142,34 @@ def test_the_report_section_is_replaced_not_repeated() -> None:
     twice = with_section(once + "\n## later\n", ac.SECTION, "## AIPerf\nsecond\n")
     assert twice.count(section_markers(ac.SECTION)[0]) == 1 and "first" not in twice and "second" in twice
     assert twice.startswith("# Results\n\nbody\n") and "## later" in twice
+
+
+def test_a_runs_cpu_is_metered_for_the_client_and_the_server_apart() -> None:
+    import subprocess
+    import sys
+
+    spin = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        with ac.metered(lambda: [busy.pid], lambda: []) as usage:
+            busy.wait(timeout=30)
+    finally:
+        busy.kill()
+    (used,) = usage
+    # the client spun 0.4 s of CPU (its start-up adds a little); the idle server spent none
+    assert 0.3 <= used.client_cpu_s <= used.wall_s + 0.2 and used.server_cpu_s == 0.0
+    figures = ac.parse_export(EXPORT)
+    row = {
+        "deployment": "disagg", "started": "s", "aiperf_command": "a",
+        "harness": figures.__dict__ | {"client": "harness", "cpu": {"wall_s": 10.0, "client_cpu_s": 2.0,
+                                                                    "server_cpu_s": 15.0}},
+        "aiperf": figures.__dict__ | {"cpu": {"wall_s": 20.0, "client_cpu_s": 24.0, "server_cpu_s": 16.0}},
+        "difference": ac.differences(figures, figures),
+    }  # fmt: skip
+    out = {
+        "workload": "codegen", "model": "tiny", "machine": "2 cores", "count": 12, "rate": 2.0,
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.02}, "aiperf_version": "0.13.0", "command": "c", "runs": [row],
+    }  # fmt: skip
+    lines = ac.markdown(out).splitlines()
+    assert next(x for x in lines if x.startswith("| disagg | harness |")).endswith("| 0.20 | 1.50 |")
+    assert next(x for x in lines if x.startswith("| disagg | aiperf |")).endswith("| 1.20 | 0.80 |")
