@@ -52,6 +52,7 @@ from benchlib.deploy import (
     start_triton,
     vllm_command_line,
     wait_for_health,
+    with_orchestrator_parameters,
     with_pool_parameters,
 )
 from benchlib.experiment import GoodputResult, RunPlan, interference, search_goodput, start_rate
@@ -184,6 +185,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the colocated pool's cores and prompt tokens per step, chunked prefill with +chunked; each is "
         "tuned on the first workload and the best is measured in full as 'colocated' (default: the "
         "repository's own, both cores with chunks of 512 as vLLM does, and one core)",
+    )
+    parser.add_argument(
+        "--disagg-grid",
+        default="0,512",
+        help="our disaggregated deployment's configurations tried (with --start-triton): conditional "
+        "disaggregation's longest prompt prefilled on the decode pool while the prefill pool is "
+        "backlogged, 0 for off; each is tuned on the first workload and the best is measured in full as "
+        "'disagg' (default: off, and prompts up to 512 tokens)",
     )
     parser.add_argument("--vllm-omp-bind", default="", help="one configuration only: this bind")
     parser.add_argument("--vllm-dtype", default="", help="one configuration only: this --dtype")
@@ -415,6 +424,50 @@ def colocated_grid(text: str) -> list[ColocatedChoice]:
     return choices
 
 
+@dataclass(frozen=True)
+class DisaggChoice:
+    """One configuration of our disaggregated deployment: conditional disaggregation off (0), or the
+    longest prompt the decode pool prefills itself, in chunks between its decode steps, while the
+    prefill pool is backlogged (`disagg repository --conditional-prefill-tokens`)."""
+
+    conditional_tokens: int
+    chunk_tokens: int = 128
+
+    @property
+    def label(self) -> str:
+        if not self.conditional_tokens:
+            return "conditional disaggregation off"
+        return (
+            f"conditional disaggregation, prompts up to {self.conditional_tokens} tokens on the decode "
+            f"pool in chunks of {self.chunk_tokens}"
+        )
+
+    def repository(self, repository: Path, scratch: Path) -> Path:
+        """`repository` with this configuration: itself when off, else a copy under `scratch` whose
+        decode pool and disaggregated orchestrators carry the parameters `disagg repository` writes."""
+        if not self.conditional_tokens:
+            return repository
+        pool = {
+            "local_prefill_tokens": str(self.conditional_tokens),
+            "chunked_prefill": "true",
+            "max_prefill_tokens": str(self.chunk_tokens),
+        }
+        pools = with_pool_parameters(repository, scratch / "pools", "decode", pool)
+        orchestrators = {"conditional_prefill_tokens": str(self.conditional_tokens)}
+        return with_orchestrator_parameters(pools, scratch, orchestrators, mode="disaggregated")
+
+
+def disagg_grid(text: str) -> list[DisaggChoice]:
+    """`--disagg-grid`: conditional disaggregation's prompt limits, comma-separated, 0 for off."""
+    try:
+        limits = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        limits = [-1]
+    if not limits or any(not 0 <= n <= 65536 for n in limits):
+        raise SystemExit(f"--disagg-grid: {text!r} is not a list of prompt token limits (e.g. 0,512)")
+    return [DisaggChoice(n) for n in limits]
+
+
 def fresh(folder: Path) -> Path:
     """`folder`, emptied (a scratch folder of this run under perf/out)."""
     import shutil
@@ -441,6 +494,26 @@ def colocated_running(
             ClientConfig("triton", server.config.grpc_url, TRITON_MODELS["colocated"]),
             server.pid,
             f"disagg repository's colocated pool with {params}",
+        )
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def disagg_running(
+    args: argparse.Namespace, workdir: Path, notes: list[str], choice: DisaggChoice
+) -> Iterator[tuple[ClientConfig, int | None, str]]:
+    """Triton on the repository with `choice` (its own server, as for the colocated grid)."""
+    scratch = fresh(workdir / "disagg-grid" / str(choice.conditional_tokens))
+    repository = choice.repository(args.start_triton, scratch)
+    log(f"starting Triton for the disaggregated grid ({choice.label}) ...")
+    server = start_triton(repository, scratch, args.model_dir, cpus=parse_cpus(args.server_cpus))
+    try:
+        yield (
+            ClientConfig("triton", server.config.grpc_url, TRITON_MODELS["disagg"]),
+            server.pid,
+            f"disagg repository --conditional-prefill-tokens {choice.conditional_tokens}"
+            f" --conditional-chunk-tokens {choice.chunk_tokens}",
         )
     finally:
         server.stop()
@@ -727,6 +800,15 @@ async def main_async(args: argparse.Namespace) -> int:
                 repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
             except RuntimeError as exc:
                 results["meta"]["notes"].append(f"colocated grid: {exc}; the repository's own is measured")
+        if "disagg" in names and not triton_url and repository is not None and not args.derive_slos:
+            try:
+                best = await tune_grid(
+                    "disagg", disagg_grid(args.disagg_grid), disagg_running, args, workdir, profile,
+                    factory, results, deadline, frozen,
+                )  # fmt: skip
+                repository = best.repository(repository, fresh(workdir / "disagg-best"))
+            except RuntimeError as exc:
+                results["meta"]["notes"].append(f"disagg grid: {exc}; the repository's own is measured")
         if any(n in TRITON_MODELS for n in names) and not triton_url and repository is not None:
             log(f"starting Triton on {repository} ...")
             try:
@@ -752,8 +834,8 @@ async def main_async(args: argparse.Namespace) -> int:
             else:
                 endpoint = f"{triton_url or '?'} model {TRITON_MODELS[name]}"
                 dep = Deployment(name, None, args.cores, NOTES[name])
-                if name == "colocated" and results.get("colocated_grid"):
-                    dep.note += f"; {results['colocated_grid']['best']}, the best of its grid"
+                if results.get(f"{name}_grid"):
+                    dep.note += f"; {results[f'{name}_grid']['best']}, the best of its grid"
                 if not triton_url:
                     dep.reason = "no Triton server (--triton-url or --start-triton)"
                 else:

@@ -301,10 +301,14 @@ def spec_repository(
     return repository
 
 
-def with_orchestrator_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
+def with_orchestrator_parameters(
+    repository: Path, scratch: Path, params: dict[str, str], mode: str = ""
+) -> Path:
     """A copy of `repository` (under `scratch`) whose orchestrators (ensemble steps and `llm`) carry
-    `params`, replacing a parameter of the same name."""
-    return _with_parameters(repository, scratch, params, lambda name, text: 'key: "mode"' in text)
+    `params`, replacing a parameter of the same name; with `mode`, only the orchestrators of that mode
+    ("disaggregated": `orchestrator` and `llm`; "colocated")."""
+    wanted = f'{{ key: "mode", value: {{ string_value: "{mode}" }} }}' if mode else 'key: "mode"'
+    return _with_parameters(repository, scratch, params, lambda name, text: wanted in text)
 
 
 def with_pool_parameters(repository: Path, scratch: Path, pool: str, params: dict[str, str]) -> Path:

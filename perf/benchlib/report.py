@@ -216,7 +216,11 @@ def render(
     )  # fmt: skip
     out.append("")
 
-    for kind, title in (("colocated", "Our colocated baseline"), ("vllm", "vLLM")):
+    for kind, title in (
+        ("colocated", "Our colocated baseline"),
+        ("disagg", "Our disaggregated deployment"),
+        ("vllm", "vLLM"),
+    ):
         grid = results.get(f"{kind}_grid")
         if not (grid and grid.get("tried")):
             continue
