@@ -83,6 +83,40 @@ def _alone(figures: dict[str, Any] | None) -> str:
     return f"{_ms(figures['ttft_s'])} / {_ms(figures['tpot_s'])}"
 
 
+def _prompt_bound(results: dict[str, Any]) -> list[str]:
+    """Goodput against each deployment's prompt-serving bound: 1 / its TTFT alone is the rate at which
+    its prompts would be served back to back (every TTFT includes the whole prefill), so goodput near
+    that bound says the prompts, not the tokens, limit the deployment."""
+    rows = []
+    for workload, per_dep in results.get("goodput", {}).items():
+        alone = results.get("alone", {}).get(workload, {})
+        for name, res in per_dep.items():
+            figures = alone.get(name) or {}
+            ttft = figures.get("ttft_s")
+            if not ttft:
+                continue
+            bound = 1.0 / ttft
+            rows.append([
+                workload, name, _ms(ttft), _ms(figures.get("tpot_s")), f"{bound:.2f}",
+                _rate(res["goodput_rps"]), f"{res['goodput_rps'] / bound:.0%}",
+            ])  # fmt: skip
+    if not rows:
+        return []
+    header = ["workload", "deployment", "TTFT alone (ms)", "TPOT alone (ms)", "prompts/s back to back",
+              "goodput (req/s)", "goodput / bound"]  # fmt: skip
+    return [
+        "### What bounds each deployment: its prompts",
+        "",
+        "Alone, a request's TTFT is its whole prefill plus the path to its first token, so 1 / TTFT alone is "
+        "the rate at which a deployment would serve prompts back to back with nothing else to do. Goodput "
+        "close to that bound means prompt processing limits the deployment (a queue of prompts within the "
+        "TTFT SLO); far below it, the tokens or the SLOs do.",
+        "",
+        *_table(header, rows),
+        "",
+    ]
+
+
 def _verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("met" if ok else "**missed**")
 
@@ -275,6 +309,7 @@ def render(
             rows,
         )  # fmt: skip
         out.append("")
+    out += _prompt_bound(results)
     for path in plots.get("attainment", []) + plots.get("cdf", []):
         out += [f"![{path}]({path})", ""]
 

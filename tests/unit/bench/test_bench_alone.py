@@ -18,7 +18,7 @@ from benchlib.slo import FIXED_SLOS, Calibration, FrozenSlo, base_workload, slo_
 
 FROZEN = {
     name: FrozenSlo(0.8, 0.06, 0.2, 0.03, 300, "colocated", "2026-12-03T00:00:00", "cmd")
-    for name in ("codegen", "decode")
+    for name in ("codegen", "chat", "decode")
 }
 
 
@@ -42,7 +42,9 @@ class NoClient:
     async def close(self) -> None: ...
 
 
-def measure(monkeypatch, idle: Idle, name: str, workloads: tuple[str, ...]) -> tuple[dict, list]:
+def measure(
+    monkeypatch, idle: Idle, name: str, workloads: tuple[str, ...], results: dict | None = None
+) -> tuple[dict, list]:
     searched = []
 
     async def search(client, workload, factory, slo, search, plan, cores, log, deadline):
@@ -52,7 +54,8 @@ def measure(monkeypatch, idle: Idle, name: str, workloads: tuple[str, ...]) -> t
     monkeypatch.setattr(run_all, "calibrate", idle)
     monkeypatch.setattr(run_all, "search_goodput", search)
     monkeypatch.setattr(run_all, "make_client", lambda config: NoClient())
-    results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
+    if results is None:
+        results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
     records: dict = {"goodput": {}, "interference": {}}
     profile = dataclasses.replace(run_all.PROFILES["quick"], workloads=workloads)
     dep = run_all.Deployment(name, ClientConfig("openai", "http://127.0.0.1:1", "m"), 2, "", available=True)
@@ -79,6 +82,9 @@ def test_a_deployment_that_meets_the_slos_alone_is_searched(monkeypatch) -> None
     assert searched == [("codegen", FROZEN["codegen"].slo)]
     assert results["goodput"]["codegen"]["disagg"]["goodput_rps"] == 1.0
     assert results["alone"]["codegen"]["disagg"]["tpot_s"] == 0.02
+    # 300 ms alone: prompts back to back at 3.33/s at most, so goodput 1.0 is 30 % of that bound
+    text = report.render({**minimal(results), "goodput": results["goodput"]}, {}, None)
+    assert "| codegen | disagg | 300.0 | 20.0 | 3.33 | 1.000 | 30% |" in text
 
 
 def test_given_slos_judge_the_base_workloads_prompts_and_are_never_frozen(monkeypatch) -> None:
@@ -96,6 +102,27 @@ def test_given_slos_judge_the_base_workloads_prompts_and_are_never_frozen(monkey
     assert idle.asked.count(("disagg", "codegen")) == 3 and ("disagg", "codegen@article") not in idle.asked
     text = report.render({**minimal(results), "goodput": results["goodput"]}, {}, None)
     assert f"given: {fixed.source}" in text and "### codegen@article (SLOs 500.0 ms / 50.0 ms)" in text
+
+
+def test_workloads_a_grids_tuning_left_out_are_calibrated_by_the_first_full_measurement(
+    monkeypatch,
+) -> None:
+    figures = {(d, w): (0.3, 0.02) for d in ("colocated", "disagg") for w in ("codegen", "chat", "decode")}
+    idle = Idle(figures)
+    # a grid's tuning run measures codegen only, and calibrates it (and decode)
+    results, _ = measure(monkeypatch, idle, "colocated", ("codegen",))
+    assert set(results["calibrations"]) == {"codegen", "decode"}
+    results["goodput"] = {}
+    # the full measurement calibrates chat, and only chat, on the deployment measured first
+    results, searched = measure(monkeypatch, idle, "colocated", ("codegen", "chat"), results)
+    assert set(results["calibrations"]) == {"codegen", "decode", "chat"}
+    assert results["calibrations"]["chat"]["reference"].startswith("colocated")
+    assert [w for w, _ in searched] == ["codegen", "chat"]
+    assert idle.asked.count(("colocated", "chat")) == 2  # calibrated once, then served alone once
+    results, searched = measure(monkeypatch, idle, "disagg", ("codegen", "chat"), results)
+    assert ("disagg", "chat") in idle.asked and results["calibrations"]["chat"]["reference"][
+        :9
+    ] == "colocated"
 
 
 def test_measuring_order_puts_the_reference_first_and_vllms_own_pd_last() -> None:
