@@ -369,7 +369,7 @@ async def tune_grid(
     measured = [e for e in tried if e["goodput_rps"] is not None]
     if not measured:
         raise RuntimeError(f"no configuration of the {kind} grid could be measured")
-    best = max(measured, key=lambda e: e["goodput_rps"])
+    best = max(measured, key=lambda e: e["goodput_rps"])  # the first listed of a tie
     results[f"{kind}_grid"] = {"workload": workload, "plan": "quick", "tried": tried, "best": best["config"]}
     return next(c for c in grid if c.label == best["config"])
 

@@ -258,11 +258,16 @@ def render(
         grid = results.get(f"{kind}_grid")
         if not (grid and grid.get("tried")):
             continue
+        top = next(e["goodput_rps"] for e in grid["tried"] if e["config"] == grid["best"])
+        tied = [e["config"] for e in grid["tried"] if e["goodput_rps"] == top and e["config"] != grid["best"]]
+        tie = ""
+        if tied:
+            tie = f" It tied with {'; '.join(tied)} (the quick plan's resolution); the first listed is taken."
         out += [
             f"## {title} at its best: the configurations tried",
             "",
             f"Each configuration's goodput on `{grid['workload']}` ({grid['plan']} plan, the same SLOs); the "
-            f"best, **{grid['best']}**, is the one measured in full as `{kind}` below.",
+            f"best, **{grid['best']}**, is the one measured in full as `{kind}` below.{tie}",
             "",
         ]
         rows = []

@@ -85,6 +85,29 @@ def test_tuning_measures_every_configuration_and_takes_the_best(tmp_path: Path) 
     text = report.render({**minimal_results(), "vllm_grid": grid}, {}, None)
     assert "| float32, bind 0-1 | 2.500 | `cmd float32, bind 0-1` |" in text
     assert "failed: RuntimeError: vLLM would not start" in text
+    assert "tied with" not in text
+
+
+def test_a_tie_is_reported_and_the_first_listed_taken(tmp_path: Path) -> None:
+    args = args_for(tmp_path, "--vllm-grid", "bfloat16:0-1,float32:auto,float32:0-1")
+
+    @contextlib.contextmanager
+    def running(args, workdir, notes, choice):
+        yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, f"cmd {choice.label}"
+
+    async def search(dep, profile, factory, results, records, deadline, experiments, frozen):
+        rate = 1.0 if dep.name == "vllm (float32, bind 0-1)" else 1.6
+        results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": rate}
+
+    results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
+    grid = run_all.vllm_tuning_grid(args)
+    profile = run_all.PROFILES["quick"]
+    best = asyncio.run(
+        run_all.tune_grid("vllm", grid, running, args, tmp_path, profile, None, results, 1e18, None, search)
+    )
+    assert best == run_all.VllmChoice("bfloat16", "0-1")
+    text = report.render({**minimal_results(), "vllm_grid": results["vllm_grid"]}, {}, None)
+    assert "It tied with float32, bind auto (the quick plan's resolution); the first listed is taken." in text
 
 
 def test_a_configuration_the_time_budget_left_out_is_reported_as_skipped(tmp_path: Path) -> None:
