@@ -75,9 +75,12 @@ def make_app(prefill: str, decode: str) -> web.Application:
                 )
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
-            async for chunk in answer.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in answer.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client left (at [DONE], or mid-stream): nothing to send
+                pass
             return out
 
     async def health(request: web.Request) -> web.Response:

@@ -155,7 +155,7 @@ def _targets(results: dict[str, Any], orchestration: dict[str, Any] | None) -> l
         if ours and peer == 0:  # vLLM met the SLOs at no probed rate
             shown, ok = f"{ours:.3f} req/s vs 0 (vLLM met the SLOs at no probed rate)", True
         else:
-            shown, ok = _ratio(ours, peer), None if not ours or not peer else ours >= peer
+            shown, ok = _ratio(ours, peer), None if ours is None or not peer else ours >= peer
         rows.append([f"{workload} goodput, disaggregated vs vLLM CPU", "goal: ≥ 1×", shown, _verdict(ok)])
     return ["## Targets", "", *_table(["target", "wanted", "this run", ""], rows), ""]
 
