@@ -108,9 +108,10 @@ def _prompt_bound(results: dict[str, Any]) -> list[str]:
         "### What bounds each deployment: its prompts",
         "",
         "Alone, a request's TTFT is its whole prefill plus the path to its first token, so 1 / TTFT alone is "
-        "the rate at which a deployment would serve prompts back to back with nothing else to do. Goodput "
-        "close to that bound means prompt processing limits the deployment (a queue of prompts within the "
-        "TTFT SLO); far below it, the tokens or the SLOs do.",
+        "the rate at which a deployment would serve prompts one at a time, back to back, with nothing else "
+        "to do. Goodput close to that rate means prompt processing limits the deployment (a queue of "
+        "prompts within the TTFT SLO); far below it, the tokens or the SLOs do. Prompts prefilled together "
+        "in one step can go past it (long prompts queued in the prefill pool).",
         "",
         *_table(header, rows),
         "",
