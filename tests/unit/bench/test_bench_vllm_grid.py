@@ -88,16 +88,19 @@ def test_tuning_measures_every_configuration_and_takes_the_best(tmp_path: Path) 
     assert "tied with" not in text
 
 
-def test_a_tie_is_reported_and_the_first_listed_taken(tmp_path: Path) -> None:
-    args = args_for(tmp_path, "--vllm-grid", "bfloat16:0-1,float32:auto,float32:0-1")
+def tuned(tmp_path: Path, grid_text: str, goodput: dict[str, float]) -> tuple[object, dict]:
+    """The vLLM grid `grid_text` tuned with each configuration scoring `goodput[label]` (none: the
+    search measured nothing, as when the time budget is spent); (best choice, results)."""
+    args = args_for(tmp_path, "--vllm-grid", grid_text)
 
     @contextlib.contextmanager
     def running(args, workdir, notes, choice):
         yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, f"cmd {choice.label}"
 
     async def search(dep, profile, factory, results, records, deadline, experiments, frozen):
-        rate = 1.0 if dep.name == "vllm (float32, bind 0-1)" else 1.6
-        results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": rate}
+        label = dep.name.removeprefix("vllm (").removesuffix(")")
+        if label in goodput:
+            results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": goodput[label]}
 
     results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
     grid = run_all.vllm_tuning_grid(args)
@@ -105,28 +108,20 @@ def test_a_tie_is_reported_and_the_first_listed_taken(tmp_path: Path) -> None:
     best = asyncio.run(
         run_all.tune_grid("vllm", grid, running, args, tmp_path, profile, None, results, 1e18, None, search)
     )
+    return best, results
+
+
+def test_a_tie_is_reported_and_the_first_listed_taken(tmp_path: Path) -> None:
+    goodput = {"bfloat16, bind 0-1": 1.6, "float32, bind auto": 1.6, "float32, bind 0-1": 1.0}
+    best, results = tuned(tmp_path, "bfloat16:0-1,float32:auto,float32:0-1", goodput)
     assert best == run_all.VllmChoice("bfloat16", "0-1")
     text = report.render({**minimal_results(), "vllm_grid": results["vllm_grid"]}, {}, None)
     assert "It tied with float32, bind auto (the quick plan's resolution); the first listed is taken." in text
 
 
 def test_a_configuration_the_time_budget_left_out_is_reported_as_skipped(tmp_path: Path) -> None:
-    args = args_for(tmp_path, "--vllm-grid", "bfloat16:0-1,float32:auto")
-
-    @contextlib.contextmanager
-    def running(args, workdir, notes, choice):
-        yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, f"cmd {choice.label}"
-
-    async def search(dep, profile, factory, results, records, deadline, experiments, frozen):
-        if dep.name == "vllm (bfloat16, bind 0-1)":  # the second finds the budget spent and measures nothing
-            results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": 1.5}
-
-    results = {"meta": {"notes": []}, "calibrations": {}, "goodput": {}, "interference": {}}
-    grid = run_all.vllm_tuning_grid(args)
-    profile = run_all.PROFILES["quick"]
-    best = asyncio.run(
-        run_all.tune_grid("vllm", grid, running, args, tmp_path, profile, None, results, 1e18, None, search)
-    )
+    # the second finds the budget spent and measures nothing
+    best, results = tuned(tmp_path, "bfloat16:0-1,float32:auto", {"bfloat16, bind 0-1": 1.5})
     assert best == run_all.VllmChoice("bfloat16", "0-1")
     skipped = results["vllm_grid"]["tried"][1]
     assert skipped["goodput_rps"] is None and skipped["error"] == "skipped: the run's time budget was spent"
