@@ -480,44 +480,45 @@ def fresh(folder: Path) -> Path:
 
 
 @contextlib.contextmanager
+def grid_server(
+    args: argparse.Namespace, scratch: Path, repository: Path, kind: str, label: str, command: str
+) -> Iterator[tuple[ClientConfig, int | None, str]]:
+    """Triton on `repository` for one configuration of our `kind` grid (its own server, so nothing else
+    shares the cores while it is measured); yields what `tune_grid`'s `running` yields."""
+    log(f"starting Triton for the {kind} grid ({label}) ...")
+    server = start_triton(repository, scratch, args.model_dir, cpus=parse_cpus(args.server_cpus))
+    try:
+        yield ClientConfig("triton", server.config.grpc_url, TRITON_MODELS[kind]), server.pid, command
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
 def colocated_running(
     args: argparse.Namespace, workdir: Path, notes: list[str], choice: ColocatedChoice
 ) -> Iterator[tuple[ClientConfig, int | None, str]]:
-    """Triton on a copy of the repository whose colocated pool takes `choice` (its own server, so
-    nothing else shares the cores while it is measured)."""
+    """Triton on a copy of the repository whose colocated pool takes `choice`."""
     scratch = fresh(workdir / "colocated-grid" / choice.label.replace(" ", "_").replace(",", ""))
     repository = with_pool_parameters(args.start_triton, scratch, "colocated", choice.parameters())
-    log(f"starting Triton for the colocated grid ({choice.label}) ...")
-    server = start_triton(repository, scratch, args.model_dir, cpus=parse_cpus(args.server_cpus))
-    try:
-        params = " ".join(f"{k}={v}" for k, v in choice.parameters().items())
-        yield (
-            ClientConfig("triton", server.config.grpc_url, TRITON_MODELS["colocated"]),
-            server.pid,
-            f"disagg repository's colocated pool with {params}",
-        )
-    finally:
-        server.stop()
+    params = " ".join(f"{k}={v}" for k, v in choice.parameters().items())
+    command = f"disagg repository's colocated pool with {params}"
+    with grid_server(args, scratch, repository, "colocated", choice.label, command) as running:
+        yield running
 
 
 @contextlib.contextmanager
 def disagg_running(
     args: argparse.Namespace, workdir: Path, notes: list[str], choice: DisaggChoice
 ) -> Iterator[tuple[ClientConfig, int | None, str]]:
-    """Triton on the repository with `choice` (its own server, as for the colocated grid)."""
+    """Triton on the repository with `choice`."""
     scratch = fresh(workdir / "disagg-grid" / str(choice.conditional_tokens))
     repository = choice.repository(args.start_triton, scratch)
-    log(f"starting Triton for the disaggregated grid ({choice.label}) ...")
-    server = start_triton(repository, scratch, args.model_dir, cpus=parse_cpus(args.server_cpus))
-    try:
-        yield (
-            ClientConfig("triton", server.config.grpc_url, TRITON_MODELS["disagg"]),
-            server.pid,
-            f"disagg repository --conditional-prefill-tokens {choice.conditional_tokens}"
-            f" --conditional-chunk-tokens {choice.chunk_tokens}",
-        )
-    finally:
-        server.stop()
+    command = (
+        f"disagg repository --conditional-prefill-tokens {choice.conditional_tokens}"
+        f" --conditional-chunk-tokens {choice.chunk_tokens}"
+    )
+    with grid_server(args, scratch, repository, "disagg", choice.label, command) as running:
+        yield running
 
 
 async def triton_ready(config: ClientConfig) -> bool:
