@@ -234,7 +234,7 @@ def gemm() -> BlockGemm | None:
                 code.out_features,
                 width,
                 code.bits,
-                torch.get_num_threads(),
+                kernel.team_threads(),
             )
             if status:
                 raise MemoryError("block gemm could not allocate its scratch")
@@ -270,7 +270,7 @@ def bf16_gemm() -> BlockGemm | None:
                 rows,
                 code.out_features,
                 width,
-                torch.get_num_threads(),
+                kernel.team_threads(),
                 int(wide),
             )
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ import torch
 from disagg.config import build
 from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
-from disagg.engine.device import AUTO, DTYPES, auto_dtype, pin_cpu, resolve_device
+from disagg.engine.device import AUTO, DTYPES, auto_dtype, kernel_threads, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.fingerprint import checkpoint_id, kv_fingerprint
 from disagg.engine.kvcache import KVCache
@@ -169,6 +170,9 @@ class Engine:
             fused_steps=True,
         )
         paths = self.describe()
+        # a step whose heavy work is the engine's own kernels runs them on the threads, torch on one
+        native = self.device.type == "cpu" and self.native_step(paths)
+        self._threads: Callable[[], AbstractContextManager[None]] = kernel_threads if native else nullcontext
         log.info(
             "engine ready: %s %s, KV %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens"
             ", prefix cache %s",
@@ -191,6 +195,12 @@ class Engine:
 
     def close(self) -> None:
         """Nothing to release: the model and the KV memory go with the object."""
+
+    @staticmethod
+    def native_step(paths: dict[str, str]) -> bool:
+        """Whether the engine's own kernels compute a step's projections and attention (``describe``'s
+        ``paths``): torch then has only the small operations between them."""
+        return paths["projections"] not in ("torch", "onednn-packed") and paths["attention"] == "kernel"
 
     def describe(self) -> dict[str, str]:
         head = self.model.lm_head
@@ -333,6 +343,12 @@ class Engine:
         (``(seq_id, max_tokens)`` each) together, so the weights are read once for both. Returns the
         decode outputs, and per chunk what ``prefill_chunk`` would (a sequence completing its prompt
         here joins the batch from the next step)."""
+        with self._threads():  # sampling included: torch's workers stay off the kernels' cores
+            return self._step(chunks, decode)
+
+    def _step(
+        self, chunks: list[tuple[int, int]], decode: bool
+    ) -> tuple[list[StepOutput], list[StepOutput | None]]:
         batch = [s for s in self._sequences.values() if s.decoding] if decode else []
         seqs = [self._get(seq_id) for seq_id, _ in chunks]
         if len({s.seq_id for s in seqs}) != len(seqs):

@@ -137,7 +137,7 @@ def gemm() -> Gemm | None:
                 rows,
                 weight.out_features,
                 width,
-                torch.get_num_threads(),
+                kernel.team_threads(),
             )
         return out
 

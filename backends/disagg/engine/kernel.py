@@ -14,9 +14,13 @@ fails; the reason is logged once.
 - ``rms_norm`` / ``silu_mul``: the pointwise work between projections, one pass each.
 - ``rope_cache``: a layer's rotary embedding and its KV cache writes, in one pass.
 
-All of them run on as many threads as torch's intra-op pool has: they are built with OpenMP and bind
-to the libgomp torch already loaded (torch ships ``libgomp.so.1``), so there is one thread pool, not
-two contending for a pool's cores. Their results do not depend on the thread count.
+All of them split their work in parts over one thread team (``kernels/team.c``, a library of its own
+every kernel library links), on ``team_threads()`` threads: torch's intra-op count unless
+``use_threads`` set one. The caller claims parts itself and waits only for parts a helper has
+claimed, never for a helper the OS has not run yet, which an OpenMP barrier does: on a pool's cores
+shared with the token relay, that wait added about 60 % to a colocated pool's decode step. An engine
+step runs torch on one thread meanwhile (``disagg.engine.device.kernel_threads``), so its OpenMP
+workers do not spin on the cores the team needs. No result depends on the thread count.
 """
 
 from __future__ import annotations
@@ -40,11 +44,28 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16.c"
+TEAM = Path(__file__).resolve().parent / "kernels" / "team.c"  # the thread team they share
 TILE = 64  # outputs per tile of the gemm layout; kernels/bf16.c's COLS
 CODE_TILE = 16  # outputs per tile of block codes (disagg.engine.blockcode.TILE); kernels/bf16.c's QCOLS
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-pthread")
 
 Gemm = Callable[..., torch.Tensor]
+
+_threads = 0  # the team's threads per call; 0: as many as torch's intra-op pool
+
+
+def team_threads() -> int:
+    """Threads a kernel call runs on (``kernels/team.c``): what ``use_threads`` set, else torch's
+    intra-op thread count."""
+    return _threads or torch.get_num_threads()
+
+
+def use_threads(count: int) -> None:
+    """Run every kernel call of this process on ``count`` threads (0: follow torch's pool again)."""
+    global _threads
+    if count < 0:
+        raise ValueError("a thread count is at least 0")
+    _threads = count
 
 
 def cache_dir() -> Path:
@@ -77,9 +98,14 @@ def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
 
     Raises RuntimeError naming what failed (no compiler, compiler error). Safe to call from several
     processes at once: each compiles to a temporary name and renames it into place."""
-    source = source_path.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
+    linked: list[str] = []
+    if source_path != TEAM:  # every kernel library runs its parts on the one team library
+        team = build(directory, TEAM)
+        linked = [str(team), f"-Wl,-rpath,{team.parent}"]
+    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    source = source_path.read_bytes()
+    digest = hashlib.sha256(source + headers + " ".join((*FLAGS, *linked)).encode()).hexdigest()[:16]
     target = directory / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
@@ -90,7 +116,7 @@ def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         partial = Path(scratch) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(source_path)],
+            [compiler, *FLAGS, "-o", str(partial), str(source_path), *linked],
             capture_output=True,
             text=True,
             check=False,
@@ -120,6 +146,25 @@ def load(
         log.warning("%s off: %s", name, refused)
         return None
     return loaded
+
+
+@functools.cache
+def team() -> ctypes.CDLL | None:
+    """The thread team every kernel library is linked with (``kernels/team.c``), or None where it
+    cannot be built; for its counters (the kernels load it themselves)."""
+    try:
+        loaded = ctypes.CDLL(str(build(source_path=TEAM)))
+    except (RuntimeError, OSError) as exc:
+        log.warning("kernel thread team unavailable: %s", exc)
+        return None
+    loaded.team_helpers.restype = ctypes.c_int64
+    return loaded
+
+
+def team_helpers() -> int:
+    """Helper threads the team has started in this process (0 before any call split over threads)."""
+    loaded = team()
+    return int(loaded.team_helpers()) if loaded is not None else 0
 
 
 # the paged decode attention's C signature, the same in bf16 and fp32 (``kernels/fp32.c``)
@@ -224,7 +269,7 @@ def gemm() -> Gemm | None:
                 rows,
                 weight.out_features,
                 width,
-                torch.get_num_threads(),
+                team_threads(),
                 int(wide),
             )
         return out
@@ -258,7 +303,7 @@ def decode_plan(block_table: torch.Tensor, positions: torch.Tensor, group: int) 
     """The plan of a decode batch whose kv heads each serve ``group`` query heads."""
     table = block_table.to(torch.int64).contiguous()
     where = positions.to(torch.int64).contiguous()
-    threads = min(torch.get_num_threads(), table.shape[0])
+    threads = min(team_threads(), table.shape[0])
     per_thread = group * (int(where.max()) + 1)
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     return DecodePlan(table, where, scratch, threads, per_thread)
@@ -346,7 +391,7 @@ def prompt_attention() -> PromptAttention | None:
         table = blocks.to(torch.int64).contiguous()
         out = torch.empty_like(q)
         group = heads // kv_heads
-        threads = torch.get_num_threads()
+        threads = team_threads()
         scratch = torch.empty(threads * loaded.prompt_scratch_floats(head_dim, group), dtype=torch.float32)
         function(
             q.data_ptr(),
@@ -404,7 +449,7 @@ def row_norm(
         out = torch.empty_like(x)
         function(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps,
-            *([torch.get_num_threads()] if threads else []),
+            *([team_threads()] if threads else []),
         )  # fmt: skip
         return out
 
@@ -428,7 +473,7 @@ def silu_mul() -> SiluMul | None:
             raise ValueError("silu_mul takes bf16 rows of gate and up halves, each a multiple of 16 wide")
         gate_up = gate_up.contiguous()
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-        function(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        function(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, team_threads())
         return out
 
     return call
@@ -491,7 +536,7 @@ def rotary_cache_writer(
         q = torch.empty(rows, heads, head_dim, dtype=dtype)
         sizes = [rows, heads, kv_heads, head_dim, layers, layer, block_size]
         pointers = [qkv, q, cache, positions, slot_block, slot_offset, cos, sin]
-        function(*(t.data_ptr() for t in pointers), *sizes, *([torch.get_num_threads()] if threads else []))
+        function(*(t.data_ptr() for t in pointers), *sizes, *([team_threads()] if threads else []))
         return q
 
     return call

@@ -5,12 +5,14 @@
 
    Built by disagg.engine.kernel (gcc -O3 -fopenmp, at `make` or first use) and called through ctypes
    on the tensors' memory. Dot products are vdpbf16ps (bf16 pairs, fp32 accumulation); bf16 outputs
-   are rounded to nearest even. Work is spread over the OpenMP pool torch already runs (see
-   gemm_bf16); no result depends on the thread count or on the other rows of a call. */
+   are rounded to nearest even. Work is split in parts over the kernels' thread team (team.c); no
+   result depends on the thread count, on which thread computes a part, or on the other rows of a
+   call. */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
+
+#include "team.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl")))
 
@@ -108,27 +110,39 @@ TARGET static void items(const uint16_t *x, const uint16_t *packed, const uint16
     }
 }
 
-/* y = x w^T (+ bias), bf16 or (`wide`) fp32, on up to `threads` threads of the process's OpenMP pool, the one torch's
-   intra-op work runs on (torch ships libgomp.so.1 and is loaded first, so this library binds to that
-   very runtime: one set of threads, no two pools contending for the cores). The work is tiles x row
-   chunks (one chunk per thread once there are enough rows: a prompt's outputs split evenly whatever
-   the tile count; a decode batch's by tiles only, each weight read once), split in contiguous parts;
+struct gemm_job { /* gemm_bf16's operands, for its parts on the team */
+    const uint16_t *x, *packed, *bias;
+    uint16_t *y;
+    int64_t M, N, K, chunks, total, parts;
+    int wide;
+};
+
+TARGET static void gemm_part(void *ctx, int64_t part, int64_t slot) {
+    const struct gemm_job *j = (const struct gemm_job *)ctx;
+    (void)slot;
+    items(j->x, j->packed, j->bias, j->y, j->M, j->N, j->K, j->chunks, j->total * part / j->parts,
+          j->total * (part + 1) / j->parts, j->wide);
+}
+
+/* y = x w^T (+ bias), bf16 or (`wide`) fp32, on up to `threads` threads of the team. The work is
+   tiles x row chunks (one chunk per thread once there are enough rows: a prompt's outputs split evenly
+   whatever the tile count; a decode batch's by tiles only, each weight read once), in up to
+   TEAM_PARTS contiguous parts per thread, so the parts of a late helper are taken by the others;
    which thread computes an output changes no bits (see above). K even (the layout holds pairs). */
 TARGET void gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, int64_t M,
                       int64_t N, int64_t K, int64_t threads, int64_t wide) {
     const int64_t count = (N + COLS - 1) / COLS;
     const int64_t chunks = threads > 1 && M >= 4 * MR * threads ? threads : 1;
     const int64_t total = count * chunks;
-    int64_t parts = threads;
+    int64_t parts = threads * TEAM_PARTS;
     if (parts > total / 2) parts = total / 2;      /* at least two items a part */
     if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
     if (parts <= 1) {
         items(x, packed, bias, y, M, N, K, 1, 0, count, (int)wide);
         return;
     }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t part = 0; part < parts; part++)
-        items(x, packed, bias, y, M, N, K, chunks, total * part / parts, total * (part + 1) / parts, (int)wide);
+    const struct gemm_job job = {x, packed, bias, y, M, N, K, chunks, total, parts, (int)wide};
+    team_run(gemm_part, (void *)&job, parts, threads);
 }
 
 int64_t gemm_tile_cols(void) { return COLS; }
@@ -233,9 +247,26 @@ TARGET static void codes_tiles(const uint16_t *x, const float *sums, const uint8
     }
 }
 
+struct codes_job { /* gemm_codes_bf16's operands, for its parts on the team */
+    const uint16_t *x;
+    const float *sums;
+    const uint8_t *q;
+    const uint16_t *scales, *mins, *bias;
+    uint16_t *y;
+    int64_t M, N, K, count, parts;
+    int wide;
+};
+
+TARGET static void codes_part(void *ctx, int64_t p, int64_t slot) {
+    const struct codes_job *j = (const struct codes_job *)ctx;
+    (void)slot;
+    codes_tiles(j->x, j->sums, j->q, j->scales, j->mins, j->bias, j->y, j->M, j->N, j->K, j->count * p / j->parts,
+                j->count * (p + 1) / j->parts, j->wide);
+}
+
 /* y [M, N] = x [M, K] w^T (+ bias) on a Q4_1 weight laid out as above, bf16 or (`wide`) fp32; K a
    multiple of 32. `sums` [M, K / 32]: scratch for each row's sum over each run of inputs (the mins'
-   factor), in fp32, in k order. On up to `threads` threads of the process's OpenMP pool, split by
+   factor), in fp32, in k order. On up to `threads` threads of the team, split by
    tiles. */
 TARGET void gemm_codes_bf16(const uint16_t *x, const uint8_t *q, const uint16_t *scales, const uint16_t *mins,
                             const uint16_t *bias, uint16_t *y, float *sums, int64_t M, int64_t N, int64_t K,
@@ -250,15 +281,14 @@ TARGET void gemm_codes_bf16(const uint16_t *x, const uint8_t *q, const uint16_t 
             }
             sums[m * runs + b] = s;
         }
-    int64_t parts = threads < count / 2 ? threads : count / 2;
+    int64_t parts = threads * TEAM_PARTS < count / 2 ? threads * TEAM_PARTS : count / 2;
     if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
     if (parts <= 1) {
         codes_tiles(x, sums, q, scales, mins, bias, y, M, N, K, 0, count, (int)wide);
         return;
     }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t p = 0; p < parts; p++)
-        codes_tiles(x, sums, q, scales, mins, bias, y, M, N, K, count * p / parts, count * (p + 1) / parts, (int)wide);
+    const struct codes_job job = {x, sums, q, scales, mins, bias, y, M, N, K, count, parts, (int)wide};
+    team_run(codes_part, (void *)&job, parts, threads);
 }
 
 int64_t codes_tile_cols(void) { return QCOLS; }
@@ -293,23 +323,35 @@ TARGET static inline __m512 widen(const uint16_t *p) {
    group (the `group` query heads of one kv head) reads each key and value row once. Scores and the
    softmax are fp32 (scratch: scratch_size = group * (max position + 1) floats per thread), the
    output [B, heads, head_dim] bf16. head_dim must be a multiple of 32 and at most 256. Sequences are
-   spread over up to `threads` threads of the OpenMP pool (as gemm_bf16); a sequence's result does
+   spread over up to `threads` threads of the team (as gemm_bf16); a sequence's result does
    not depend on which. */
 #ifndef AHEAD
 #define AHEAD 8 /* positions ahead the cache rows are prefetched: blocks lie anywhere in memory */
 #endif
-TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *tables,
-                                  const int64_t *positions, uint16_t *out, float *scratches, int64_t B,
-                                  int64_t table_width, int64_t layer, int64_t layers, int64_t block_size,
-                                  int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-                                  int64_t threads, int64_t scratch_size) {
+struct decode_attention_job { /* decode_attention_bf16's operands, for its sequences on the team */
+    const uint16_t *q, *cache;
+    const int64_t *tables, *positions;
+    uint16_t *out;
+    float *scratches;
+    int64_t table_width, layer, layers, block_size, kv_heads, group, head_dim, scratch_size;
+    float scale;
+};
+
+/* Sequence b of a decode_attention_bf16 call, in scratch `slot`. */
+TARGET static void decode_attention_sequence(void *ctx, int64_t b, int64_t slot) {
+    const struct decode_attention_job *job = (const struct decode_attention_job *)ctx;
+    const uint16_t *q = job->q, *cache = job->cache;
+    const int64_t *tables = job->tables, *positions = job->positions;
+    uint16_t *out = job->out;
+    const int64_t table_width = job->table_width, layer = job->layer, layers = job->layers;
+    const int64_t block_size = job->block_size, kv_heads = job->kv_heads, group = job->group;
+    const int64_t head_dim = job->head_dim;
+    const float scale = job->scale;
     const int64_t row = kv_heads * head_dim;           /* one position's keys (or values) */
     const int64_t block_stride = layers * 2 * block_size * row;
     const int64_t chunks = head_dim / 16;               /* 16 floats per vector */
-    /* sequences are independent: one at a time per thread, the longest spread by the dynamic order */
-#pragma omp parallel for num_threads(threads > B ? B : threads) schedule(dynamic, 1) if (threads > 1 && B > 1)
-    for (int64_t b = 0; b < B; b++) {
-        float *scratch = scratches + omp_get_thread_num() * scratch_size;
+    {
+        float *scratch = job->scratches + slot * job->scratch_size;
         const int64_t span = positions[b] + 1;
         const int64_t *table = tables + b * table_width;
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -380,6 +422,18 @@ TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
     }
 }
 
+TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *tables,
+                                  const int64_t *positions, uint16_t *out, float *scratches, int64_t B,
+                                  int64_t table_width, int64_t layer, int64_t layers, int64_t block_size,
+                                  int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+                                  int64_t threads, int64_t scratch_size) {
+    const struct decode_attention_job job = {q,      cache,      tables,   positions, out,  scratches,   table_width,
+                                             layer,  layers,     block_size, kv_heads, group, head_dim, scratch_size,
+                                             scale};
+    /* sequences are independent: one at a time per thread, claimed in order */
+    team_run(decode_attention_sequence, (void *)&job, B, threads > B ? B : threads);
+}
+
 /* Prompt attention over the paged KV cache: the T rows of one sequence's prompt chunk, at positions
    start .. start + T - 1, each over positions 0 .. its own (causal), the chunk's keys and values
    already written to the cache. q and out are [T, kv_heads * group, head_dim] bf16; `table` is the
@@ -388,7 +442,7 @@ TARGET void decode_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
    instruction, and values likewise (16 dimensions of two keys per vector); the softmax runs online
    in fp32 (running maximum and sum), its weights are rounded to bf16 for the values' sum, which
    accumulates in fp32. A work item is one kv head and up to ROWS query rows (all `group` query heads), spread
-   over up to `threads` threads of the OpenMP pool. head_dim a multiple of 32, at most 256;
+   over up to `threads` threads of the team. head_dim a multiple of 32, at most 256;
    scratch: `threads` * prompt_scratch_floats(head_dim, group) floats. */
 #define ROWS 16
 #define KEYS 16
@@ -399,20 +453,33 @@ int64_t prompt_scratch_floats(int64_t head_dim, int64_t group) {
     return head_dim * KEYS + ROWS * group * (KEYS + head_dim + 2);
 }
 
-TARGET void prompt_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *table, uint16_t *out,
-                                  float *scratches, int64_t T, int64_t start, int64_t layer, int64_t layers,
-                                  int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim,
-                                  float scale, int64_t threads) {
+struct prompt_attention_job { /* prompt_attention_bf16's operands, for its items on the team */
+    const uint16_t *q, *cache;
+    const int64_t *table;
+    uint16_t *out;
+    float *scratches;
+    int64_t T, start, layer, layers, block_size, kv_heads, group, head_dim;
+    float scale;
+};
+
+/* Work item `item` of a prompt_attention_bf16 call (a kv head and up to ROWS rows), in scratch `slot`. */
+TARGET static void prompt_attention_item(void *ctx, int64_t item, int64_t slot) {
+    const struct prompt_attention_job *job = (const struct prompt_attention_job *)ctx;
+    const uint16_t *q = job->q, *cache = job->cache;
+    const int64_t *table = job->table;
+    uint16_t *out = job->out;
+    const int64_t T = job->T, start = job->start, layer = job->layer, layers = job->layers;
+    const int64_t block_size = job->block_size, kv_heads = job->kv_heads, group = job->group;
+    const int64_t head_dim = job->head_dim;
+    const float scale = job->scale;
     const int64_t row = kv_heads * head_dim;
     const int64_t block_stride = layers * 2 * block_size * row;
     const int64_t heads = kv_heads * group, pairs = head_dim / 2, chunks = head_dim / 16;
-    const int64_t row_blocks = (T + ROWS - 1) / ROWS, items = kv_heads * row_blocks;
     const int64_t per_thread = prompt_scratch_floats(head_dim, group);
-#pragma omp parallel for num_threads(threads > items ? items : threads) schedule(dynamic, 1) if (threads > 1 && items > 1)
-    for (int64_t item = 0; item < items; item++) {
+    {
         const int64_t h = item % kv_heads, r0 = item / kv_heads * ROWS;
         const int64_t r1 = r0 + ROWS < T ? r0 + ROWS : T, vectors = (r1 - r0) * group;
-        float *base = scratches + omp_get_thread_num() * per_thread;
+        float *base = job->scratches + slot * per_thread;
         uint32_t *keys = (uint32_t *)base;               /* [pairs][KEYS]: two dimensions of a key */
         uint16_t *values = (uint16_t *)(keys + pairs * KEYS); /* [KEYS / 2][head_dim][2]: two keys' */
         float *scores = base + head_dim * KEYS;           /* [vectors][KEYS] */
@@ -493,11 +560,47 @@ TARGET void prompt_attention_bf16(const uint16_t *q, const uint16_t *cache, cons
     }
 }
 
+TARGET void prompt_attention_bf16(const uint16_t *q, const uint16_t *cache, const int64_t *table, uint16_t *out,
+                                  float *scratches, int64_t T, int64_t start, int64_t layer, int64_t layers,
+                                  int64_t block_size, int64_t kv_heads, int64_t group, int64_t head_dim,
+                                  float scale, int64_t threads) {
+    const int64_t items = kv_heads * ((T + ROWS - 1) / ROWS);
+    const struct prompt_attention_job job = {q,     cache,  table,      out,      scratches, T,       start,
+                                             layer, layers, block_size, kv_heads, group,     head_dim, scale};
+    team_run(prompt_attention_item, (void *)&job, items, threads > items ? items : threads);
+}
+
 /* Pointwise work between the projections, one pass each instead of several PyTorch operations; per
    row, so a row's result does not depend on the others. Rows are spread over up to `threads`
    threads when there are enough of them. Widths must be multiples of 16. */
-#define POINTWISE_THREADS(threads, elements) \
-    num_threads(threads) if ((threads) > 1 && (elements) >= ((int64_t)1 << 16))
+#define POINTWISE_MIN ((int64_t)1 << 16) /* elements below which a call runs on its caller alone */
+
+/* Rows first .. last of a pointwise call; `ctx` its operands. */
+typedef void (*row_range)(const void *ctx, int64_t first, int64_t last);
+
+struct rows_job {
+    row_range fn;
+    const void *ctx;
+    int64_t T, parts;
+};
+
+static void rows_part(void *ctx, int64_t part, int64_t slot) {
+    const struct rows_job *job = (const struct rows_job *)ctx;
+    (void)slot;
+    job->fn(job->ctx, job->T * part / job->parts, job->T * (part + 1) / job->parts);
+}
+
+/* fn over rows 0 .. T - 1, in parts on the team when the call has `elements` enough to be worth it. */
+static void over_rows(row_range fn, const void *ctx, int64_t T, int64_t elements, int64_t threads) {
+    int64_t parts = threads > 1 && elements >= POINTWISE_MIN ? threads * TEAM_PARTS : 1;
+    if (parts > T) parts = T;
+    if (parts <= 1) {
+        fn(ctx, 0, T);
+        return;
+    }
+    const struct rows_job job = {fn, ctx, T, parts};
+    team_run(rows_part, (void *)&job, parts, threads);
+}
 
 TARGET static inline __m512 round_trip(__m512 v) { /* v rounded to bf16, back as floats */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(v)), 16));
@@ -505,10 +608,21 @@ TARGET static inline __m512 round_trip(__m512 v) { /* v rounded to bf16, back as
 
 /* y = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row of H, x and weight bf16, statistics in fp32:
    what the reference RMSNorm computes. */
-TARGET void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t T, int64_t H, float eps,
-                          int64_t threads) {
-#pragma omp parallel for POINTWISE_THREADS(threads, T * H)
-    for (int64_t t = 0; t < T; t++) {
+struct rms_norm_job {
+    const uint16_t *x, *weight;
+    uint16_t *y;
+    int64_t H;
+    float eps;
+};
+
+TARGET static void rms_norm_rows(const void *ctx, int64_t first, int64_t last) {
+    const struct rms_norm_job *job = (const struct rms_norm_job *)ctx;
+    const uint16_t *x = job->x, *weight = job->weight;
+    uint16_t *y = job->y;
+    const int64_t H = job->H;
+    const float eps = job->eps;
+
+    for (int64_t t = first; t < last; t++) {
         const uint16_t *in = x + t * H;
         __m512 squares = _mm512_setzero_ps();
         for (int64_t c = 0; c < H; c += 16) {
@@ -523,10 +637,26 @@ TARGET void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y
     }
 }
 
+TARGET void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t T, int64_t H, float eps,
+                          int64_t threads) {
+    const struct rms_norm_job job = {x, weight, y, H, eps};
+    over_rows(rms_norm_rows, &job, T, T * H, threads);
+}
+
 /* out = silu(gate) * up per row, gate_up [T, 2 I] (gate first), out [T, I], in fp32, rounded once. */
-TARGET void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t threads) {
-#pragma omp parallel for POINTWISE_THREADS(threads, T * I)
-    for (int64_t t = 0; t < T; t++) {
+struct silu_mul_job {
+    const uint16_t *gate_up;
+    uint16_t *out;
+    int64_t I;
+};
+
+TARGET static void silu_mul_rows(const void *ctx, int64_t first, int64_t last) {
+    const struct silu_mul_job *job = (const struct silu_mul_job *)ctx;
+    const uint16_t *gate_up = job->gate_up;
+    uint16_t *out = job->out;
+    const int64_t I = job->I;
+
+    for (int64_t t = first; t < last; t++) {
         const uint16_t *gate = gate_up + t * 2 * I, *up = gate + I;
         for (int64_t c = 0; c < I; c += 16) {
             const __m512 g = widen(gate + c);
@@ -538,6 +668,11 @@ TARGET void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int
             _mm256_storeu_si256((__m256i *)(out + t * I + c), round_bf16(_mm512_mul_ps(silu, widen(up + c))));
         }
     }
+}
+
+TARGET void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t threads) {
+    const struct silu_mul_job job = {gate_up, out, I};
+    over_rows(silu_mul_rows, &job, T, T * I, threads);
 }
 
 TARGET static inline __m512 negated(__m512 v) { /* -v, the sign bit flipped (-0 for 0, as PyTorch) */
@@ -565,13 +700,23 @@ TARGET static inline void rotate(const uint16_t *x, const uint16_t *cos, const u
    rotated, go to q_out [T, heads, head_dim]; the keys, rotated, and the values go straight into the
    KV cache [blocks, layers, 2, block_size, kv_heads, head_dim] of `layer`, at block slot_block[t],
    offset slot_offset[t]. cos and sin: bf16 [positions, head_dim]. head_dim a multiple of 32. */
-TARGET void rope_cache_bf16(const uint16_t *qkv, uint16_t *q_out, uint16_t *cache, const int64_t *positions,
-                            const int64_t *slot_block, const int64_t *slot_offset, const uint16_t *cos,
-                            const uint16_t *sin, int64_t T, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t layers, int64_t layer, int64_t block_size, int64_t threads) {
+struct rope_cache_job {
+    const uint16_t *qkv;
+    uint16_t *q_out, *cache;
+    const int64_t *positions, *slot_block, *slot_offset;
+    const uint16_t *cos, *sin;
+    int64_t heads, kv_heads, head_dim, layers, layer, block_size;
+};
+
+TARGET static void rope_cache_rows(const void *ctx, int64_t first, int64_t last) {
+    const struct rope_cache_job *job = (const struct rope_cache_job *)ctx;
+    const uint16_t *qkv = job->qkv, *cos = job->cos, *sin = job->sin;
+    uint16_t *q_out = job->q_out, *cache = job->cache;
+    const int64_t *positions = job->positions, *slot_block = job->slot_block, *slot_offset = job->slot_offset;
+    const int64_t heads = job->heads, kv_heads = job->kv_heads, head_dim = job->head_dim;
+    const int64_t layers = job->layers, layer = job->layer, block_size = job->block_size;
     const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2, kv = kv_heads * head_dim;
-#pragma omp parallel for POINTWISE_THREADS(threads, T * width)
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = first; t < last; t++) {
         const uint16_t *row = qkv + t * width;
         const uint16_t *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
         uint16_t *keys = cache + (((slot_block[t] * layers + layer) * 2) * block_size + slot_offset[t]) * kv;
@@ -581,4 +726,13 @@ TARGET void rope_cache_bf16(const uint16_t *qkv, uint16_t *q_out, uint16_t *cach
         const uint16_t *v = row + (heads + kv_heads) * head_dim;
         for (int64_t i = 0; i < kv; i += 32) _mm512_storeu_si512((void *)(values + i), _mm512_loadu_si512((const void *)(v + i)));
     }
+}
+
+TARGET void rope_cache_bf16(const uint16_t *qkv, uint16_t *q_out, uint16_t *cache, const int64_t *positions,
+                            const int64_t *slot_block, const int64_t *slot_offset, const uint16_t *cos,
+                            const uint16_t *sin, int64_t T, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t layers, int64_t layer, int64_t block_size, int64_t threads) {
+    const struct rope_cache_job job = {qkv, q_out, cache, positions, slot_block, slot_offset, cos, sin,
+                                       heads, kv_heads, head_dim, layers, layer, block_size};
+    over_rows(rope_cache_rows, &job, T, T * (heads + 2 * kv_heads) * head_dim, threads);
 }

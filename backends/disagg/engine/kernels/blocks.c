@@ -19,11 +19,13 @@
    thread, so a row gets the same bits whatever it is batched with. One or two rows convert each code
    where they use it; more rows convert each run's codes once for all of them (the same values, so
    the same bits). The work is split over tiles, on
-   the OpenMP pool torch already runs (see kernels/bf16.c). */
+   the kernels' thread team (kernels/team.c). */
 #include <immintrin.h>
-#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "team.h"
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define COLS 16
@@ -193,8 +195,27 @@ TARGET static int64_t part(const float *x, const float *sums, const uint8_t *q, 
     return 0;
 }
 
+struct blocks_job { /* gemm_blocks_f32's operands, for its parts on the team */
+    const float *x, *sums;
+    const uint8_t *q;
+    const uint16_t *scales, *mins;
+    const float *bias;
+    float *y;
+    int64_t M, N, K, count, parts;
+    int bits;
+    _Atomic int64_t failed; /* a part's scratch could not be allocated */
+};
+
+TARGET static void blocks_part(void *ctx, int64_t p, int64_t slot) {
+    struct blocks_job *j = (struct blocks_job *)ctx;
+    (void)slot;
+    if (part(j->x, j->sums, j->q, j->scales, j->mins, j->bias, j->y, j->M, j->N, j->K, j->count * p / j->parts,
+             j->count * (p + 1) / j->parts, j->bits))
+        atomic_store(&j->failed, 1);
+}
+
 /* y [M, N] = x [M, K] w^T (+ bias), fp32, on a weight of `bits`-bit codes (4: with mins; 8: without)
-   laid out as above; K a multiple of 32. On up to `threads` threads of the process's OpenMP pool.
+   laid out as above; K a multiple of 32. On up to `threads` threads of the kernels' team (kernels/team.c).
    Returns 0, or -1 when a scratch (the runs' input sums, converted codes) cannot be allocated. */
 TARGET int64_t gemm_blocks_f32(const float *x, const uint8_t *q, const uint16_t *scales, const uint16_t *mins,
                                const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t bits,
@@ -211,16 +232,15 @@ TARGET int64_t gemm_blocks_f32(const float *x, const uint8_t *q, const uint16_t 
                 sums[m * runs + b] = s;
             }
     }
-    int64_t parts = threads < count / 2 ? threads : count / 2;
+    int64_t parts = threads * TEAM_PARTS < count / 2 ? threads * TEAM_PARTS : count / 2;
     if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
     int64_t failed = 0;
     if (parts <= 1) {
         failed = part(x, sums, q, scales, mins, bias, y, M, N, K, 0, count, (int)bits);
     } else {
-#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
-        for (int64_t p = 0; p < parts; p++)
-            failed |= part(x, sums, q, scales, mins, bias, y, M, N, K, count * p / parts, count * (p + 1) / parts,
-                           (int)bits);
+        struct blocks_job job = {x, sums, q, scales, mins, bias, y, M, N, K, count, parts, (int)bits, 0};
+        team_run(blocks_part, &job, parts, threads);
+        failed = atomic_load(&job.failed);
     }
     free(sums);
     return failed ? -1 : 0;

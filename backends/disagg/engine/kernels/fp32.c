@@ -10,8 +10,9 @@
    * sin, then their sum, no fused multiply-add): the same bits. */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
+
+#include "team.h"
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma")))
@@ -211,6 +212,21 @@ TARGET static void attend(const float *q, const float *cache, const int64_t *tab
     }
 }
 
+struct attention_job { /* decode_attention_f32's operands, for its items on the team */
+    const float *q, *cache;
+    const int64_t *table, *where;
+    float *out, *scratch;
+    int64_t width, layer, layers, bs, kv_heads, group, hd, per_thread;
+    float scale;
+};
+
+/* Item i of decode_attention_f32: sequence i / kv_heads, kv head i % kv_heads, in scratch `slot`. */
+TARGET static void attention_item(void *ctx, int64_t i, int64_t slot) {
+    const struct attention_job *j = (const struct attention_job *)ctx;
+    attend(j->q, j->cache, j->table, j->where, j->out, j->scratch + slot * j->per_thread, i / j->kv_heads,
+           i % j->kv_heads, j->width, j->layer, j->layers, j->bs, j->kv_heads, j->group, j->hd, j->scale);
+}
+
 /* Every decode row b: q [B, kv_heads * group, hd] over positions 0 .. where[b] of its blocks
    table [B, width] in the cache [blocks, layers, 2, bs, kv_heads, hd], into out (same shape as q).
    scratch: threads * per_thread floats, per_thread >= group * (max where + 1). hd a multiple of 8. */
@@ -219,18 +235,9 @@ TARGET void decode_attention_f32(const float *q, const float *cache, const int64
                                  int64_t layers, int64_t bs, int64_t kv_heads, int64_t group, int64_t hd,
                                  float scale, int64_t threads, int64_t per_thread) {
     const int64_t items = batch * kv_heads;
-    const int64_t parts = threads < items ? threads : items;
-    if (parts <= 1) {
-        for (int64_t i = 0; i < items; i++)
-            attend(q, cache, table, where, out, scratch, i / kv_heads, i % kv_heads, width, layer, layers, bs,
-                   kv_heads, group, hd, scale);
-        return;
-    }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t part = 0; part < parts; part++)
-        for (int64_t i = items * part / parts; i < items * (part + 1) / parts; i++)
-            attend(q, cache, table, where, out, scratch + part * per_thread, i / kv_heads, i % kv_heads, width, layer,
-                   layers, bs, kv_heads, group, hd, scale);
+    const struct attention_job job = {q,      cache, table, where, out,  scratch, width, layer,
+                                      layers, bs,    kv_heads, group, hd, per_thread, scale};
+    team_run(attention_item, (void *)&job, items, threads < items ? threads : items);
 }
 
 /* y [M, N] = x [M, K] w^T (+ bias), fp32, for weights without block codes (gemm_f32).
@@ -242,8 +249,8 @@ TARGET void decode_attention_f32(const float *q, const float *cache, const int64
    chunks of GEMM_CHUNK rows whose inputs stay in cache while the tiles pass.
 
    Every output is one sum over k in order, whatever the row group, chunk or thread, so a row gets the
-   same bits whatever it is batched with. The work is split over tiles, on the OpenMP pool torch
-   already runs. */
+   same bits whatever it is batched with. The work is split over tiles, on the
+   kernels' thread team (team.c). */
 #define GEMM_COLS 16
 #define GEMM_MR 6
 #define GEMM_CHUNK 48
@@ -303,18 +310,30 @@ TARGET static void gemm_part(const float *x, const float *w, const float *bias, 
     }
 }
 
-/* y [M, N] = x [M, K] w^T (+ bias) on the tiled weight above; on up to `threads` threads */
+struct gemm_job { /* gemm_f32's operands, for its parts on the team */
+    const float *x, *w, *bias;
+    float *y;
+    int64_t M, N, K, count, parts;
+};
+
+TARGET static void gemm_team_part(void *ctx, int64_t p, int64_t slot) {
+    const struct gemm_job *j = (const struct gemm_job *)ctx;
+    (void)slot;
+    gemm_part(j->x, j->w, j->bias, j->y, j->M, j->N, j->K, j->count * p / j->parts, j->count * (p + 1) / j->parts);
+}
+
+/* y [M, N] = x [M, K] w^T (+ bias) on the tiled weight above; on up to `threads` threads of the team */
 TARGET void gemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                      int64_t threads) {
     const int64_t count = (N + GEMM_COLS - 1) / GEMM_COLS;
-    int64_t parts = threads < count / 2 ? threads : count / 2;
+    int64_t parts = threads * TEAM_PARTS < count / 2 ? threads * TEAM_PARTS : count / 2;
     if (M * N * K < ((int64_t)1 << 19)) parts = 1; /* too small to be worth a hand-off */
     if (parts <= 1) {
         gemm_part(x, w, bias, y, M, N, K, 0, count);
         return;
     }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int64_t p = 0; p < parts; p++) gemm_part(x, w, bias, y, M, N, K, count * p / parts, count * (p + 1) / parts);
+    const struct gemm_job job = {x, w, bias, y, M, N, K, count, parts};
+    team_run(gemm_team_part, (void *)&job, parts, threads);
 }
 
 int64_t gemm_f32_tile_cols(void) { return GEMM_COLS; }
