@@ -18,6 +18,11 @@ threads busy on the other core of the same chip).
 
     python perf/orchestration_cost.py [--triton-url HOST:GRPC_PORT --metrics-url URL] [--reps 5]
 
+The colocated pool is measured the same way, after the rest: ``Engine.decode_step()`` alone on both
+cores (two threads, this process) beside TPOT through ``ensemble_colocated`` and the colocated pool's
+own step inside the server. Its step inside against alone is what sharing the pool's two cores with
+the token relay costs it.
+
 Without --triton-url a server is started on model_repository/. Writes
 perf/results/orchestration_cost.{json,md}.
 """
@@ -46,7 +51,7 @@ from benchlib.deploy import start_triton
 from benchlib.workload import RequestSpec
 
 from disagg.engine.device import auto_dtype
-from disagg.engine.engine import EngineConfig
+from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
@@ -115,18 +120,10 @@ class LocalPools:
 
     def step_time(self, prompt: list[int], steps: int = 32) -> float:
         """decode_step() alone, on the decode core, with the loops idle."""
-        engine = self.loops["decode"].engine
         os.sched_setaffinity(0, {DECODE_CORE})
         try:
-            (out,) = engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=steps + 8))])
-            for _ in range(3):
-                engine.decode_step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.decode_step()
-            return (time.perf_counter() - start) / steps
+            return decode_step_time(self.loops["decode"].engine, prompt, steps)
         finally:
-            engine.free(out.seq_id)
             os.sched_setaffinity(0, {PREFILL_CORE})
 
     def close(self) -> None:
@@ -151,12 +148,60 @@ async def triton_tpot(
     return (outcome.last_piece - outcome.first_piece) / (tokens - 1)
 
 
-def server_decode_counters(metrics_url: str) -> tuple[int, float]:
-    """Engine steps and busy seconds of the server's decode pool (all instances) from /metrics."""
+def server_decode_counters(metrics_url: str, pool: str = "decode") -> tuple[int, float]:
+    """Engine steps and busy seconds of the server's `pool` (all instances) from /metrics."""
     snapshot = parse_exposition(http_get(metrics_url, 10.0).decode(), time.time())
-    steps = snapshot.select("disagg_engine_steps_total", pool="decode").values()
-    busy = snapshot.select("disagg_engine_busy_seconds_total", pool="decode").values()
+    steps = snapshot.select("disagg_engine_steps_total", pool=pool).values()
+    busy = snapshot.select("disagg_engine_busy_seconds_total", pool=pool).values()
     return int(sum(steps)), sum(busy)
+
+
+def decode_step_time(engine: Engine, prompt: list[int], steps: int = 32) -> float:
+    """`engine.decode_step()` alone at batch 1, after three warm-up steps."""
+    (out,) = engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=steps + 8))])
+    try:
+        for _ in range(3):
+            engine.decode_step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.decode_step()
+        return (time.perf_counter() - start) / steps
+    finally:
+        engine.free(out.seq_id)
+
+
+def colocated(url: str, metrics_url: str | None, model_dir: Path, dtype: str, reps: int, tokens: int) -> dict:
+    """The colocated pool's step alone on both cores (this process, pinned there) and inside the
+    server, with TPOT through `ensemble_colocated`; medians of `reps` interleaved rounds (one more,
+    dropped, warms up)."""
+    tokenizer = Tokenizer(model_dir)
+    os.sched_setaffinity(0, {PREFILL_CORE, DECODE_CORE})
+    engine = Engine(
+        EngineConfig(model_dir=model_dir, dtype=dtype, cores=(PREFILL_CORE, DECODE_CORE), kv_cache_mb=64)
+    )
+    alone, tpots, inside = [], [], []
+    for rep in range(reps + 1):
+        prompt = f"Request {rep}: tell a long story about the mountains"
+        ids = tokenizer.encode(prompt)
+        step = decode_step_time(engine, ids)
+        before = server_decode_counters(metrics_url, "colocated") if metrics_url else None
+        tpot = asyncio.run(triton_tpot(url, "ensemble_colocated", prompt, len(ids), tokens, 1000 + rep))
+        if rep:
+            alone.append(step)
+            tpots.append(tpot)
+            if metrics_url and before is not None:
+                read = functools.partial(server_decode_counters, metrics_url, "colocated")
+                inside.append(step_during(read, before, tokens - 1))
+    return {
+        "engine_step_ms": statistics.median(alone) * 1e3,
+        "tpot_ms": statistics.median(tpots) * 1e3,
+        "server_step_ms": statistics.median(inside) * 1e3 if inside else None,
+        "samples_ms": {
+            "engine step": [round(x * 1e3, 3) for x in alone],
+            "ensemble_colocated": [round(x * 1e3, 3) for x in tpots],
+            "step inside the server": [round(x * 1e3, 3) for x in inside],
+        },
+    }
 
 
 def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float], steps: int) -> float:
@@ -204,6 +249,7 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
                     steps[name].append(value)
     finally:
         local.close()
+    both_cores = colocated(url, metrics_url, model_dir, dtype, reps, tokens)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     step_medians = {name: statistics.median(values) for name, values in steps.items() if values}
     base = medians["engine loop"]
@@ -218,6 +264,7 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
         "step_samples_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in steps.items()},
         "overhead_vs_engine_loop": {k: medians[k] / base - 1 for k in ("ensemble", "llm")},
         "loop_overhead_vs_step": medians["engine loop"] / medians["engine step"] - 1,
+        "colocated": both_cores,
     }
 
 

@@ -190,6 +190,33 @@ def orchestration_section(orchestration: dict[str, Any]) -> list[str]:
                 f"is {slower:+.2f} ms slower inside the server, and {between:.2f} ms pass between steps "
                 f"(engine loop: {tpot['engine loop'] - loop_step:.2f} ms)."
             )
+    both = orchestration.get("colocated")
+    if both:
+        inside = both.get("server_step_ms")
+        out += [
+            "",
+            "The colocated pool, measured after them the same way: its engine's step alone on both cores "
+            "(two threads, one process), and through `ensemble_colocated`, whose pool shares those cores "
+            "with the token relay.",
+            "",
+            *_table(
+                ["path", "TPOT (ms)", "colocated engine step (ms)", "step inside / alone"],
+                [
+                    [
+                        "engine step, both cores",
+                        f"{both['engine_step_ms']:.2f}",
+                        f"{both['engine_step_ms']:.2f}",
+                        "1.00",
+                    ],
+                    [
+                        "ensemble_colocated",
+                        f"{both['tpot_ms']:.2f}",
+                        "–" if inside is None else f"{inside:.2f}",
+                        "–" if inside is None else f"{inside / both['engine_step_ms']:.2f}",
+                    ],
+                ],
+            ),
+        ]
     return [*out, ""]
 
 

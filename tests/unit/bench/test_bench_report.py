@@ -115,6 +115,21 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
     assert "(15% of decode's time; most: load generator 2.0 s, tritonserver 1.0 s)" in text
 
 
+def test_the_orchestration_cost_reports_the_colocated_step_inside_against_alone():
+    orchestration = {
+        "tokens": 64,
+        "reps": 3,
+        "tpot_ms": {"engine step": 10.0, "engine loop": 10.2},
+        "colocated": {"engine_step_ms": 8.0, "tpot_ms": 10.5, "server_step_ms": 10.0},
+    }
+    text = "\n".join(report.orchestration_section(orchestration))
+    assert "| engine step, both cores | 8.00 | 8.00 | 1.00 |" in text
+    assert "| ensemble_colocated | 10.50 | 10.00 | 1.25 |" in text
+    no_metrics = {**orchestration, "colocated": {**orchestration["colocated"], "server_step_ms": None}}
+    assert "| ensemble_colocated | 10.50 | – | – |" in "\n".join(report.orchestration_section(no_metrics))
+    assert "both cores" not in "\n".join(report.orchestration_section({**orchestration, "colocated": None}))
+
+
 def test_a_full_run_keeps_the_sections_other_benchmarks_wrote():
     from benchlib.report import keeping_sections, sections, with_section
 
