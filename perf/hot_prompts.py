@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib.arrivals import poisson_arrivals
 from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import log, machine, write_json
+from benchlib.cliutil import log, machine, pin_self, write_json
 from benchlib.deploy import (
     VllmConfig,
     VllmServer,
@@ -68,6 +68,8 @@ from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.report import with_section
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import PromptFactory, RequestSpec, new_salt
+
+from disagg.serverconfig import parse_cpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BURST_SETUPS = {  # setup -> disagg repository flags (the group rate is added where it says "rate")
@@ -201,7 +203,9 @@ def triton_run(
     tuned = {k: v for k, v in tuned.items() if v != "None"}
     if tuned:  # the entry points' hot-prompt settings, where they differ from the defaults
         out = with_orchestrator_parameters(out, scratch / f"tuned-{name}", tuned)
-    server = start_triton(out, scratch / name, args.model_dir, exit_timeout_s=10)
+    server = start_triton(
+        out, scratch / name, args.model_dir, exit_timeout_s=10, cpus=parse_cpus(args.server_cpus)
+    )
     try:
         before = counters(server.config.metrics_url)
         config = ClientConfig(kind="triton", url=server.config.grpc_url, model="ensemble")
@@ -405,6 +409,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--hot-group-burst", type=int, help="the entry points' hot_group_burst (default: theirs)"
     )
+    parser.add_argument(
+        "--server-cpus", default="", help="pin tritonserver's own threads, e.g. '0' (default: unpinned)"
+    )
+    parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "hot_prompts")
     parser.add_argument("--from-json", type=Path, help="write the reports of this run's JSON, run nothing")
@@ -417,6 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    pin_self(args.loadgen_cpus)
     if args.from_json is not None:  # the reports again, from a run's JSON
         write_reports(args, json.loads(args.from_json.read_text()))
         return 0
