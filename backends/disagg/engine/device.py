@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from disagg.engine import kernel
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"
 
@@ -56,23 +58,22 @@ def pin_cpu(cores: tuple[int, ...] | None, num_threads: int | None = None) -> No
 
 @contextmanager
 def kernel_threads() -> Iterator[None]:
-    """For the block's length, the engine's native kernels run on torch's threads and torch on one.
+    """For the block's length, the engine's native kernels run on torch's threads and torch on one;
+    both settings as they were after it.
 
     The kernels split each call over their own team (``kernels/team.c``), whose caller never waits
     for a helper the OS has not run yet. Torch's OpenMP workers, left with the few small operations
     between kernels, would otherwise spin after each one on the very cores the team's helpers need.
     Measured inside Triton, a colocated pool's decode step on two cores took 15.4-16.1 ms with the
-    kernels on torch's OpenMP pool and 9.2-10.4 ms on the team with torch on one thread."""
-    from disagg.engine import kernel
-
+    kernels on torch's OpenMP pool and 9.2-11.6 ms on the team with torch on one thread."""
     before = torch.get_num_threads()
     if before == 1:
         yield
         return
-    kernel.use_threads(before)
+    previous = kernel.use_threads(kernel.team_threads())
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        kernel.use_threads(0)
+        kernel.use_threads(previous)

@@ -60,12 +60,14 @@ def team_threads() -> int:
     return _threads or torch.get_num_threads()
 
 
-def use_threads(count: int) -> None:
-    """Run every kernel call of this process on ``count`` threads (0: follow torch's pool again)."""
+def use_threads(count: int) -> int:
+    """Run every kernel call of this process on ``count`` threads (0: follow torch's pool again);
+    returns the setting it replaces."""
     global _threads
     if count < 0:
         raise ValueError("a thread count is at least 0")
-    _threads = count
+    previous, _threads = _threads, count
+    return previous
 
 
 def cache_dir() -> Path:

@@ -111,6 +111,10 @@ def test_kernel_threads_hands_torchs_threads_to_the_kernels_and_back(team_thread
     with pytest.raises(RuntimeError), kernel_threads():
         raise RuntimeError("a fault in a step")
     assert torch.get_num_threads() == 3
+    team_threads(4)  # a count set for the kernels stays theirs, inside and after
+    with kernel_threads():
+        assert (torch.get_num_threads(), kernel.team_threads()) == (1, 4)
+    assert (torch.get_num_threads(), kernel.team_threads()) == (3, 4)
 
 
 def test_a_negative_thread_count_is_refused() -> None:
