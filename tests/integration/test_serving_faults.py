@@ -180,8 +180,12 @@ def test_sigterm_with_an_unclaimed_kv_lease_exits_without_waiting_for_it(
     try:
         with GrpcStream(server.config.grpc_url) as stream:
             stream.send("prefill", job, parameters={PARAMETER: token})
-            answers = [event for event in stream.until_final(30) if event.result is not None]
-        assert answers and all(event.error is None for event in answers), answers
+            responses = [event for event in stream.until_final(30) if event.result is not None]
+        assert responses and all(event.error is None for event in responses), responses
+        # the pool's first response is its acceptance, with no outputs; the answer comes after it
+        assert responses[0].result.as_numpy("event") is None, "the job was not accepted first"
+        answers = [event for event in responses if event.result.as_numpy("event") is not None]
+        assert len(answers) == 1, answers
         first = answers[0].result
         event = wire.decode_event(first.as_numpy("event")[0], first.as_numpy("descriptor")[0])
         assert isinstance(event, Prefilled) and event.descriptor and event.lease_id, event

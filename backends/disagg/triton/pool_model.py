@@ -11,7 +11,7 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.messages import AbortLease, Control, Event, PoolLoad, Stop
+from disagg.serving.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 from disagg.triton.readiness import ServerReadiness
@@ -42,6 +42,15 @@ class TritonSink:
         if self._descriptor_output:
             outputs.append(glue.bytes_tensor(pb, "descriptor", getattr(event, "descriptor", None) or b""))
         self._sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def accept(self) -> None:
+        """Answer at once with an empty response (no outputs, not final), before any event.
+
+        Triton 2.51's Python backend runs a BLS call on its caller's thread pool (``thread-pool-size``,
+        32 per instance) until the call's first response comes. A prefill waiting its turn would hold
+        one of those threads for its whole wait; 32 such calls would leave none for the caller's
+        pings, stops and its own responses to clients, and a live pool would be declared gone."""
+        self._sender.send(self._pb.InferenceResponse(output_tensors=[]), flags=0)
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled()
@@ -103,7 +112,11 @@ class PoolModel:
         sink = TritonSink(pb, sender, descriptor_output=self.config.role.exports_kv)
         job = wire.decode_job(self.config.role, values, sink)
         self.loop.validate(job)
-        self.loop.submit(job)
+        sink.accept()
+        try:
+            self.loop.submit(job)
+        except ServingError as error:  # after the acceptance a failure is an event (see wire)
+            sink.emit(Failed(error), final=True)
 
     def _control(self, control: Control) -> PoolLoad | None:
         """Act on a control request; a ping is answered with the pool's load."""

@@ -238,11 +238,12 @@ class RemotePools:
                     if not call.lost and isinstance(exc, asyncio.CancelledError):
                         raise
                     raise self._failure(call, exc) from None
-                call.answered = True
                 if error is not None:  # a refusal is the request's last response
-                    finished = True
+                    call.answered = finished = True
                     raise glue.untagged_error(str(error.message()))
                 final = _is_final(result)
+                if final or _output(result, "event") is not None:
+                    call.answered = True  # a pool's empty acceptance does not count: nothing ran yet
                 if final:
                     finished = True
                 if _output(result, "event") is not None:

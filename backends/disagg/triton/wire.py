@@ -11,10 +11,12 @@ Pool inputs (all optional; which ones are present decides the kind of request):
   ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "abort_lease", "lease_id": ...}
                              | {"op": "ping"}
 Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``); a ping's one
-response carries the pool's load (``encode_load``). A job's failure is an event too, never a Triton
-error response: on Triton 2.51 an error response after the first one of a decoupled BLS stream
-reaches the caller without the stream's id (the Python backend saves a response's id only when it
-has no error), so the caller's iterator never sees its final response and waits forever.
+response carries the pool's load (``encode_load``). A job's first response is an empty acceptance
+(no outputs, not final), sent before the job is queued (``pool_model.TritonSink.accept``). A job's
+failure is an event too, never a Triton error response: on Triton 2.51 an error response after the
+first one of a decoupled BLS stream reaches the caller without the stream's id (the Python backend
+saves a response's id only when it has no error), so the caller's iterator never sees its final
+response and waits forever.
 Every pool request carries the request parameter ``disagg_auth`` (``disagg.serving.auth``).
 """
 

@@ -129,8 +129,8 @@ class _FakePb:
 
 
 def _pools(events: list[tuple[Event, bool]]) -> tuple[TritonPools, list[str]]:
-    """Pools whose every job emits ``events`` through a real TritonSink; controls are answered empty
-    and recorded."""
+    """Pools whose every job is accepted and then emits ``events`` through a real TritonSink; controls
+    are answered empty and recorded."""
     controls: list[str] = []
 
     def pool(inputs: dict[str, np.ndarray], stream: _Stream) -> None:
@@ -139,6 +139,7 @@ def _pools(events: list[tuple[Event, bool]]) -> tuple[TritonPools, list[str]]:
             stream.send(flags=FINAL)
             return
         sink = TritonSink(pb, stream, descriptor_output=False)
+        sink.accept()  # as the pool model does: an empty response before any event
         for event, final in events:
             sink.emit(event, final)
 
