@@ -168,8 +168,9 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     records = await load
     watch.stop()
     await client.close()
-    back = watch.healthy_again
+    back, gone = watch.healthy_again, watch.gone_seen
     kill_at, back_at = killed - started, None if back is None else back - started
+    gone_at = None if gone is None else gone - started
     phases: dict[str, list[RequestRecord]] = {"normal": [], "degraded": [], "recovered": []}
     for record in records:
         phases[phase_of(record.arrival, kill_at, back_at)].append(record)
@@ -194,6 +195,7 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
         "rate_rps": args.rate,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         "killed_at_s": kill_at,
+        "gone_seen_at_s": gone_at,  # the first scrape with an entry point seeing the pool gone
         "healthy_again_at_s": back_at,
         "recovery_s": None if back_at is None else back_at - kill_at,
         "phases": result,
@@ -212,9 +214,15 @@ def markdown(out: dict[str, Any], command: str) -> str:
         f"(Poisson) to `{out['entry_point']}`; SLOs {slo['ttft_s'] * 1000:.0f} ms TTFT / "
         f"{slo['tpot_s'] * 1000:.1f} ms TPOT (frozen, `perf/slos.json`). {out['machine']}.",
         "",
-        f"Killed at {out['killed_at_s']:.1f} s; every entry point saw the pool healthy again at "
+        f"Killed at {out['killed_at_s']:.1f} s; "
         + (
-            f"{out['healthy_again_at_s']:.1f} s ({out['recovery_s']:.1f} s later)."
+            f"an entry point saw it gone at {out['gone_seen_at_s']:.1f} s; "
+            if out.get("gone_seen_at_s") is not None
+            else ""
+        )
+        + "every entry point saw the pool healthy again at "
+        + (
+            f"{out['healthy_again_at_s']:.1f} s ({out['recovery_s']:.1f} s after the kill)."
             if out["recovery_s"]
             else "never."
         ),
