@@ -60,11 +60,13 @@ def test_the_report_states_the_ratio_and_each_window():
     }
     out = {
         "kill": "decode", "workload": "codegen", "entry_point": "ensemble", "rate_rps": 1.0,
-        "slo": {"ttft_s": 0.5, "tpot_s": 0.02}, "killed_at_s": 40.0, "healthy_again_at_s": 48.0,
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.02}, "killed_at_s": 40.0, "gone_seen_at_s": 42.5,
+        "healthy_again_at_s": 48.0,
         "recovery_s": 8.0, "machine": "test", "degraded_over_normal_goodput": 0.75,
         "phases": {name: {**phase, "span_s": 10.0} for name in ("normal", "degraded", "recovered")},
         "windows": [{"start_s": 0, "phase": "normal", **phase}],
     }  # fmt: skip
     text = degraded.markdown(out, "python perf/degraded.py --rate 1")
     assert "- normal: 2 x `UNAVAILABLE: retry after 5 s`" in text
-    assert "**0.75**" in text and "(8.0 s later)" in text and "| 0–10 | normal | 10 | 10 | 0.90 |" in text
+    assert "**0.75**" in text and "| 0–10 | normal | 10 | 10 | 0.90 |" in text
+    assert "an entry point saw it gone at 42.5 s" in text and "at 48.0 s (8.0 s after the kill)" in text
