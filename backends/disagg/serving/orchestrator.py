@@ -144,6 +144,8 @@ class OrchestratorConfig:
     shed_sheddable_when_degraded: bool = True
     """A new request of negative ``priority`` is shed (fast UNAVAILABLE with the retry hint) while new
     requests cannot take the ladder's first rung: the degraded capacity is kept for the rest."""
+    colocated_first_when_decode_gone: bool = True
+    """While the decode pool is gone, the ``colocated`` rung is tried before ``local`` (``ladder``)."""
     probe_interval_s: float = 1.0
     """How often each pool is pinged for its health and load."""
     probe_timeout_s: float = 10.0
@@ -343,7 +345,12 @@ class Orchestrator:
         if deployed is None:
             deployed = [*ladder_pools(rungs), *([HOT_POOL] if HOT_POOL in config.pool_models else [])]
         self.health = {pool: PoolHealth(pool, HealthConfig()) for pool in deployed}
-        self.ladder = Ladder(rungs, self.health, local=local_generate)
+        self.ladder = Ladder(
+            rungs,
+            self.health,
+            local=local_generate,
+            colocated_first_when_decode_gone=config.colocated_first_when_decode_gone,
+        )
         self.admission = Admission(config.admission)
         self._on_change = on_change
         # hot prompts: counted on the event loop, read by the metrics thread too

@@ -136,6 +136,9 @@ def _serve(orchestrator, tokenizer, text: TextRequest, recorder: Recorder | None
 
 
 def _orchestrator(pools, tokenizer, **settings) -> Orchestrator:
+    """An orchestrator over ``pools``; the local rung comes before the colocated one even while the
+    decode pool is gone, unless a test asks otherwise (most here are about the local rung)."""
+    settings.setdefault("colocated_first_when_decode_gone", False)
     return Orchestrator(OrchestratorConfig(**settings), pools, tokenizer.decode)
 
 
@@ -164,6 +167,42 @@ def test_a_stream_whose_pool_dies_continues_on_the_next_rung(loops, tokenizer, r
     assert outcome.migrations == 1
     assert outcome.rung == {"decode": "local", "prefill": "colocated", "colocated": "local"}[dying]
     assert orchestrator.health[dying].state is PoolState.GONE
+    assert _clean(loops)
+
+
+def test_while_decode_is_gone_the_colocated_rung_comes_before_the_local_one(loops, tokenizer, reference):
+    """By default a gone decode pool sends new requests and migrating streams to the colocated pool
+    (the dead pool's cores are free for it), with no output cap; a saturated one keeps the order."""
+    params = SamplingParams(max_tokens=24)
+    pools = FlakyPools(loops, tokens_before_death=6)
+    pools.dying = "decode"
+    orchestrator = _orchestrator(pools, tokenizer, colocated_first_when_decode_gone=True)
+    assert orchestrator.ladder.mode == "disaggregated"
+
+    moved, recorder = _serve(orchestrator, tokenizer, TextRequest(PROMPT, params, stream=True))
+    later, _ = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(max_tokens=200)))
+
+    assert recorder.error is None and recorder.text == reference(PROMPT, params)
+    assert moved.migrations == 1 and moved.rung == "colocated"
+    assert moved.fallbacks == [Route("colocated", "disaggregated", "decode_failed")]
+    assert later.rung == "colocated" and not later.capped and later.output_tokens == 200
+    assert later.fallbacks == [Route("colocated", "disaggregated", "decode_gone")]
+    assert orchestrator.ladder.mode == "colocated"
+    orchestrator.observe(orchestrator.health["colocated"].failed("probe_failed"))
+    assert orchestrator.ladder.mode == "local", "the local rung stays next"
+    assert _clean(loops)
+
+
+def test_a_saturated_decode_pool_keeps_the_local_rung_first(loops, tokenizer):
+    pools = FlakyPools(loops)
+    orchestrator = _orchestrator(pools, tokenizer, colocated_first_when_decode_gone=True)
+    orchestrator.observe(orchestrator.health["decode"].refused())
+    assert orchestrator.health["decode"].state is PoolState.SATURATED
+    assert orchestrator.ladder.mode == "local"
+    outcome, _ = _serve(orchestrator, tokenizer, TextRequest(PROMPT, SamplingParams(max_tokens=4)))
+    assert outcome.rung == "local" and outcome.fallbacks == [
+        Route("local", "disaggregated", "decode_saturated")
+    ]
     assert _clean(loops)
 
 
