@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -129,6 +130,34 @@ def text_inputs(prompt: str | bytes, max_tokens: int, **extra: Any) -> dict[str,
     for name, value in extra.items():
         values[name] = value if isinstance(value, np.ndarray) else np.array([[value]])
     return values
+
+
+def repository_with_llm_parameters(target: Path, parameters: Mapping[str, str]) -> Path:
+    """A copy of the project's repository under `target` whose `llm` entry point has `parameters`
+    (each replacing the key's entry, if it had one)."""
+    copy = target / "repository"
+    shutil.copytree(REPOSITORY, copy)
+    config = copy / "llm" / "config.pbtxt"
+    text = config.read_text()
+    for key in parameters:
+        text = re.sub(rf'  \{{ key: "{re.escape(key)}"[^\n]*\n', "", text)
+    entries = "".join(
+        f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }},\n' for k, v in parameters.items()
+    )
+    config.write_text(text.replace("parameters [\n", "parameters [\n" + entries, 1))
+    return copy
+
+
+def prompt_burst(server: Any, count: int, words: int) -> list[GrpcStream]:
+    """After one short `llm` request (it starts the entry point's watcher), `count` streams each
+    sending `llm` a prompt of `words` unique words, 4 tokens out; the caller closes the streams."""
+    with GrpcStream(server.config.grpc_url) as first:
+        first.send("llm", text_inputs("Hello world", 4, stream=True))
+        assert read_stream(first, 60).final
+    streams = [GrpcStream(server.config.grpc_url) for _ in range(count)]
+    for i, stream in enumerate(streams):
+        stream.send("llm", text_inputs(" ".join(f"w{i}x{j}" for j in range(words)), 4, stream=True))
+    return streams
 
 
 def generate(server: Any, model: str, body: Mapping[str, Any]) -> tuple[int, Any]:

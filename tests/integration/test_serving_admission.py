@@ -6,12 +6,10 @@ refusal latency and goodput under a 60 s overload is `perf/overload.py`."""
 from __future__ import annotations
 
 import re
-import shutil
-from pathlib import Path
 
 import pytest
-from serving_support import REPOSITORY, pool_gauges, read_stream, text_inputs
-from triton_support import GrpcStream, LeakProbe, TritonFactory, metric_sum, scrape_metrics, wait_until
+from serving_support import pool_gauges, prompt_burst, read_stream, repository_with_llm_parameters
+from triton_support import LeakProbe, TritonFactory, metric_sum, scrape_metrics, wait_until
 
 from disagg.server import TritonServer
 
@@ -19,23 +17,12 @@ BURST = 24
 PROMPT_WORDS = 300  # about 300 tokens each: the burst is several seconds of prefill for a 0.3 s target
 
 
-def _with_admission(tmp_path: Path) -> Path:
-    """The project's repository with admission by capacity on for `llm` (margin 1, 0.3 s TTFT)."""
-    copy = tmp_path / "repository"
-    shutil.copytree(REPOSITORY, copy)
-    config = copy / "llm" / "config.pbtxt"
-    entries = "".join(
-        f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n'
-        for key, value in (("admission_margin", "1"), ("slo_ttft_s", "0.3"))
-    )
-    text = re.sub(r'  \{ key: "slo_ttft_s"[^\n]*\n', "", config.read_text())
-    config.write_text(text.replace("parameters [\n", "parameters [\n" + entries, 1))
-    return copy
-
-
 @pytest.fixture(scope="module")
 def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
-    return triton_factory.start(_with_admission(tmp_path_factory.mktemp("admission")), exit_timeout_s=10)
+    # admission by capacity on for `llm`: margin 1, 0.3 s TTFT
+    parameters = {"admission_margin": "1", "slo_ttft_s": "0.3"}
+    repository = repository_with_llm_parameters(tmp_path_factory.mktemp("admission"), parameters)
+    return triton_factory.start(repository, exit_timeout_s=10)
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +31,8 @@ def own_regions_ignored(leak_probe: LeakProbe, server: TritonServer) -> None:
 
 
 def test_a_burst_beyond_capacity_is_refused_fast_and_the_admitted_are_served(server: TritonServer) -> None:
-    with GrpcStream(server.config.grpc_url) as first:  # starts the watcher: its probes feed admission
-        first.send("llm", text_inputs("Hello world", 4, stream=True))
-        assert read_stream(first, 60).final
-    streams = [GrpcStream(server.config.grpc_url) for _ in range(BURST)]
+    streams = prompt_burst(server, BURST, PROMPT_WORDS)  # the watcher's probes feed admission
     try:
-        for i, stream in enumerate(streams):
-            prompt = " ".join(f"w{i}x{j}" for j in range(PROMPT_WORDS))
-            stream.send("llm", text_inputs(prompt, 4, stream=True))
         results = [read_stream(stream, 120) for stream in streams]
     finally:
         for stream in streams:

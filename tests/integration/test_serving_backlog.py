@@ -15,13 +15,9 @@ restart, while the queue lasts several seconds.
 
 from __future__ import annotations
 
-import re
-import shutil
-from pathlib import Path
-
 import pytest
-from serving_support import REPOSITORY, pool_gauges, read_stream, text_inputs
-from triton_support import GrpcStream, LeakProbe, TritonFactory, metric_sum, scrape_metrics, wait_until
+from serving_support import pool_gauges, prompt_burst, read_stream, repository_with_llm_parameters
+from triton_support import LeakProbe, TritonFactory, metric_sum, scrape_metrics, wait_until
 
 from disagg.server import TritonServer
 
@@ -30,21 +26,11 @@ PROMPT_WORDS = 200  # several hundred tokens each: the burst is several seconds 
 THREADS = 4  # the Python backend's threads per instance for BLS calls and decoupled responses
 
 
-def _with_quick_probes(tmp_path: Path) -> Path:
-    """The project's repository with `llm`'s watcher giving up on a ping after 1 s."""
-    copy = tmp_path / "repository"
-    shutil.copytree(REPOSITORY, copy)
-    config = copy / "llm" / "config.pbtxt"
-    text = re.sub(r'  \{ key: "probe_timeout_s"[^\n]*\n', "", config.read_text())
-    entry = '  { key: "probe_timeout_s", value: { string_value: "1" } },\n'
-    config.write_text(text.replace("parameters [\n", "parameters [\n" + entry, 1))
-    return copy
-
-
 @pytest.fixture(scope="module")
 def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
     return triton_factory.start(
-        _with_quick_probes(tmp_path_factory.mktemp("backlog")),
+        # `llm`'s watcher gives up on a ping after 1 s
+        repository_with_llm_parameters(tmp_path_factory.mktemp("backlog"), {"probe_timeout_s": "1"}),
         exit_timeout_s=10,
         extra_args=(f"--backend-config=python,thread-pool-size={THREADS}",),
     )
@@ -58,14 +44,8 @@ def own_regions_ignored(leak_probe: LeakProbe, server: TritonServer) -> None:
 def test_a_long_prefill_queue_keeps_its_pool_healthy_and_every_request_on_its_path(
     server: TritonServer,
 ) -> None:
-    with GrpcStream(server.config.grpc_url) as first:  # starts the watcher
-        first.send("llm", text_inputs("Hello world", 4, stream=True))
-        assert read_stream(first, 60).final
-    streams = [GrpcStream(server.config.grpc_url) for _ in range(BURST)]
+    streams = prompt_burst(server, BURST, PROMPT_WORDS)
     try:
-        for i, stream in enumerate(streams):
-            prompt = " ".join(f"w{i}x{j}" for j in range(PROMPT_WORDS))
-            stream.send("llm", text_inputs(prompt, 4, stream=True))
         # a waiting call holds none of the orchestrator's threads: more prefills wait than it has
         backlog = wait_until(
             lambda: (
