@@ -497,7 +497,10 @@ class _Run:
                 await self.cleanup()
                 self._check_cancelled()
                 self.outcome.migrations += 1
-                log.info("request %s migrates off %s (%s)", self.handle, route.rung, error.message)
+                # the next attempt's jobs get a handle of their own: a pool may still hold the last
+                # attempt's (a prefill lease whose importer died before its ack keeps it until expiry)
+                self.handle = f"{self.outcome.handle}~{self.outcome.migrations}"
+                log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
                 lost = error.message == LEASE_LOST  # the decode pool is fine; the KV must be made again
                 route = self.owner.ladder.route(
                     after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"

@@ -39,6 +39,7 @@ class FlakyPools(LocalPools):
     def __init__(self, loops, tokens_before_death: int | None = None) -> None:
         super().__init__(**loops)
         self.dead: set[str] = set()
+        self.handles: list[tuple[str, str]] = []  # (pool, job handle) of each decode and generate call
         self.dying: str | None = None
         self.tokens_before_death = tokens_before_death
 
@@ -61,10 +62,12 @@ class FlakyPools(LocalPools):
         return await super().prefill(handle, request)
 
     def decode(self, handle, state, descriptor, pool="decode"):
+        self.handles.append((pool, handle))
         self._check(pool)
         return self._dying(pool, handle, super().decode(handle, state, descriptor, pool))
 
     def generate(self, handle, request, pool="colocated"):
+        self.handles.append((pool, handle))
         self._check(pool)
         return self._dying(pool, handle, super().generate(handle, request, pool))
 
@@ -167,6 +170,9 @@ def test_a_stream_whose_pool_dies_continues_on_the_next_rung(loops, tokenizer, r
     assert outcome.migrations == 1
     assert outcome.rung == {"decode": "local", "prefill": "colocated", "colocated": "local"}[dying]
     assert orchestrator.health[dying].state is PoolState.GONE
+    # the resumed job has a handle of its own: a pool still holding the first attempt's cannot refuse it
+    handles = [handle for _, handle in pools.handles]
+    assert handles[-1] == f"{outcome.handle}~1" and handles[0] == outcome.handle, pools.handles
     assert _clean(loops)
 
 
