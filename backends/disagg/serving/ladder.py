@@ -101,27 +101,27 @@ class Ladder:
         """The rungs in the order they are tried now."""
         rungs = self.rungs
         decode = self.health.get("decode")
-        if (
-            not self.colocated_first_when_decode_gone
-            or decode is None
-            or decode.state is not PoolState.GONE
-            or LOCAL not in rungs
-            or COLOCATED not in rungs
-            or rungs.index(LOCAL) > rungs.index(COLOCATED)
-        ):
+        gone = decode is not None and decode.state is PoolState.GONE
+        if not (self.colocated_first_when_decode_gone and gone and LOCAL in rungs and COLOCATED in rungs):
             return rungs
         local, colocated = rungs.index(LOCAL), rungs.index(COLOCATED)
+        if colocated < local:
+            return rungs
         swapped = list(rungs)
         swapped[local], swapped[colocated] = COLOCATED, LOCAL
         return tuple(swapped)
 
     def route(self, after: str | None = None, reason: str = "") -> Route:
         """The first rung that can serve now; with ``after``, the first below that rung (a stream whose
-        rung failed: ``reason`` says how)."""
+        rung failed: ``reason`` says how). Below means below in the configured order or in the order
+        of now, so a stream routed before the decode pool was found gone (or while it was) passes over
+        no rung it has not tried when the two orders differ."""
         rungs = self.order()
-        start = rungs.index(after) + 1 if after is not None else 0
+        if after is not None:
+            below = {*self.rungs[self.rungs.index(after) + 1 :], *rungs[rungs.index(after) + 1 :]}
+            rungs = tuple(rung for rung in rungs if rung in below)
         fell_from = after
-        for rung in rungs[start:]:
+        for rung in rungs:
             blocked = self._blocked(rung)
             if blocked is None:
                 return Route(rung, fell_from, reason if fell_from else "")
