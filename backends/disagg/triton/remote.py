@@ -242,11 +242,12 @@ class RemotePools:
                     call.answered = finished = True
                     raise glue.untagged_error(str(error.message()))
                 final = _is_final(result)
-                if final or _output(result, "event") is not None:
+                has_event = _output(result, "event") is not None
+                if final or has_event:
                     call.answered = True  # a pool's empty acceptance does not count: nothing ran yet
                 if final:
                     finished = True
-                if _output(result, "event") is not None:
+                if has_event:
                     yield result
                 if final:
                     return
