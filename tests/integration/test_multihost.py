@@ -269,7 +269,7 @@ def test_the_decode_server_killed_then_a_second_one_added_at_run_time(hosts: Dep
         assert final or clear_failure(error), (pieces, error)
     for i in range(3):
         stream(hosts.frontend, "llm", f"While decode is gone {i}")  # served: the local rung
-    assert frontend_fallbacks(hosts) > counted
+    wait_until(lambda: frontend_fallbacks(hosts) > counted, 10, "the fallbacks counted")  # after finals
     wait_idle(hosts.prefill)
 
     spec = str(hosts.workdir / "spec.yaml")

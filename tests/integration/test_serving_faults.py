@@ -81,6 +81,17 @@ def _series(server: TritonServer, name: str, **labels: str) -> dict[frozenset, f
     return metric_series(scrape_metrics(server.config.metrics_url), name, **labels)
 
 
+def _counted(server: TritonServer, name: str, at_least: float, **labels: str) -> dict[frozenset, float]:
+    """The series of counter `name` once they add up to `at_least`. An entry point counts a request
+    after sending its final response, so a client that has just read the final may be ahead of it."""
+
+    def series() -> dict[frozenset, float] | None:
+        found = _series(server, name, **labels)
+        return found if sum(found.values()) >= at_least else None
+
+    return wait_until(series, 10, f"{name} {labels} reaching {at_least}")
+
+
 def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(server: TritonServer) -> None:
     """RELIABILITY D1: `kill -9` of the decode stub with streams in flight. Each stream continues on the
     ladder's next rung (the colocated pool, tried before the prefill pool's local decode while decode is
@@ -126,10 +137,9 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(s
         if model == "llm":
             # the colocated rung has no output cap: the whole output, each token counted once
             assert reason == "length" and counted + tokens == 1500, (reason, counted, tokens)
-    migrations = sum(_series(server, "disagg_migrations_total").values())
-    assert migrations >= 3, migrations
-    fell = _series(server, "disagg_fallbacks_total", to="colocated")
-    assert sum(fell.values()) >= 3 and all(dict(k)["from"] == "disaggregated" for k in fell), fell
+    _counted(server, "disagg_migrations_total", 3)
+    fell = _counted(server, "disagg_fallbacks_total", 3, to="colocated")
+    assert all(dict(k)["from"] == "disaggregated" for k in fell), fell
 
     # new requests are served (the colocated rung, or disaggregated again once the pool is back)
     status, reply = generate(server, "llm", {"text_input": "Hello world", "max_tokens": 8})
@@ -257,8 +267,8 @@ def test_kill_prefill_stub_requests_move_to_colocated_and_nothing_is_left(
 
         status, reply = generate(server, "llm", {"text_input": "Hello world", "max_tokens": 8})
         assert status == 200 and reply["text_output"] == "Hello world" + expected, reply
-        fell = _series(server, "disagg_fallbacks_total", to="colocated")
-        assert sum(fell.values()) >= 1 and all(dict(k)["from"] == "disaggregated" for k in fell), fell
+        fell = _counted(server, "disagg_fallbacks_total", 1, to="colocated")
+        assert all(dict(k)["from"] == "disaggregated" for k in fell), fell
 
         def decode_blocks_used() -> float:
             return metric_sum(
