@@ -10,10 +10,18 @@ lock (``disagg.control``), so its calls are serialised with the watchers' restar
 the result or Triton's error. The key never leaves the launching process.
 
 Requests: ``{"op": "index"}``, ``{"op": "config", "model": M}``, ``{"op": "load", "model": M,
-"config": {...}}`` (config optional: the repository's files), ``{"op": "unload", "model": M}`` and
+"config": {...}}`` (config optional: the repository's files), ``{"op": "unload", "model": M}``,
 ``{"op": "update", "model": M, "config": {key: value}}``: the model's live config with those top-level
 keys replaced, loaded, read and loaded under one hold of the lock (an instance count, a version policy:
-Triton changes both in place).
+Triton changes both in place), and ``{"op": "restart", "model": M, "found_dead_at": T}``: a pool
+watcher's restart of a dead pool (``ModelControl.restart_once``: unless restarted since ``T``, wall
+clock, a model still ready is unloaded and loaded with its live config; the result says whether it was).
+
+Why the watchers inside the server ask the broker to restart: on Triton 2.51 ``pb_utils.load_model``
+waits for the load holding the stub's GIL (the binding releases nothing while it waits for the
+server's answer), so an entry point that loaded a pool itself stopped every stream it was serving for
+the whole load (4 s for the tiny model). Over the broker the wait is on a socket. Without a broker (a
+server started by hand) they load through BLS, and stall so.
 Answers: ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``.
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import socketserver
@@ -38,7 +47,7 @@ from disagg.serverconfig import ADMIN_HEADER
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 1 << 20
-OPS = ("index", "config", "load", "unload", "update")
+OPS = ("index", "config", "load", "unload", "update", "restart")
 
 
 class BrokerError(RuntimeError):
@@ -98,6 +107,26 @@ class TritonRepository:
             return self.call("load", model, {**loadable_config(live), **(config or {})})
         raise BrokerError(f"unknown operation {op!r}")
 
+    def ready(self, model: str) -> bool:
+        """The server reports ``model`` ready (any error reads not ready)."""
+        try:
+            self._call("GET", f"/v2/models/{urllib.parse.quote(model)}/ready")
+        except BrokerError:
+            return False
+        return True
+
+    def restart(self, model: str) -> bool:
+        """Unload ``model`` and load it again with its live config (so an instance count set at run
+        time survives); False when it is not ready (being unloaded: left alone). On Triton 2.51 a load
+        of a loaded model whose files did not change does nothing, even when its stub is dead, hence
+        the unload, which returns at once (the dead instance is dropped in the background)."""
+        if not self.ready(model):
+            return False
+        live = self.call("config", model)
+        self.call("unload", model)
+        self.call("load", model, loadable_config(live) if isinstance(live, dict) else None)
+        return True
+
 
 def _triton_error(exc: urllib.error.HTTPError) -> str:
     try:
@@ -106,20 +135,24 @@ def _triton_error(exc: urllib.error.HTTPError) -> str:
         return str(exc.reason)
 
 
-def _parse(raw: bytes) -> tuple[str, str, dict[str, Any] | None]:
+def _parse(raw: bytes) -> tuple[str, str, dict[str, Any] | None, float]:
+    """(op, model, config, found_dead_at) of one request line."""
     request = json.loads(raw)
     if (
         not isinstance(request, dict)
         or request.get("op") not in OPS
-        or set(request) - {"op", "model", "config"}
+        or set(request) - {"op", "model", "config", "found_dead_at"}
     ):
-        raise ValueError("a request is {op, model, config} with op one of " + ", ".join(OPS))
+        raise ValueError("a request is {op, model, config, found_dead_at} with op one of " + ", ".join(OPS))
     model, config = request.get("model", ""), request.get("config")
     if not isinstance(model, str) or (request["op"] != "index" and not model):
         raise ValueError("model must name a model")
     if config is not None and not isinstance(config, dict):
         raise ValueError("config must be an object")
-    return request["op"], model, config
+    found = request.get("found_dead_at", 0.0)
+    if not isinstance(found, int | float) or isinstance(found, bool) or not math.isfinite(found):
+        raise ValueError("found_dead_at must be a time in seconds")
+    return request["op"], model, config, float(found)
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -130,12 +163,15 @@ class _Handler(socketserver.StreamRequestHandler):
             uid = struct.unpack("3i", self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
             if uid != os.getuid():
                 raise PermissionError("another user")
-            op, model, config = _parse(self.rfile.readline(MAX_REQUEST_BYTES))
-            if op in ("load", "unload", "update"):
+            op, model, config, found_dead_at = _parse(self.rfile.readline(MAX_REQUEST_BYTES))
+            triton = self.server.triton
+            if op == "restart":
+                result = self.server.control.restart_once(model, found_dead_at, lambda: triton.restart(model))
+            elif op in ("load", "unload", "update"):
                 with self.server.control.owner():
-                    result = self.server.triton.call(op, model, config)
+                    result = triton.call(op, model, config)
             else:
-                result = self.server.triton.call(op, model, config)
+                result = triton.call(op, model, config)
             answer: dict[str, Any] = {"ok": True, "result": result}
         except (BrokerError, ValueError, PermissionError, TimeoutError) as exc:
             answer = {"ok": False, "error": str(exc)}
@@ -192,10 +228,18 @@ class BrokerClient:
     def available(self) -> bool:
         return self.path.exists()
 
-    def call(self, op: str, model: str = "", config: dict[str, Any] | None = None) -> Any:
+    def call(
+        self,
+        op: str,
+        model: str = "",
+        config: dict[str, Any] | None = None,
+        found_dead_at: float | None = None,
+    ) -> Any:
         body: dict[str, Any] = {"op": op, "model": model}
         if config is not None:
             body["config"] = config
+        if found_dead_at is not None:
+            body["found_dead_at"] = found_dead_at
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(self.timeout_s)

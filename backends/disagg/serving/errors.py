@@ -20,6 +20,9 @@ LEASE_LOST = "KV lease is gone"  # its prefill pool no longer holds the KV: re-p
 # a decode pool refused KV of another model version (fingerprint): a deployment fault, not the request's
 KV_INCOMPATIBLE = "KV refused: it was computed by another model version (fingerprint mismatch)"
 PROBE_UNANSWERED = "did not answer a probe"  # a call's pool, probed while the call was overdue
+STUB_DEAD = "is not healthy"
+"""In Triton 2.51's error for a call to a Python model instance whose stub process died ("Stub process
+'decode_0_0' is not healthy."): the pool is dead, not slow."""
 
 
 class ServingError(Exception):

@@ -24,6 +24,14 @@ from typing import TypeVar
 
 from disagg.serving.messages import PoolLoad
 
+DEAD = "dead"
+"""The reason of a pool found dead: its stub is gone (a call was told so), or Triton reports it ready
+and it does not answer. Its open calls will never be answered, and it is restarted."""
+NOT_READY = "not_ready"  # the reason of a pool that does not answer and is not ready (unloading)
+CALL_FAILED = "call_failed"
+"""The reason of a pool a request's call found unanswering: it says less than a probe, or a stub
+reported dead, so it never replaces another reason of a pool already gone."""
+
 
 class PoolState(str, Enum):
     HEALTHY = "healthy"
@@ -129,7 +137,7 @@ class PoolHealth:
         """A probe or call found the pool dead (no answer, or its stub gone): it is gone at once."""
         self._answered = 0
         if self.state is PoolState.GONE:
-            if reason == self.reason:
+            if reason in (self.reason, CALL_FAILED):
                 return None
             self.reason = reason  # still gone, known better now (a probe after a call's failure)
             return Change(self.pool, PoolState.GONE, PoolState.GONE, reason)

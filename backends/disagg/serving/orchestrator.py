@@ -35,12 +35,13 @@ from disagg.serving.errors import (
     DEADLINE,
     LEASE_LOST,
     PROBE_UNANSWERED,
+    STUB_DEAD,
     TRANSFER_FAILED,
     UNAVAILABLE,
     ServingError,
     classify,
 )
-from disagg.serving.health import Change, HealthConfig, PoolHealth, PoolState
+from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.hotness import GroupRate, Heat, HotConfig, HotPrompts
 from disagg.serving.ladder import (
     COLOCATED,
@@ -352,7 +353,7 @@ class Orchestrator:
             colocated_first_when_decode_gone=config.colocated_first_when_decode_gone,
         )
         self.admission = Admission(config.admission)
-        self._on_change = on_change
+        self._listeners: list[Callable[[Change], None]] = [] if on_change is None else [on_change]
         # hot prompts: counted on the event loop, read by the metrics thread too
         self.hotness = HotPrompts(config.hot)
         self.bucket = config.bucket  # the hot groups' rate cap, built once
@@ -393,20 +394,29 @@ class Orchestrator:
         if change is None:
             return
         log.warning("pool %s: %s -> %s (%s)", change.pool, change.old.value, change.new.value, change.reason)
-        if self._on_change is not None:
-            self._on_change(change)
+        for listener in self._listeners:
+            listener(change)
+
+    def listen(self, listener: Callable[[Change], None]) -> None:
+        """Tell ``listener`` too of every pool state change, after those told before it."""
+        self._listeners.append(listener)
 
     def pool_failed(self, pool: str, error: ServingError) -> None:
         """A call to ``pool`` failed UNAVAILABLE: a pool that refused as full is saturated, a failed KV
-        transfer says nothing of the pool, and any other failure (no answer, its stub gone) is gone;
-        except an overdue call's unanswered probe to a pool the watcher already finds saturated (it
-        answers its own probes, slowly): that pool is overloaded, not gone, and stays saturated."""
+        transfer says nothing of the pool, one whose stub the server reports gone is dead (``DEAD``:
+        its other calls are given up and it is restarted, as when the watcher finds it silent), and any
+        other failure (no answer) is gone; except an overdue call's unanswered probe to a pool the
+        watcher already finds saturated (it answers its own probes, slowly): that pool is overloaded,
+        not gone, and stays saturated."""
         health = self.health.get(pool)
         if health is None or error.message in (TRANSFER_FAILED, LEASE_LOST):
             return
+        if STUB_DEAD in error.message:
+            self.observe(health.failed(DEAD))
+            return
         full = "full" in error.message or "retry later" in error.message
         slow = PROBE_UNANSWERED in error.message and health.state is PoolState.SATURATED
-        self.observe(health.refused() if full or slow else health.failed("call_failed"))
+        self.observe(health.refused() if full or slow else health.failed(CALL_FAILED))
 
     async def serve(
         self, prompt_ids: Sequence[int], text: TextRequest, out: Responder, arrival: float | None = None

@@ -6,7 +6,9 @@ misses ``DEAD_AFTER`` probes in a row is gone, and why matters: a model Triton s
 instance does not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked
 unready); one that is not ready is being unloaded (a shutdown, an operator, a reload) or was never
 loaded, and is left alone. One missed probe alone says nothing: a ping can land on an instance the
-autoscaler is removing.
+autoscaler is removing. A request's call can say more, at once: Triton answers a call to an instance
+whose stub died "Stub process '...' is not healthy" (``errors.STUB_DEAD``), and the orchestrator finds
+that pool ``DEAD`` then; this watcher hears of it (``Orchestrator.listen``) as of its own probes.
 Only a dead pool's open calls are given up (the caller's ``on_change`` sees the reason), and only a dead
 pool is restarted through model control, after it stayed silent for a probe round plus this watcher's
 own random delay (under one probe interval), waiting ``recovery_backoff_s`` after each failed attempt
@@ -26,15 +28,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 from disagg.serving.errors import ServingError
-from disagg.serving.health import Change, PoolState
+from disagg.serving.health import DEAD, NOT_READY, Change, PoolState
 from disagg.serving.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 60.0
-DEAD = "dead"  # the reason of a pool Triton reports ready that does not answer
 DEAD_AFTER = 2  # probes missed in a row that find a pool gone
-NOT_READY = "not_ready"  # the reason of a pool that does not answer and is not ready (unloading)
 
 
 class PoolWatcher:
@@ -74,6 +74,7 @@ class PoolWatcher:
         self.recovered: list[tuple[str, float]] = []  # (pool, seconds from gone to healthy), in order
         self._restarting: asyncio.Task[None] | None = None
         self.stopped = False
+        orchestrator.listen(self._noticed)  # a call that found a stub dead counts as this watcher's own
 
     async def run(self) -> None:
         """Probe until cancelled."""
@@ -136,8 +137,10 @@ class PoolWatcher:
             return False
 
     def _note(self, change: Change | None) -> None:
-        if change is None:
-            return
+        self.orchestrator.observe(change)  # which tells ``_noticed``
+
+    def _noticed(self, change: Change) -> None:
+        """Any state change of a pool, found by this watcher's probes or by a request's call."""
         now = self._clock()
         if change.new is PoolState.GONE:
             if change.reason == DEAD:
@@ -150,7 +153,6 @@ class PoolWatcher:
             log.warning("pool %s is back after %.1f s", change.pool, now - gone_at)
             if self._on_recovered is not None:
                 self._on_recovered(change.pool, now - gone_at)
-        self.orchestrator.observe(change)
 
     def _gone(self, pool: str, now: float) -> None:
         # the first restart waits one probe round: a pool found gone by one slow answer that

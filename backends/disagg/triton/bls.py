@@ -58,7 +58,7 @@ def _drain(responses: Iterator[Any], bury: Callable[[Iterator[Any]], None]) -> N
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
-CHECK_S = 1.0  # how often a waiting call looks whether its pool was lost meanwhile
+CHECK_S = 0.25  # how often a waiting call looks whether its pool was lost meanwhile
 CONTROL_WORKERS = 32  # threads reading control answers (a ping to a dead pool may hold one for good)
 
 

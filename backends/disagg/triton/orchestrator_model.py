@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from disagg.affinity import pin_process
+from disagg.broker import BrokerClient
 from disagg.config import build
 from disagg.control import ModelControl, loadable_config
 from disagg.engine.tokenizer import Tokenizer
@@ -23,7 +24,7 @@ from disagg.paths import resolve_model_dir
 from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.auth import TokenSigner
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
-from disagg.serving.health import Change, PoolState
+from disagg.serving.health import DEAD, Change, PoolState
 from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
 from disagg.serving.routing import PINNED, RoutingFile
@@ -35,7 +36,7 @@ from disagg.serving.text_api import (
     parse_text_request,
     wants_error_code,
 )
-from disagg.serving.watcher import DEAD, PoolWatcher
+from disagg.serving.watcher import PoolWatcher
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
@@ -183,7 +184,11 @@ class OrchestratorModel:
         instance is dropped in the background), then loaded, which starts a new stub. The load carries
         the model's live config, so an instance count set by the autoscaler survives the restart. It
         runs as the server's one model-control owner (``disagg.control``): a restart that another
-        entry point's watcher made since this one found the pool dead is not made again."""
+        entry point's watcher made since this one found the pool dead is not made again.
+
+        The server's model-control broker makes the calls when there is one (``disagg.broker``: a load
+        through ``pb_utils`` holds this stub's GIL until it ends, which stops every stream of this
+        entry point for the whole load); without one, ``pb_utils`` does."""
         name = self.config.pool_models[pool]
         gone_for = self.watcher.gone_for(pool) or 0.0
         found_dead_at = time.time() - gone_for
@@ -191,6 +196,7 @@ class OrchestratorModel:
         control, readiness = self.control, self.readiness
         if control is None or readiness is None:
             return False  # no recovery without the server's endpoint (see initialize)
+        broker = BrokerClient(readiness.base, control=control)
 
         def restart() -> bool:
             if not self._pool_ready(pool):
@@ -204,7 +210,10 @@ class OrchestratorModel:
             return True
 
         def restart_once() -> bool:
-            done = control.restart_once(name, found_dead_at, restart)
+            if broker.available():
+                done = bool(broker.call("restart", name, found_dead_at=found_dead_at))
+            else:
+                done = control.restart_once(name, found_dead_at, restart)
             if not done:
                 log.info(
                     "pool %s: not restarted here (restarted since it was found dead, or unloading)", pool

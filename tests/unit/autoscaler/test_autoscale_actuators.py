@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import stat
+import time
 from typing import Any
 
 import pytest
@@ -147,6 +148,50 @@ def test_without_the_key_the_actuator_asks_the_broker_which_alone_holds_it(tmp_p
             TritonActuator(
                 ActuatorConfig(kind="triton", url=url), FakeClock(), lambda p: 0.0, environ={}, broker=client
             )
+
+
+def test_the_broker_restarts_a_dead_pool_once_with_its_live_config(tmp_path) -> None:
+    """A pool watcher's restart through the broker (its own load would hold its stub's GIL for the
+    whole load): a model still ready is unloaded, then loaded with its live config, under the lock,
+    and recorded; a second watcher that found the same death is told it was restarted since; a model
+    that is not ready (being unloaded) is left alone."""
+    state = {"config": {**MODEL_CONFIG, "runtime": "model.py"}, "ready": True}
+    base = triton_handler(state)
+
+    def handle(method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+        if method == "GET" and path == "/v2/models/prefill/ready":
+            return (
+                (200, "application/json", b"") if state["ready"] else json_body({"error": "not ready"}, 400)
+            )
+        if method == "POST" and path == "/v2/repository/models/prefill/unload":
+            return (
+                (200, "application/json", b"") if headers.get("disagg-admin-key") == KEY else (403, "", b"")
+            )
+        return base(method, path, headers, body)
+
+    with http_fake(handle) as (url, records):
+        server = url.split("://")[1]
+        control = ModelControl(server, tmp_path, timeout_s=0.2)
+        broker = Broker(server, KEY, control).start()
+        try:
+            client = BrokerClient(url, control=control)
+            found_dead_at = time.time()
+            assert client.call("restart", "prefill", found_dead_at=found_dead_at) is True
+            posts = [r.path.rsplit("/", 1)[1] for r in records if r.method == "POST"]
+            assert posts == ["unload", "load"]
+            loaded = json.loads(json.loads(records[-1].body)["parameters"]["config"])
+            assert "runtime" not in loaded and loaded["instance_group"] == MODEL_CONFIG["instance_group"]
+            assert control.last_restart("prefill") >= found_dead_at
+            assert client.call("restart", "prefill", found_dead_at=found_dead_at) is False, "restarted since"
+            state["ready"] = False
+            assert client.call("restart", "prefill", found_dead_at=time.time()) is False, "being unloaded"
+            assert [r.method for r in records].count("POST") == 2
+            with control.owner(), pytest.raises(BrokerError, match="model control busy"):
+                client.call("restart", "prefill", found_dead_at=time.time())
+            with pytest.raises(BrokerError, match="found_dead_at must be"):
+                client.call("restart", "prefill", found_dead_at=float("nan"))
+        finally:
+            broker.stop()
 
 
 WAITING_POOL = config([prefill_pool(drain_max_inflight=0.0)]).pools[0]

@@ -17,6 +17,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
+from disagg.serving import health
 from disagg.serving.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, ServingError
 from disagg.serving.health import PoolState
 from disagg.serving.instance import PoolConfig, build_instance
@@ -441,6 +442,49 @@ def test_a_pool_being_unloaded_is_gone_but_never_restarted_and_a_dead_one_is():
         orchestrator.health["prefill"].reason == "not_ready"
         and orchestrator.health["decode"].reason == "dead"
     )
+    assert restarted == ["decode"]
+
+
+def test_a_call_told_the_stub_is_dead_gets_the_pool_restarted_without_waiting_for_probes():
+    """Triton answers a call to an instance whose stub died "Stub process '...' is not healthy": the
+    pool is dead at once (its open calls are given up by the listener) and the watcher restarts it
+    after one probe round, although its own probes never missed. A later call that merely went
+    unanswered does not make it less dead (a ``call_failed`` pool would not be restarted)."""
+    now = [0.0]
+    pools = _ScriptedPools()
+    restarted: list[str] = []
+    told: list[tuple[str, str]] = []
+
+    async def restart(pool: str) -> None:
+        restarted.append(pool)
+
+    orchestrator = Orchestrator(
+        OrchestratorConfig(),
+        pools,
+        lambda ids: "",
+        deployed=("prefill", "decode"),
+        on_change=lambda change: told.append((change.pool, change.reason)),
+    )
+    watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], restart_delay_s=0)
+
+    async def rounds() -> None:
+        pools.answers["decode"] = TimeoutError()  # pings to a dead stub hang on Triton 2.51
+        orchestrator.pool_failed(
+            "decode", ServingError(UNAVAILABLE, "Stub process 'decode_0_0' is not healthy.")
+        )
+        orchestrator.pool_failed("decode", ServingError(UNAVAILABLE, "the decode pool stopped responding"))
+        assert (orchestrator.health["decode"].state, orchestrator.health["decode"].reason) == (
+            PoolState.GONE,
+            health.DEAD,
+        )
+        assert watcher.gone_for("decode") == 0.0
+        for t in (0.5, 1.0):
+            now[0] = t
+            await watcher.probe_all()
+            await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert told == [("decode", health.DEAD)]
     assert restarted == ["decode"]
 
 
