@@ -88,11 +88,17 @@ class PoolWatcher:
         self.stopped = True
 
     async def probe_all(self) -> None:
-        """One round: a probe of every pool not already being probed, then any restart that is due."""
+        """One round: a probe of every pool not already being probed, then any restart that is due.
+
+        The round waits for its probes at most one probe interval: a ping to a dead stub can hang for
+        its whole timeout, and a restart found due meanwhile must not wait for it (the probe goes on,
+        and the pool gets no other until it ends)."""
         if self.stopped:
             return
         pools = [p for p in self.orchestrator.health if p not in self._probing]
-        await asyncio.gather(*(self._probe(pool) for pool in pools))
+        probes = [asyncio.ensure_future(self._probe(pool)) for pool in pools]
+        if probes:
+            await asyncio.wait(probes, timeout=self.orchestrator.config.probe_interval_s)
         self._maybe_restart()
 
     async def _probe(self, pool: str) -> None:
