@@ -201,6 +201,17 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
         "phases": result,
         "degraded_over_normal_goodput": degraded / normal if normal else None,
         "windows": windows,
+        # what each request of the degraded phase got (arrival from the start of the load, seconds)
+        "degraded_requests": [
+            {
+                "arrival_s": r.arrival,
+                "output_tokens": r.n_tokens,
+                "ttft_s": r.ttft,
+                "tpot_s": r.tpot,
+                "error": r.error,
+            }
+            for r in phases["degraded"]
+        ],
         "machine": machine(),
     }
 

@@ -48,6 +48,7 @@ class PoolWatcher:
         is_ready: Callable[[str], Awaitable[bool]] | None = None,
         restart_delay_s: float | None = None,
         restartable: Callable[[str], bool] = lambda pool: True,
+        stub_dead: Callable[[str], bool] = lambda pool: False,
     ) -> None:
         """``restart(pool)`` reloads a pool's model (None: this watcher only probes), and returns False
         when it left the pool alone (another entry point restarted it first); ``on_restart`` and
@@ -55,10 +56,12 @@ class PoolWatcher:
         ``is_ready(pool)``: whether the server still reports the pool's model ready (None: it does);
         ``restart_delay_s``: this watcher's delay before a first restart, beyond one probe round (None:
         random, under one probe interval); ``restartable(pool)``: whether this watcher may restart the
-        pool at all (a pool of another server is restarted by that server)."""
+        pool at all (a pool of another server is restarted by that server); ``stub_dead(pool)``: a
+        process of the pool is known to have died (``DEAD`` at once, no probe needed)."""
         self.orchestrator = orchestrator
         self.restart = restart
         self._restartable = restartable
+        self._stub_dead = stub_dead
         self._is_ready = is_ready
         interval = orchestrator.config.probe_interval_s
         self._delay = random.uniform(0, interval) if restart_delay_s is None else restart_delay_s
@@ -105,6 +108,9 @@ class PoolWatcher:
         orchestrator = self.orchestrator
         health = orchestrator.health[pool]
         timeout = orchestrator.config.probe_timeout_s
+        if self._stub_dead(pool):
+            self._note(health.failed(DEAD))
+            return
         self._probing.add(pool)
         try:
             # never ping a model Triton is unloading: on 2.51 a request reaching a stub in its

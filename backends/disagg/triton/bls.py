@@ -38,11 +38,12 @@ import numpy as np
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import INTERNAL, PROBE_UNANSWERED, UNAVAILABLE, ServingError
+from disagg.serving.errors import INTERNAL, PROBE_UNANSWERED, STUB_DEAD, UNAVAILABLE, ServingError
 from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.serving.routing import pinned_version
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard
+from disagg.triton.stubs import StubWatch
 
 _END = object()
 
@@ -58,7 +59,7 @@ def _drain(responses: Iterator[Any], bury: Callable[[Iterator[Any]], None]) -> N
 
 PROBE_AFTER_S = 5.0  # a response overdue this long triggers a liveness probe of the pool
 PROBE_TIMEOUT_S = 10.0  # a live pool answers a probe in milliseconds
-CHECK_S = 0.25  # how often a waiting call looks whether its pool was lost meanwhile
+CHECK_S = 0.1  # how often a waiting call looks whether its pool was lost meanwhile
 CONTROL_WORKERS = 32  # threads reading control answers (a ping to a dead pool may hold one for good)
 
 
@@ -73,6 +74,7 @@ class TritonPools:
         self._probes: dict[str, asyncio.Future[PoolLoad]] = {}  # pool -> the overdue calls' probe
         self.graveyard = Graveyard()
         self._epochs: dict[str, int] = {}  # pool -> times it was found gone
+        self.stubs = StubWatch(models)  # the pools' stub processes: which died (started by the model)
         self._lock = threading.Lock()
         self._open = 0  # calls made whose final response has not arrived yet
         # whether a pool is known to be overloaded (the orchestrator's health: saturated): an overdue
@@ -82,6 +84,7 @@ class TritonPools:
     def pool_lost(self, pool: str) -> None:
         """The pool was found gone: the calls it had open will never be answered."""
         self._epochs[pool] = self._epochs.get(pool, 0) + 1
+        self.stubs.forget(pool)
 
     @property
     def open_calls(self) -> int:
@@ -98,6 +101,7 @@ class TritonPools:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._control_executor.shutdown(wait=False, cancel_futures=True)
+        self.stubs.stop()
         self.graveyard.release_all()
 
     async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
@@ -157,6 +161,8 @@ class TritonPools:
             if self._epochs.get(pool, 0) != epoch:
                 # the thread blocked in next() stays blocked: the iterator has no cancel() here
                 raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding (it was lost)")
+            if self.stubs.dead(pool):  # sooner than Triton says so (see stubs)
+                raise ServingError(UNAVAILABLE, f"a stub process of the {pool} pool {STUB_DEAD} (it died)")
             now = asyncio.get_running_loop().time()
             overdue_at = max(overdue_at, self._answered.get(pool, -PROBE_AFTER_S) + PROBE_AFTER_S)
             if now < overdue_at:

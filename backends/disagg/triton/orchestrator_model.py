@@ -104,6 +104,7 @@ class OrchestratorModel:
         secret_file = self.config.secret_file
         signer = TokenSigner(glue.deployment_secret(str(secret_file) if secret_file else ""))
         local = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
+        local.stubs.start()  # which of this server's pool stubs died (triton.stubs)
         remote = None
         if self.config.remote:  # pools of other servers, over gRPC
             timeout = self.config.request_timeout_s
@@ -133,6 +134,7 @@ class OrchestratorModel:
             on_recovered=self.degradation.recovered,
             is_ready=self._is_ready if self.readiness is not None else None,
             restartable=lambda pool: not self.pools.is_remote(pool),
+            stub_dead=lambda pool: not self.pools.is_remote(pool) and local.stubs.dead(pool),
         )
         self._watching: asyncio.Task[None] | None = None
         self._inflight = 0

@@ -488,6 +488,46 @@ def test_a_call_told_the_stub_is_dead_gets_the_pool_restarted_without_waiting_fo
     assert restarted == ["decode"]
 
 
+def test_a_pool_whose_stub_is_known_dead_is_dead_without_a_probe_and_restarted():
+    """The orchestrator's model knows its pools' stub processes (``triton.stubs``): one that died makes
+    its pool dead at the next round, with no ping sent and none missed, and the pool is restarted."""
+    now = [0.0]
+    pinged: list[str] = []
+
+    class Counted(_ScriptedPools):
+        async def ping(self, pool: str) -> PoolLoad:
+            pinged.append(pool)
+            return await super().ping(pool)
+
+    pools = Counted()
+    pools.answers["decode"] = TimeoutError()  # a ping to a dead stub hangs
+    restarted: list[str] = []
+    dead = {"decode"}
+
+    async def restart(pool: str) -> None:
+        restarted.append(pool)
+
+    orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
+    watcher = PoolWatcher(
+        orchestrator, restart, clock=lambda: now[0], restart_delay_s=0, stub_dead=lambda pool: pool in dead
+    )
+
+    async def rounds() -> None:
+        await watcher.probe_all()
+        assert (orchestrator.health["decode"].state, orchestrator.health["decode"].reason) == (
+            PoolState.GONE,
+            health.DEAD,
+        )
+        assert orchestrator.health["prefill"].state is PoolState.HEALTHY and pinged == ["prefill"]
+        dead.clear()  # forgotten once found gone (``StubWatch.forget``)
+        now[0] = 1.0
+        await watcher.probe_all()
+        await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert restarted == ["decode"]
+
+
 def test_an_overloaded_pool_whose_call_goes_unanswered_stays_saturated_not_gone():
     """Under overload a call's probe can time out on a pool the watcher hears (slowly): that pool is
     saturated, not gone (gone sheds everything routed to it). The same failure on a pool the

@@ -18,7 +18,7 @@ import pytest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import TokenSigner
-from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
+from disagg.serving.errors import CANCELLED, STUB_DEAD, UNAVAILABLE, ServingError
 from disagg.serving.messages import Event, Failed, PoolLoad, Token
 from disagg.triton import bls, wire
 from disagg.triton.bls import TritonPools
@@ -395,3 +395,27 @@ def test_a_call_to_an_overloaded_pool_outlives_its_unanswered_probes(monkeypatch
 
     asyncio.run(run())
     assert pools.open_calls == 0 and len(pings) >= 5, "every job call closed; the probes kept coming"
+
+
+def test_a_call_to_a_pool_whose_stub_died_ends_at_its_next_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 2.51 answers a call to a dead stub "not healthy" only after a second or so; a stub known
+    dead (``StubWatch``) ends the pool's waiting calls at their next check, with that message."""
+    monkeypatch.setattr(bls, "CHECK_S", 0.01)
+    pools, held, _ = _unanswering_pools()
+    dead: set[str] = set()
+    monkeypatch.setattr(pools.stubs, "dead", lambda pool: pool in dead)
+
+    async def run() -> None:
+        waiting = asyncio.ensure_future(_read(pools.decode("h", STATE, b"d")))
+        await _until(lambda: len(held) == 1)
+        await asyncio.sleep(0.05)  # several checks: alive, so it waits
+        assert not waiting.done()
+        dead.add("decode")
+        with pytest.raises(ServingError, match=STUB_DEAD) as failed:
+            await waiting
+        assert failed.value.code == UNAVAILABLE
+        _end(pools, held)
+        await _until(lambda: held[0].ended)
+
+    asyncio.run(run())
+    assert pools.open_calls == 0

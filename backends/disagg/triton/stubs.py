@@ -1,0 +1,126 @@
+"""Which pool stubs of this server have died, read from ``/proc``.
+
+On Triton 2.51 a Python model instance whose stub process dies (``kill -9``, the OOM killer) stays
+READY, and a call to it fails "Stub process '...' is not healthy" only after Triton's own check of the
+stub, about a second later (measured: 1.0-1.3 s for a call open at the death and for one sent after
+it). Nobody reaps the dead stub either: it stays a zombie child of tritonserver until its model is
+unloaded. For streams of a few dozen tokens at a few milliseconds each, that second is the SLO.
+
+So the orchestrator looks itself. Every stub is a child of the same tritonserver, named on its command
+line by its instance (``<model>_<group>_<index>``, e.g. ``decode_0_0``): ``refresh`` (every second, on
+a thread of its own) records the live stubs of each pool by process id and start time. A recorded stub
+seen as a zombie on two looks at least ``confirm_s`` apart is dead. A stub that exits because Triton
+unloads its instance (a restart, a scale-in) is reaped by Triton at once and never stays a zombie that
+long; one that is gone, or whose process id now names another process (another start time), is
+forgotten, not dead. A stub already a zombie when first seen is never recorded (it may be one being
+reaped), so a death is seen only by an orchestrator that saw the stub alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+CONFIRM_S = 0.1
+REFRESH_S = 1.0
+
+
+def _stat(pid: int, proc: Path) -> tuple[int, str, int] | None:
+    """(parent pid, state letter, start time in clock ticks) of process ``pid``, or None."""
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StubWatch:
+    def __init__(
+        self,
+        models: Mapping[str, str],
+        parent: int | None = None,
+        confirm_s: float = CONFIRM_S,
+        proc: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``models``: pool -> Triton model name; ``parent``: the server's process (default: this
+        process's parent, as for a stub)."""
+        self.parent = os.getppid() if parent is None else parent
+        self.confirm_s = confirm_s
+        self._names = {pool: re.compile(rf"{re.escape(model)}_\d+_\d+") for pool, model in models.items()}
+        self._proc = proc
+        self._clock = clock
+        self._lock = threading.Lock()
+        # pool -> {pid: (start time, when first seen a zombie or None)}
+        self._stubs: dict[str, dict[int, tuple[int, float | None]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        """Record the live stubs of every pool (those already recorded keep their state)."""
+        found: list[tuple[str, int, int]] = []
+        for entry in self._proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            stat = _stat(pid, self._proc)
+            if stat is None or stat[0] != self.parent or stat[1] == "Z":
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
+            except OSError:
+                continue
+            for pool, name in self._names.items():
+                if any(name.fullmatch(arg) for arg in argv):
+                    found.append((pool, pid, stat[2]))
+                    break
+        with self._lock:
+            for pool, pid, started in found:
+                stubs = self._stubs.setdefault(pool, {})
+                if stubs.get(pid, (None,))[0] != started:
+                    stubs[pid] = (started, None)
+
+    def start(self, interval_s: float = REFRESH_S) -> StubWatch:
+        """Refresh every ``interval_s`` on a daemon thread until ``stop``."""
+
+        def run() -> None:
+            while not self._stop.is_set():
+                with contextlib.suppress(OSError):  # /proc unreadable now: the next round tries again
+                    self.refresh()
+                self._stop.wait(interval_s)
+
+        self._thread = threading.Thread(target=run, name="stub-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def forget(self, pool: str) -> None:
+        """The pool was found gone: its stubs are not looked at again (a restart starts new ones)."""
+        with self._lock:
+            self._stubs.pop(pool, None)
+
+    def dead(self, pool: str) -> bool:
+        """A recorded stub of ``pool`` has died (a zombie for ``confirm_s`` or longer)."""
+        now = self._clock()
+        with self._lock:
+            stubs = self._stubs.get(pool, {})
+            for pid, (started, zombie_since) in list(stubs.items()):
+                stat = _stat(pid, self._proc)
+                if stat is None or stat[2] != started:
+                    del stubs[pid]  # exited and reaped (unloaded), or the id names another process now
+                elif stat[1] != "Z":
+                    stubs[pid] = (started, None)
+                elif zombie_since is None:
+                    stubs[pid] = (started, now)
+                elif now - zombie_since >= self.confirm_s:
+                    return True
+            return False
