@@ -2,12 +2,15 @@
 
 One run against a fresh Triton on the project's repository: an open-loop Poisson load of one workload
 (`codegen` by default) at `--rate`, sent to `ensemble`; after `--kill-after` seconds the `--kill` pool's
-stub gets `kill -9`. A scrape of `/metrics` every 0.5 s records when every entry point sees the pool
-healthy again (the watcher of `llm` restarts it through model control). The report splits the run into
-10 s windows by arrival and three phases: before the kill (normal), from the kill to the pool healthy
-again (degraded) and after (recovered). Per phase it gives the served rate, the attainment of the frozen
-SLOs (`perf/slos.json`) and the goodput (requests per second meeting both); the degraded goodput over
-the normal one is the article's "keeps more than 60 % of normal traffic".
+stub gets `kill -9`, and again every `--kill-every` seconds (`--kills` in all; the watcher of an entry
+point restarts the pool through model control in between). One outage holds some 30 requests, too few
+for a stable figure on its own: the run pools several. A scrape of `/metrics` every 0.5 s records when
+an entry point first sees the pool gone and when every one sees it healthy again. The report splits the
+run by arrival into three phases: before the first kill (normal), from each kill to the pool healthy
+again (degraded) and the rest (recovered); per phase it gives the served rate, the attainment of the
+frozen SLOs (`perf/slos.json`) and the goodput (requests per second meeting both), and per kill its
+times and its own ratio. The degraded goodput over the normal one is the article's "keeps more than
+60 % of normal traffic".
 
     .venv/bin/python perf/degraded.py --model-dir .models/tiny --rate 1.6 --kill decode
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import signal
@@ -74,14 +78,14 @@ def pool_health(metrics_url: str, pool: str) -> list[float]:
 
 
 class HealthWatch(Sampler):
-    """Scrapes the pool's health until stopped; `healthy_again` is the first time after `gone_seen`
-    that every view says healthy (seconds on `time.perf_counter()`)."""
+    """Scrapes the pool's health until stopped. ``outages``: per outage, [when an entry point first saw
+    the pool gone, when every view said healthy again (None: not yet)] (seconds on
+    `time.perf_counter()`)."""
 
     def __init__(self, metrics_url: str, pool: str) -> None:
         super().__init__(SCRAPE_S)
         self.url, self.pool = metrics_url, pool
-        self.gone_seen: float | None = None
-        self.healthy_again: float | None = None
+        self.outages: list[list[float | None]] = []
 
     def sample(self) -> None:
         try:
@@ -89,17 +93,20 @@ class HealthWatch(Sampler):
         except OSError:
             return
         now = time.perf_counter()
-        if views and max(views) >= 2 and self.gone_seen is None:
-            self.gone_seen = now
-        if self.gone_seen is not None and self.healthy_again is None and views and not any(views):
-            self.healthy_again = now
+        open_ = bool(self.outages) and self.outages[-1][1] is None
+        if views and max(views) >= 2 and not open_:
+            self.outages.append([now, None])
+        elif open_ and views and not any(views):
+            self.outages[-1][1] = now
 
 
-def phase_of(arrival: float, kill_at: float, back_at: float | None) -> str:
-    if arrival < kill_at:
+def phase_of(arrival: float, outages: list[tuple[float, float | None]]) -> str:
+    """``outages``: (kill, healthy again or None) per kill, in order, on the arrivals' clock."""
+    if not outages or arrival < outages[0][0]:
         return "normal"
-    if back_at is None or arrival < back_at:
-        return "degraded"
+    for kill_at, back_at in outages:
+        if kill_at <= arrival and (back_at is None or arrival < back_at):
+            return "degraded"
     return "recovered"
 
 
@@ -135,7 +142,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_run_args(parser, rate_help="requests/s: 80 %% of the normal goodput")
     parser.add_argument("--kill", default="decode", choices=("decode", "prefill"))
     parser.add_argument("--kill-after", type=float, default=40.0, help="seconds of normal load first")
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals in all")
+    parser.add_argument(
+        "--kills", type=int, default=3, help="kills in one run (a 10 s outage holds ~30 requests: pool a few)"
+    )
+    parser.add_argument("--kill-every", type=float, default=40.0, help="seconds from one kill to the next")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds of arrivals in all (default: 40 s after the last kill)",
+    )
     parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -144,7 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve a copy of the repository whose entry points never restart pools (steady degraded mode)",
     )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "degraded")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.kills < 1:
+        parser.error("--kills must be at least 1")
+    if args.duration is None:
+        args.duration = args.kill_after + (args.kills - 1) * args.kill_every + 40.0
+    return args
 
 
 async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]:
@@ -155,49 +176,68 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     trace = [spec for spec in trace if spec.arrival < args.duration]  # the run's arrivals only
     client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
     await client.open()
-    (victim,) = stub_pids(server.pid, args.kill)
     watch = HealthWatch(server.config.metrics_url, args.kill).start()
     started = time.perf_counter()
     load = asyncio.create_task(
         run_trace(client, trace, LoadConfig(max_duration_s=args.duration), factory.count_output)
     )
-    await asyncio.sleep(args.kill_after)
-    os.kill(victim, signal.SIGKILL)
-    killed = time.perf_counter()
-    log(f"killed the {args.kill} stub (pid {victim}) at {killed - started:.1f} s")
+    kills: list[float] = []
+    for n in range(args.kills):
+        await asyncio.sleep(max(0.0, started + args.kill_after + n * args.kill_every - time.perf_counter()))
+        victims = stub_pids(server.pid, args.kill)
+        if len(victims) != 1:  # not restarted since the last kill
+            log(f"kill {n + 1}: {len(victims)} {args.kill} stubs running; none killed")
+            continue
+        os.kill(victims[0], signal.SIGKILL)
+        kills.append(time.perf_counter() - started)
+        log(f"killed the {args.kill} stub (pid {victims[0]}) at {kills[-1]:.1f} s")
     records = await load
     watch.stop()
     await client.close()
-    back, gone = watch.healthy_again, watch.gone_seen
-    kill_at, back_at = killed - started, None if back is None else back - started
-    gone_at = None if gone is None else gone - started
+    seen = [(gone - started, None if back is None else back - started) for gone, back in watch.outages]
+    outages = []  # (kill, gone seen, healthy again) per kill: the first outage seen after it
+    for n, kill_at in enumerate(kills):
+        until = kills[n + 1] if n + 1 < len(kills) else math.inf
+        gone_at, back_at = next(((g, b) for g, b in seen if kill_at <= g < until), (None, None))
+        outages.append((kill_at, gone_at, back_at))
+    spans = [(kill_at, back_at) for kill_at, _, back_at in outages]
     phases: dict[str, list[RequestRecord]] = {"normal": [], "degraded": [], "recovered": []}
     for record in records:
-        phases[phase_of(record.arrival, kill_at, back_at)].append(record)
-    spans = {
-        "normal": kill_at,
-        "degraded": (back_at if back_at is not None else args.duration) - kill_at,
-        "recovered": max(0.0, args.duration - back_at) if back_at is not None else 0.0,
-    }
+        phases[phase_of(record.arrival, spans)].append(record)
+    degraded_s = sum((back if back is not None else args.duration) - kill for kill, back in spans)
+    first = spans[0][0] if spans else args.duration
+    span_of = {"normal": first, "degraded": degraded_s, "recovered": args.duration - first - degraded_s}
     windows = []
     for start in range(0, int(args.duration), int(WINDOW_S)):
         inside = [r for r in records if start <= r.arrival < start + WINDOW_S]
         middle = start + WINDOW_S / 2  # a window is labelled by the phase of most of it
-        windows.append(
-            {"start_s": start, "phase": phase_of(middle, kill_at, back_at), **figures(inside, slo, WINDOW_S)}
-        )
-    result = {phase: figures(phases[phase], slo, spans[phase]) | {"span_s": spans[phase]} for phase in phases}
+        windows.append({"start_s": start, "phase": phase_of(middle, spans), **figures(inside, slo, WINDOW_S)})
+    result = {
+        phase: figures(phases[phase], slo, span_of[phase]) | {"span_s": span_of[phase]} for phase in phases
+    }
     normal, degraded = result["normal"]["goodput_rps"], result["degraded"]["goodput_rps"]
+    per_kill = []
+    for kill_at, gone_at, back_at in outages:
+        end = back_at if back_at is not None else args.duration
+        inside = [r for r in records if kill_at <= r.arrival < end]
+        good = figures(inside, slo, end - kill_at)["goodput_rps"]
+        per_kill.append(
+            {
+                "killed_at_s": kill_at,
+                "gone_seen_at_s": gone_at,  # the first scrape with an entry point seeing the pool gone
+                "healthy_again_at_s": back_at,
+                "recovery_s": None if back_at is None else back_at - kill_at,
+                "requests": len(inside),
+                "degraded_over_normal_goodput": good / normal if normal else None,
+            }
+        )
     return {
         "kill": args.kill,
         "workload": args.workload,
         "entry_point": args.model,
         "rate_rps": args.rate,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-        "killed_at_s": kill_at,
-        "gone_seen_at_s": gone_at,  # the first scrape with an entry point seeing the pool gone
-        "healthy_again_at_s": back_at,
-        "recovery_s": None if back_at is None else back_at - kill_at,
+        "kills": per_kill,
         "phases": result,
         "degraded_over_normal_goodput": degraded / normal if normal else None,
         "windows": windows,
@@ -225,18 +265,21 @@ def markdown(out: dict[str, Any], command: str) -> str:
         f"(Poisson) to `{out['entry_point']}`; SLOs {slo['ttft_s'] * 1000:.0f} ms TTFT / "
         f"{slo['tpot_s'] * 1000:.1f} ms TPOT (frozen, `perf/slos.json`). {out['machine']}.",
         "",
-        f"Killed at {out['killed_at_s']:.1f} s; "
-        + (
-            f"an entry point saw it gone at {out['gone_seen_at_s']:.1f} s; "
-            if out.get("gone_seen_at_s") is not None
-            else ""
+        "| kill | killed at, s | an entry point saw it gone, s | all saw it healthy again, s | recovery, s "
+        "| requests while degraded | degraded / normal goodput |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def at(value: float | None, digits: int = 1) -> str:
+        return "never" if value is None else f"{value:.{digits}f}"
+
+    for n, kill in enumerate(out["kills"], 1):
+        lines.append(
+            f"| {n} | {kill['killed_at_s']:.1f} | {at(kill['gone_seen_at_s'])} | "
+            f"{at(kill['healthy_again_at_s'])} | {at(kill['recovery_s'])} | {kill['requests']} | "
+            f"{at(kill['degraded_over_normal_goodput'], 2)} |"
         )
-        + "every entry point saw the pool healthy again at "
-        + (
-            f"{out['healthy_again_at_s']:.1f} s ({out['recovery_s']:.1f} s after the kill)."
-            if out["recovery_s"]
-            else "never."
-        ),
+    lines += [
         "",
         "| phase | span, s | requests | served | failed | served, req/s | attainment | goodput, req/s "
         "| TTFT met | TPOT met | TTFT p50 / p90, ms | TPOT p50 / p90, ms |",

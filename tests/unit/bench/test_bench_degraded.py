@@ -17,11 +17,26 @@ def _record(
     return RequestRecord(0, arrival, arrival, first, last, 10, 10, 300, 10, error)
 
 
-def test_phases_split_at_the_kill_and_at_recovery():
-    assert degraded.phase_of(39.9, 40.0, 55.0) == "normal"
-    assert degraded.phase_of(40.0, 40.0, 55.0) == "degraded"
-    assert degraded.phase_of(55.0, 40.0, 55.0) == "recovered"
-    assert degraded.phase_of(100.0, 40.0, None) == "degraded", "never healthy again: degraded to the end"
+def test_phases_split_at_each_kill_and_at_each_recovery():
+    outages = [(40.0, 55.0), (80.0, 92.0)]
+    assert degraded.phase_of(39.9, outages) == "normal"
+    assert degraded.phase_of(40.0, outages) == "degraded"
+    assert degraded.phase_of(55.0, outages) == "recovered"
+    assert degraded.phase_of(85.0, outages) == "degraded"
+    assert degraded.phase_of(92.0, outages) == "recovered"
+    assert degraded.phase_of(100.0, [(40.0, None)]) == "degraded", "never healthy again: degraded to the end"
+    assert degraded.phase_of(100.0, []) == "normal", "no kill: all normal"
+
+
+def test_the_watch_records_each_outage_from_gone_to_healthy_again(monkeypatch):
+    watch = degraded.HealthWatch("http://unused", "decode")
+    views = iter([[0, 0], [0, 2], [2, 2], [0, 1], [0, 0], [0, 0], [2, 0], [0, 0]])
+    monkeypatch.setattr(degraded, "pool_health", lambda url, pool: next(views))
+    for _ in range(8):
+        watch.sample()
+    assert [[g is not None, b is not None] for g, b in watch.outages] == [[True, True], [True, True]]
+    first, second = watch.outages
+    assert first[0] < first[1] <= second[0] < second[1]
 
 
 def test_figures_count_good_requests_only_toward_goodput():
@@ -60,13 +75,19 @@ def test_the_report_states_the_ratio_and_each_window():
     }
     out = {
         "kill": "decode", "workload": "codegen", "entry_point": "ensemble", "rate_rps": 1.0,
-        "slo": {"ttft_s": 0.5, "tpot_s": 0.02}, "killed_at_s": 40.0, "gone_seen_at_s": 42.5,
-        "healthy_again_at_s": 48.0,
-        "recovery_s": 8.0, "machine": "test", "degraded_over_normal_goodput": 0.75,
+        "slo": {"ttft_s": 0.5, "tpot_s": 0.02},
+        "kills": [
+            {"killed_at_s": 40.0, "gone_seen_at_s": 42.5, "healthy_again_at_s": 48.0, "recovery_s": 8.0,
+             "requests": 24, "degraded_over_normal_goodput": 0.7},
+            {"killed_at_s": 80.0, "gone_seen_at_s": None, "healthy_again_at_s": None, "recovery_s": None,
+             "requests": 30, "degraded_over_normal_goodput": 0.8},
+        ],
+        "machine": "test", "degraded_over_normal_goodput": 0.75,
         "phases": {name: {**phase, "span_s": 10.0} for name in ("normal", "degraded", "recovered")},
         "windows": [{"start_s": 0, "phase": "normal", **phase}],
     }  # fmt: skip
     text = degraded.markdown(out, "python perf/degraded.py --rate 1")
     assert "- normal: 2 x `UNAVAILABLE: retry after 5 s`" in text
     assert "**0.75**" in text and "| 0–10 | normal | 10 | 10 | 0.90 |" in text
-    assert "an entry point saw it gone at 42.5 s" in text and "at 48.0 s (8.0 s after the kill)" in text
+    assert "| 1 | 40.0 | 42.5 | 48.0 | 8.0 | 24 | 0.70 |" in text
+    assert "| 2 | 80.0 | never | never | never | 30 | 0.80 |" in text
