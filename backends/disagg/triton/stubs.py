@@ -8,7 +8,9 @@ unloaded. For streams of a few dozen tokens at a few milliseconds each, that sec
 
 So the orchestrator looks itself. Every stub is a child of the same tritonserver, named on its command
 line by its instance (``<model>_<group>_<index>``, e.g. ``decode_0_0``): ``refresh`` (every second, on
-a thread of its own) records the live stubs of each pool by process id and start time. A recorded stub
+a thread of its own) records the live stubs of each pool by process id and start time, reading the
+server's children from its threads' ``/proc/<pid>/task/<tid>/children`` lists (not every process of
+the host). A recorded stub
 seen as a zombie on two looks at least ``confirm_s`` apart is dead. A stub that exits because Triton
 unloads its instance (a restart, a scale-in) is reaped by Triton at once and never stays a zombie that
 long; one that is gone, or whose process id now names another process (another start time), is
@@ -61,18 +63,36 @@ class StubWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _children(self) -> list[int]:
+        """The server's child processes: from its threads' ``children`` lists (a few reads, however
+        many processes the host runs), else, on a kernel without them, from every process's parent."""
+        kids: set[int] = set()
+        try:
+            tasks = list((self._proc / str(self.parent) / "task").iterdir())
+        except OSError:
+            tasks = []
+        for task in tasks:
+            try:
+                kids.update(int(pid) for pid in (task / "children").read_text().split())
+            except (OSError, ValueError):
+                continue
+        if tasks and not kids and not (tasks[0] / "children").exists():
+            tasks = []  # no children lists here
+        if tasks:
+            return sorted(kids)
+        return [int(e.name) for e in self._proc.iterdir() if e.name.isdigit()]
+
     def refresh(self) -> None:
         """Record the live stubs of every pool (those already recorded keep their state)."""
         found: list[tuple[str, int, int]] = []
-        for entry in self._proc.iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
+        for pid in self._children():
             stat = _stat(pid, self._proc)
             if stat is None or stat[0] != self.parent or stat[1] == "Z":
                 continue
             try:
-                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
+                argv = (
+                    (self._proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
+                )
             except OSError:
                 continue
             for pool, name in self._names.items():
