@@ -28,17 +28,11 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from disagg.procfs import PROC, read_stat
+
 CONFIRM_S = 0.1
+ZOMBIE = "Z"  # exited, not reaped yet
 REFRESH_S = 1.0
-
-
-def _stat(pid: int, proc: Path) -> tuple[int, str, int] | None:
-    """(parent pid, state letter, start time in clock ticks) of process ``pid``, or None."""
-    try:
-        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[1]), fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class StubWatch:
@@ -47,7 +41,7 @@ class StubWatch:
         models: Mapping[str, str],
         parent: int | None = None,
         confirm_s: float = CONFIRM_S,
-        proc: Path = Path("/proc"),
+        proc: Path = PROC,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``models``: pool -> Triton model name; ``parent``: the server's process (default: this
@@ -66,28 +60,26 @@ class StubWatch:
     def _children(self) -> list[int]:
         """The server's child processes: from its threads' ``children`` lists (a few reads, however
         many processes the host runs), else, on a kernel without them, from every process's parent."""
-        kids: set[int] = set()
         try:
             tasks = list((self._proc / str(self.parent) / "task").iterdir())
         except OSError:
             tasks = []
+        if not tasks or not (tasks[0] / "children").exists():
+            return [int(e.name) for e in self._proc.iterdir() if e.name.isdigit()]
+        kids: set[int] = set()
         for task in tasks:
             try:
                 kids.update(int(pid) for pid in (task / "children").read_text().split())
             except (OSError, ValueError):
-                continue
-        if tasks and not kids and not (tasks[0] / "children").exists():
-            tasks = []  # no children lists here
-        if tasks:
-            return sorted(kids)
-        return [int(e.name) for e in self._proc.iterdir() if e.name.isdigit()]
+                continue  # a thread that exited meanwhile
+        return sorted(kids)
 
     def refresh(self) -> None:
         """Record the live stubs of every pool (those already recorded keep their state)."""
         found: list[tuple[str, int, int]] = []
         for pid in self._children():
-            stat = _stat(pid, self._proc)
-            if stat is None or stat[0] != self.parent or stat[1] == "Z":
+            stat = read_stat(pid, self._proc)
+            if stat is None or stat.ppid != self.parent or stat.state == ZOMBIE:
                 continue
             try:
                 argv = (
@@ -97,7 +89,7 @@ class StubWatch:
                 continue
             for pool, name in self._names.items():
                 if any(name.fullmatch(arg) for arg in argv):
-                    found.append((pool, pid, stat[2]))
+                    found.append((pool, pid, stat.start_time))
                     break
         with self._lock:
             for pool, pid, started in found:
@@ -134,10 +126,10 @@ class StubWatch:
         with self._lock:
             stubs = self._stubs.get(pool, {})
             for pid, (started, zombie_since) in list(stubs.items()):
-                stat = _stat(pid, self._proc)
-                if stat is None or stat[2] != started:
+                stat = read_stat(pid, self._proc)
+                if stat is None or stat.start_time != started:
                     del stubs[pid]  # exited and reaped (unloaded), or the id names another process now
-                elif stat[1] != "Z":
+                elif stat.state != ZOMBIE:
                     stubs[pid] = (started, None)
                 elif zombie_since is None:
                     stubs[pid] = (started, now)
