@@ -110,6 +110,21 @@ def phase_of(arrival: float, outages: list[tuple[float, float | None]]) -> str:
     return "recovered"
 
 
+def outage_spans(
+    kills: list[float], seen: list[tuple[float, float | None]], duration: float
+) -> tuple[list[tuple[float, float | None, float | None]], list[tuple[float, float]]]:
+    """Per kill, (kill, gone seen, healthy again): the first outage ``seen`` after it and before the
+    next kill; and (kill, end of its outage): healthy again, else the next kill (or ``duration``), so
+    outages never overlap and the degraded span counts each second once."""
+    outages, spans = [], []
+    for n, kill_at in enumerate(kills):
+        until = kills[n + 1] if n + 1 < len(kills) else math.inf
+        gone_at, back_at = next(((g, b) for g, b in seen if kill_at <= g < until), (None, None))
+        outages.append((kill_at, gone_at, back_at))
+        spans.append((kill_at, back_at if back_at is not None else min(until, duration)))
+    return outages, spans
+
+
 def figures(records: list[RequestRecord], slo: Slo, span_s: float) -> dict[str, Any]:
     """Served rate, attainment and goodput of the requests that arrived in a span of `span_s`."""
     good = [r for r in records if r.ok and r.ttft is not None and r.meets(slo)]
@@ -195,16 +210,11 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     watch.stop()
     await client.close()
     seen = [(gone - started, None if back is None else back - started) for gone, back in watch.outages]
-    outages = []  # (kill, gone seen, healthy again) per kill: the first outage seen after it
-    for n, kill_at in enumerate(kills):
-        until = kills[n + 1] if n + 1 < len(kills) else math.inf
-        gone_at, back_at = next(((g, b) for g, b in seen if kill_at <= g < until), (None, None))
-        outages.append((kill_at, gone_at, back_at))
-    spans = [(kill_at, back_at) for kill_at, _, back_at in outages]
+    outages, spans = outage_spans(kills, seen, args.duration)
     phases: dict[str, list[RequestRecord]] = {"normal": [], "degraded": [], "recovered": []}
     for record in records:
         phases[phase_of(record.arrival, spans)].append(record)
-    degraded_s = sum((back if back is not None else args.duration) - kill for kill, back in spans)
+    degraded_s = sum(end - kill for kill, end in spans)
     first = spans[0][0] if spans else args.duration
     span_of = {"normal": first, "degraded": degraded_s, "recovered": args.duration - first - degraded_s}
     windows = []
@@ -217,8 +227,7 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     }
     normal, degraded = result["normal"]["goodput_rps"], result["degraded"]["goodput_rps"]
     per_kill = []
-    for kill_at, gone_at, back_at in outages:
-        end = back_at if back_at is not None else args.duration
+    for (kill_at, gone_at, back_at), (_, end) in zip(outages, spans, strict=True):
         inside = [r for r in records if kill_at <= r.arrival < end]
         good = figures(inside, slo, end - kill_at)["goodput_rps"]
         per_kill.append(

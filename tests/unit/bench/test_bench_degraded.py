@@ -28,6 +28,15 @@ def test_phases_split_at_each_kill_and_at_each_recovery():
     assert degraded.phase_of(100.0, []) == "normal", "no kill: all normal"
 
 
+def test_an_outage_never_healthy_again_ends_at_the_next_kill():
+    """A pool seen gone but not healthy again before the next kill: its outage ends at that kill, so
+    the degraded span counts no second twice."""
+    outages, spans = degraded.outage_spans([40.0, 80.0, 120.0], [(40.4, None), (120.3, 128.0)], 160.0)
+    assert outages == [(40.0, 40.4, None), (80.0, None, None), (120.0, 120.3, 128.0)]
+    assert spans == [(40.0, 80.0), (80.0, 120.0), (120.0, 128.0)]
+    assert degraded.outage_spans([40.0], [(40.5, None)], 100.0)[1] == [(40.0, 100.0)]
+
+
 def test_the_watch_records_each_outage_from_gone_to_healthy_again(monkeypatch):
     watch = degraded.HealthWatch("http://unused", "decode")
     views = iter([[0, 0], [0, 2], [2, 2], [0, 1], [0, 0], [0, 0], [2, 0], [0, 0]])
