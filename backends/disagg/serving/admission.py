@@ -3,7 +3,8 @@
 Mooncake's prediction-based early rejection, on what the orchestrator sees of a pool:
 
 - its backlog: the prompt tokens waiting in it (``PoolLoad.queued_prompt_tokens``, from the last probe),
-  plus those this orchestrator admitted to it since that probe;
+  less those of this orchestrator's requests that left it since (prefilled, failed or cancelled), plus
+  those this orchestrator admitted to it since that probe and that still wait;
 - its throughput: prompt tokens prefilled per second of engine time, from the difference of two probes'
   ``prompt_tokens_done`` / ``busy_s``, smoothed.
 
@@ -48,11 +49,23 @@ class AdmissionConfig:
             raise ValueError("ttft_slo_s must be positive")
 
 
+@dataclass(frozen=True)
+class Ticket:
+    """A request's place in a pool's backlog, handed back with ``Admission.release`` when its
+    prompt no longer waits there."""
+
+    pool: str
+    tokens: int
+    epoch: int  # the pool's probe count when admitted
+
+
 @dataclass
 class _Pool:
     load: PoolLoad | None = None
     throughput: float | None = None  # prompt tokens per engine second
-    admitted: int = 0  # prompt tokens admitted here since the last probe
+    admitted: int = 0  # prompt tokens admitted here since the last probe, still waiting
+    left: int = 0  # prompt tokens admitted before the last probe that left the pool since
+    epoch: int = 0  # probes seen
 
 
 class Admission:
@@ -68,7 +81,8 @@ class Admission:
 
     def _observe(self, pool: str, load: PoolLoad) -> None:
         state = self._pools.setdefault(pool, _Pool())
-        previous, state.load, state.admitted = state.load, load, 0
+        previous, state.load, state.admitted, state.left = state.load, load, 0, 0
+        state.epoch += 1
         if previous is None:  # the first probe: the counters since the instance started
             busy, done = load.busy_s, load.prompt_tokens_done
         elif load.busy_s < previous.busy_s:
@@ -88,16 +102,27 @@ class Admission:
         state = self._pools.get(pool)
         if state is None or state.load is None or not state.throughput:
             return None
-        backlog = state.load.queued_prompt_tokens + state.admitted + prompt_tokens
-        return backlog / state.throughput
+        return (self.backlog(pool) + prompt_tokens) / state.throughput
 
-    def admit(self, pool: str, prompt_tokens: int, priority: int = 0) -> None:
-        """Count the request into ``pool``'s backlog, or raise UNAVAILABLE when it would miss its TTFT."""
+    def admit(self, pool: str, prompt_tokens: int, priority: int = 0) -> Ticket:
+        """Count the request into ``pool``'s backlog, or raise UNAVAILABLE when it would miss its TTFT.
+        The caller releases the ticket once the prompt no longer waits (its first token, or its end)."""
         with self._lock:
-            if self.config.margin <= 0:  # off: never refused, but the backlog stays current for
-                self._pools.setdefault(pool, _Pool()).admitted += prompt_tokens  # predict_ttft's users
-                return
-            self._admit(pool, prompt_tokens, priority)
+            if self.config.margin > 0:  # off: never refused, but the backlog is kept for predict_ttft
+                self._admit(pool, prompt_tokens, priority)
+            state = self._pools.setdefault(pool, _Pool())
+            state.admitted += prompt_tokens
+            return Ticket(pool, prompt_tokens, state.epoch)
+
+    def release(self, ticket: Ticket) -> None:
+        """The ticket's prompt left its pool: out of the backlog now, not at the next probe (until
+        then a finished request would still count as waiting, and refuse a request to an idle pool)."""
+        with self._lock:
+            state = self._pools[ticket.pool]
+            if ticket.epoch == state.epoch:  # admitted since the last probe: counted in ``admitted``
+                state.admitted = max(0, state.admitted - ticket.tokens)
+            else:  # counted in the probe's queue, if it had reached the pool by then
+                state.left += ticket.tokens
 
     def _admit(self, pool: str, prompt_tokens: int, priority: int) -> None:
         config = self.config
@@ -108,29 +133,28 @@ class Admission:
         margin = config.sheddable_margin if priority < 0 else config.margin
         # nothing waits ahead: a prompt too long for the target alone is served as fast as it can be
         # (refusing it would leave it no way to be served at all)
-        if self._backlog(pool) and predicted > margin * config.ttft_slo_s:
+        if self.backlog(pool) and predicted > margin * config.ttft_slo_s:
             wait = predicted - margin * config.ttft_slo_s
             raise ServingError(
                 UNAVAILABLE,
                 f"server is over capacity: predicted time to first token {predicted:.1f} s exceeds "
                 f"{margin:g} x the {config.ttft_slo_s:g} s target; retry after {max(1, math.ceil(wait))} s",
             )
-        self._pools.setdefault(pool, _Pool()).admitted += prompt_tokens
 
-    def _backlog(self, pool: str) -> int:
-        """Prompt tokens waiting on ``pool``: at its last probe, plus those admitted since."""
+    def backlog(self, pool: str) -> int:
+        """Prompt tokens waiting on ``pool``: at its last probe less those of this orchestrator's
+        that left since, plus those admitted since that still wait."""
         state = self._pools.setdefault(pool, _Pool())
-        return (state.load.queued_prompt_tokens if state.load else 0) + state.admitted
+        probed = state.load.queued_prompt_tokens if state.load else 0
+        return max(0, probed - state.left) + state.admitted
 
     def _admit_cold(self, pool: str, prompt_tokens: int) -> None:
         """No throughput known for ``pool``: admit while its backlog stays within the cold budget
         (a prompt alone always fits an empty pool)."""
-        state = self._pools.setdefault(pool, _Pool())
-        backlog = self._backlog(pool)
+        backlog = self.backlog(pool)
         if backlog and backlog + prompt_tokens > self.config.cold_backlog_tokens:
             raise ServingError(
                 UNAVAILABLE,
                 f"server is warming up: {backlog} prompt tokens already wait on a pool whose speed is "
                 f"not measured yet; retry after 1 s",
             )
-        state.admitted += prompt_tokens

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
-from disagg.serving.admission import Admission, AdmissionConfig
+from disagg.serving.admission import Admission, AdmissionConfig, Ticket
 from disagg.serving.bucket import BucketConfig, TokenBucket
 from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.endpoints import parse_remote_pools
@@ -441,6 +441,8 @@ class Orchestrator:
         except Exception as exc:
             await run.cleanup()
             run.fail(classify(exc))
+        finally:
+            run.leave_backlog()  # whatever the ending, the request no longer waits in a backlog
         return run.outcome
 
 
@@ -473,6 +475,7 @@ class _Run:
         self.sent_tokens = 0  # output tokens accounted for in responses already sent
         self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
         self.admitted = False  # passed admission by capacity
+        self.ticket: Ticket | None = None  # its place in a pool's backlog while its prompt waits there
         self.decode_pool = "decode"  # the disaggregated rung's decode pool: "decode" or the hot pool
 
     async def go(self) -> None:
@@ -491,6 +494,7 @@ class _Run:
                 await self._serve_on(route)
                 return
             except ServingError as error:
+                self.leave_backlog()  # it waits no more where it failed; a retry is not admitted again
                 pool = self.running_on
                 if route.rung == LOCAL and NO_LOCAL in error.message and not self.finished:
                     self.owner.ladder.local = False  # the prefill pool was deployed without it
@@ -565,7 +569,7 @@ class _Run:
             return
         if not self.tokens and not self.admitted:  # a new request: is there capacity for its TTFT?
             self._check_cancelled()  # a client already gone is never dispatched (C1)
-            self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
+            self.ticket = self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
             self.admitted = True
         if route.rung == DISAGGREGATED:
             await self._disaggregated()
@@ -679,11 +683,18 @@ class _Run:
         now = time.monotonic()
         if self.outcome.first_token_at is None:
             self.outcome.first_token_at = now
+            self.leave_backlog()
         self.outcome.last_token_at = now
         self.outcome.output_tokens += 1
         piece = self.stops.feed(self.detok.add(token_id))
         self._emit(piece)
         return self.stops.stopped
+
+    def leave_backlog(self) -> None:
+        """The prompt no longer waits on the pool it was admitted to: out of that pool's backlog."""
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None:
+            self.owner.admission.release(ticket)
 
     def _emit(self, piece: str) -> None:
         if not piece:
@@ -712,7 +723,9 @@ class _Run:
             raise ServingError(CANCELLED, "request was cancelled by the client")
 
     async def cleanup(self) -> None:
-        """Stop whatever still runs for this request: the sequence on its pool, a held lease."""
+        """Stop whatever still runs for this request: the sequence on its pool, a held lease, its
+        place in a backlog."""
+        self.leave_backlog()
         pool, self.running_on = self.running_on, None
         if pool is not None:
             try:

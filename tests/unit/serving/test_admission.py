@@ -90,3 +90,36 @@ def test_throughput_ignores_idle_intervals_and_restarted_counters():
     admission.observe("prefill", _load(0, 10, 0.1))  # restarted instance: counters went back
     admission.observe("prefill", _load(1000, 510, 0.6))  # 500 tokens in 0.5 s: the same rate
     assert admission.predict_ttft("prefill", 0) == pytest.approx(1.0)
+
+
+def test_a_request_that_left_the_pool_no_longer_counts_in_its_backlog():
+    """A finished request leaves the backlog when released, not at the next probe: until then it
+    refused requests to an idle pool (a short request served, then a burst sent before the probe,
+    found every burst request behind a backlog that was gone)."""
+    admission = Admission(AdmissionConfig(margin=1.0, ttft_slo_s=0.3))
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(0, 100, 1.0))  # 100 tokens/s: any 300-token prompt misses 0.3 s
+    first = admission.admit("prefill", 3)
+    with pytest.raises(ServingError):
+        admission.admit("prefill", 300)  # behind the 3 tokens still waiting
+    admission.release(first)
+    assert admission.predict_ttft("prefill", 300) == pytest.approx(3.0)
+    admission.admit("prefill", 300)  # nothing waits ahead any more: admitted
+
+
+def test_a_release_after_a_probe_takes_the_request_out_of_the_probed_queue():
+    admission = _measured(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))  # 1,500 waiting at 1,000/s
+    before = admission.admit("prefill", 400)
+    admission.observe("prefill", _load(1900, 1000, 1.0))  # the probe counts it among the 1,900 waiting
+    after = admission.admit("prefill", 100)
+    assert admission.predict_ttft("prefill", 0) == pytest.approx(2.0)
+    admission.release(before)  # left the pool since the probe
+    assert admission.predict_ttft("prefill", 0) == pytest.approx(1.6)
+    admission.release(after)  # admitted since the probe: out of what was added since
+    assert admission.predict_ttft("prefill", 0) == pytest.approx(1.5)
+    late = admission.admit("prefill", 50)
+    admission.observe("prefill", _load(0, 2000, 2.0))  # prefilled before the probe, released after it
+    admission.release(late)
+    assert admission.predict_ttft("prefill", 0) == 0.0, "never below an empty pool"
+    admission.admit("prefill", 10)
+    assert admission.predict_ttft("prefill", 0) == pytest.approx(0.01)

@@ -83,9 +83,9 @@ class _Client:
         return self.checks > self.leaves_after
 
 
-def _serve(pools: _StuckPools, client: _Client, mode: str = "disaggregated"):
+def _serve(pools: _StuckPools, client: _Client, mode: str = "disaggregated", orchestrator=None):
     config = OrchestratorConfig(mode=mode, cancel_poll_s=0.01, request_timeout_s=600)
-    orchestrator = Orchestrator(config, pools, lambda ids: "x" * len(ids))
+    orchestrator = orchestrator or Orchestrator(config, pools, lambda ids: "x" * len(ids))
     text = TextRequest("hello", PARAMS, stream=True)
     # the bound only turns a hang into a failure: the cancel ends these requests in tens of ms
     return asyncio.run(asyncio.wait_for(orchestrator.serve([1, 2, 3], text, client), 10))
@@ -111,6 +111,14 @@ def test_a_cancel_while_queued_for_prefill_stops_the_prefill_job():
     assert _cancelled(_serve(pools, client), client)
     assert pools.calls == ["prefill"] and pools.stops == ["prefill"]
     assert pools.waits_ended == 1  # the wait for the prefill's answer was given up
+
+
+def test_a_cancel_while_queued_takes_the_prompt_out_of_the_backlog_at_once():
+    pools, client = _StuckPools(), _Client(leaves_after=3)
+    config = OrchestratorConfig(cancel_poll_s=0.01, request_timeout_s=600)
+    orchestrator = Orchestrator(config, pools, lambda ids: "x" * len(ids))
+    assert _cancelled(_serve(pools, client, orchestrator=orchestrator), client)
+    assert orchestrator.admission.backlog("prefill") == 0, "admitted, then gone: not counted as waiting"
 
 
 def test_a_cancel_while_decode_has_not_started_stops_it_and_aborts_the_lease():

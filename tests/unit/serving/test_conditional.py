@@ -88,6 +88,7 @@ def test_short_prompts_skip_a_backlogged_prefill_pool(
     engine = Engine(EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16))
     reference = generate(engine, Request(tuple(tokenizer.encode(prompt)), params))[0]
     assert recorder.text == prompt + tokenizer.decode(reference)  # the prompt echoed, then the output
+    assert orchestrator.admission.backlog("prefill") == queued_tokens, "served: out of the backlog"
     for loop in loops.values():
         assert loop.engine.kv.free_blocks == loop.engine.kv.num_blocks
 
