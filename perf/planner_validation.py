@@ -41,7 +41,7 @@ from benchlib.report import publish
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory
 
-from disagg_tools.planner.plan import Traffic, goodput
+from disagg_tools.planner.plan import Traffic, goodput, run_at
 from disagg_tools.planner.profile import Profile
 from disagg_tools.planner.simulator import Deployment, Slo
 
@@ -92,10 +92,14 @@ def transfer_cost(path: Path, transport: str = "shm") -> tuple[float, float]:
 
 
 def profiles(args: argparse.Namespace) -> dict[int, Profile]:
-    """The 1- and 2-core profiles: given (`--profile K=FILE`), else measured now by `disagg profile`."""
+    """The 1- and 2-core profiles: given (`--profile K=FILE`), else measured now by `disagg profile`
+    (with --repredict: the earlier run's, in --out-dir)."""
     given = {int(k): Path(v) for k, _, v in (item.partition("=") for item in args.profile)}
     for cores, spec in ((1, "0"), (2, "0,1")):
         if cores in given:
+            continue
+        if args.repredict:  # the profiles the measured run was predicted from
+            given[cores] = args.out_dir / f"profile-{cores}.json"
             continue
         out = args.out_dir / f"profile-{cores}.json"
         log(f"disagg profile on cores {spec} -> {out}")
@@ -108,15 +112,71 @@ def profiles(args: argparse.Namespace) -> dict[int, Profile]:
     return {k: Profile.load(p) for k, p in given.items()}
 
 
-def simulated(name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float) -> Deployment:
+def simulated(
+    name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float, relay_s: float = 0.0
+) -> Deployment:
     one, two = found[1], found[2]
     if name == "disagg":
         return Deployment(
-            prefill=(one,), decode=(one,), transfer_bytes_per_s=rate_bps, transfer_fixed_s=fixed_s
+            prefill=(one,),
+            decode=(one,),
+            transfer_bytes_per_s=rate_bps,
+            transfer_fixed_s=fixed_s,
+            relay_s_per_token=relay_s,
         )
     if name == "colocated":
-        return Deployment(colocated=(two,))
-    return Deployment(colocated=(one, one))
+        return Deployment(colocated=(two,), relay_s_per_token=relay_s)
+    return Deployment(colocated=(one, one), relay_s_per_token=relay_s)
+
+
+def relay_costs(path: Path | None) -> dict[str, float]:
+    """Each deployment's relay term, seconds per token a decode step produces (`perf/relay_cost.py`);
+    none without the file."""
+    if path is None or not path.exists():
+        return {}
+    found = json.loads(path.read_text())["deployments"]
+    return {name: float(d["relay_s_per_token"]) for name, d in found.items()}
+
+
+def predictions(
+    name: str, found: dict[int, Profile], transfer: tuple[float, float], relay: dict[str, float],
+    slos: dict[str, Any], workloads: list[str], requests: int, measured: dict[str, list[dict[str, Any]]],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per workload: the prediction with the deployment's relay term, the profiles' alone beside it
+    (``profile_only``), and the p90s the simulator gives at the measured goodput (``at_measured``)."""
+    fixed_s, rate_bps = transfer
+    deployment = simulated(name, found, fixed_s, rate_bps, relay.get(name, 0.0))
+    alone = simulated(name, found, fixed_s, rate_bps)
+    out = {}
+    for w in workloads:
+        slo = Slo(slos[w].slo.ttft_s, slos[w].slo.tpot_s)
+        out[w] = predict(deployment, w, slo, requests)
+        out[w]["relay_s_per_token"] = deployment.relay_s_per_token
+        out[w]["profile_only"] = predict(alone, w, slo, requests)
+        runs = measured.get(w, [])
+        if runs:
+            rate = statistics.fmean(r["goodput_rps"] for r in runs)
+            out[w]["at_measured"] = p90s_at(deployment, w, rate, requests)
+    return out
+
+
+def p90s_at(deployment: Deployment, workload: str, rate: float, requests: int) -> dict[str, Any]:
+    """The simulator's p90 TTFT / TPOT at ``rate`` (the measured goodput): comparable with the measured
+    p90s, which were taken at that rate."""
+    w = WORKLOADS[workload]
+    _, outcomes = run_at(deployment, Traffic(w.prompt, w.output, requests), rate, Slo(1e9, 1e9))
+    tpots = [t for o in outcomes if (t := o.tpot) is not None]
+    return {
+        "rate_rps": rate,
+        "ttft_p90_s": percentile([o.ttft for o in outcomes], 90),
+        "tpot_p90_s": percentile(tpots, 90) if tpots else None,
+    }
+
+
+def bracket(run: dict[str, Any]) -> float | None:
+    """The lowest probed rate above a run's goodput that missed the target: the truth lies between."""
+    above = [rate for rate, met in run.get("probes", ()) if rate > run["goodput_rps"] and met < TARGET]
+    return min(above) if above else None
 
 
 def predict(deployment: Deployment, workload: str, slo: Slo, requests: int) -> dict[str, Any]:
@@ -158,20 +218,30 @@ def cells(out: dict[str, Any]) -> list[dict[str, Any]]:
                 got = [r[key] for r in runs if r[key] is not None]
                 return statistics.median(got) if got else None
 
+            at = pred.get("at_measured", pred)  # older runs: the p90s at the predicted goodput
+            alone = pred.get("profile_only")
             rows.append(
                 {
                     "deployment": setup,
                     "workload": workload,
                     "predicted_rps": pred["goodput_rps"],
+                    "profile_only_rps": alone["goodput_rps"] if alone else None,
+                    "relay_ms": pred.get("relay_s_per_token", 0.0) * 1e3,
                     "measured_rps": values,
+                    "missed_at": [bracket(r) for r in runs],
                     "measured_mean_rps": mean,
                     "spread": spread,
                     "error": _err(pred["goodput_rps"], mean),
-                    "ttft_p90": (pred["ttft_p90_s"], med("ttft_p90_s")),
-                    "tpot_p90": (pred["tpot_p90_s"], med("tpot_p90_s")),
+                    "profile_only_error": _err(alone["goodput_rps"], mean) if alone else None,
+                    "ttft_p90": (at["ttft_p90_s"], med("ttft_p90_s")),
+                    "tpot_p90": (at["tpot_p90_s"], med("tpot_p90_s")),
                 }
             )
     return rows
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.0%}"
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -184,27 +254,41 @@ def markdown(out: dict[str, Any]) -> str:
         "Predictions: `disagg plan`'s simulator on the profiles below "
         f"({out['requests']} simulated requests per rate), KV hand-off "
         f"{out['transfer']['fixed_ms']:.2f} ms + {out['transfer']['gbps']:.2f} GB/s (fitted to "
-        "perf/results/kv_transfer.json). Measured: the serving benchmark's goodput search on a real Triton, "
+        "perf/results/kv_transfer.json), and each decode step r ms longer per token it produces (the "
+        'relay\'s cost, measured apart by `perf/relay_cost.py`; "profile only": without it). '
+        "Measured: the serving benchmark's goodput search on a real Triton, "
         f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe. Goodput: the highest "
-        f"rate with {TARGET:.0%} of requests meeting both SLOs. p90s are at the goodput rate "
-        "(measured: the median over the runs).",
+        f"probed rate with {TARGET:.0%} of requests meeting both SLOs; in brackets the lowest probed rate "
+        "above it that missed (the search's resolution: the true goodput lies between). p90s are at the "
+        "measured goodput: measured (the median over the runs), and the simulator's at that rate.",
         "",
-        "| deployment | workload | predicted (req/s) | measured (req/s) | spread of runs | error "
-        "| TTFT p90 pred / meas (ms) | TPOT p90 pred / meas (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| deployment | workload | r (ms) | predicted (req/s) | profile only | measured (req/s) "
+        "| spread of runs | error | error, profile only | TTFT p90 pred / meas (ms) "
+        "| TPOT p90 pred / meas (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        measured = " / ".join(f"{v:.2f}" for v in r["measured_rps"])
+        measured = " / ".join(
+            f"{v:.2f}" + ("" if m is None else f" (<{m:.2f})")
+            for v, m in zip(r["measured_rps"], r["missed_at"], strict=True)
+        )
         spread = "–" if r["spread"] is None else f"{r['spread']:.0%}"
-        error = "–" if r["error"] is None else f"{r['error']:+.0%}"
+        alone = "–" if r["profile_only_rps"] is None else f"{r['profile_only_rps']:.2f}"
         (pt, mt), (pp, mp) = r["ttft_p90"], r["tpot_p90"]
         lines.append(
-            f"| {r['deployment']} | {r['workload']} | {r['predicted_rps']:.2f} | {measured} | {spread} | "
-            f"{error} | {_ms(pt)} / {_ms(mt)} | {_ms(pp)} / {_ms(mp)} |"
+            f"| {r['deployment']} | {r['workload']} | {r['relay_ms']:.2f} | {r['predicted_rps']:.2f} | "
+            f"{alone} | {measured} | {spread} | {_pct(r['error'])} | {_pct(r['profile_only_error'])} | "
+            f"{_ms(pt)} / {_ms(mt)} | {_ms(pp)} / {_ms(mp)} |"
         )
+    alone_met = [
+        r
+        for r in rows
+        if r["profile_only_error"] is not None and abs(r["profile_only_error"]) <= TARGET_ERROR
+    ]
     lines += [
         "",
-        f"Target (goodput error ≤ {TARGET_ERROR:.0%} in every cell): met in {len(met)} of {len(rows)} cells.",
+        f"Target (goodput error ≤ {TARGET_ERROR:.0%} in every cell): met in {len(met)} of {len(rows)} cells "
+        f"(profile only: {len(alone_met)} of {len(rows)}).",
         "",
         "Deployments: " + "; ".join(f"`{s}`: {SETUPS[s].description}" for s in out["measured"]) + ".",
         "",
@@ -240,6 +324,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="an earlier run's planner_validation.json: its deployments and SLOs are kept, and the "
         "deployments given here are measured beside them with the same SLOs",
+    )
+    parser.add_argument(
+        "--repredict",
+        action="store_true",
+        help="measure nothing: predict again for the deployments measured in --resume (default: "
+        "<out-dir>/planner_validation.json), with the relay terms of --relay-cost",
+    )
+    parser.add_argument(
+        "--relay-cost",
+        type=Path,
+        default=REPO_ROOT / "perf" / "results" / "planner" / "relay_cost.json",
+        help="perf/relay_cost.py's results: each deployment's relay term (none when absent)",
     )
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
@@ -293,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     fixed_s, rate_bps = transfer_cost(args.kv_transfer)
     slos: dict[str, Any] = load_frozen(SLO_FILE, args.model_dir.name) if args.slos == "frozen" else {}
     earlier: dict[str, Any] = {}
+    if args.repredict and args.resume is None:
+        args.resume = args.out_dir / "planner_validation.json"
     if args.resume is not None:  # the deployments measured before, and their SLOs
         earlier, slos = resumed(args.resume)
     out: dict[str, Any] = {
@@ -315,32 +413,36 @@ def main(argv: list[str] | None = None) -> int:
         "measured": dict(earlier.get("measured", {})),
     }
     if earlier:
-        out["command"] = f"{earlier['command']}, then {out['command']}"
+        out["command"] = f"{earlier['command'].split(', then ')[0]}, then {out['command']}"
+        if args.repredict:  # the measurement's settings, not this run's defaults
+            out.update({k: earlier[k] for k in ("machine", "runs", "duration", "dtype") if k in earlier})
+    relay = relay_costs(args.relay_cost)
+    out["relay_cost"] = str(args.relay_cost) if relay else None
     factory = PromptFactory.from_model_dir(args.model_dir)
     for setup in setups:
-        with tempfile.TemporaryDirectory(prefix="planner-") as name:
-            scratch = Path(name)
-            repo = repository(setup, args.model_dir, args.dtype, scratch)
-            started = time.perf_counter()
-            server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
-            log(f"{setup.name}: ready in {time.perf_counter() - started:.0f} s")
-            try:
-                url = server.config.grpc_url
-                if not slos:
-                    slos = asyncio.run(calibrations(url, setup.model, workloads, factory))
-                    out["slos"] = {w: slo_line(slos[w]) for w in workloads}
-                    log(f"SLOs by the rule, measured on {setup.name}: {out['slos']}")
-                out["measured"][setup.name] = asyncio.run(
-                    goodput_runs(url, setup.model, workloads, factory, slos, args)
-                )
-            finally:
-                server.stop(grace_s=5)
+        if not args.repredict:
+            with tempfile.TemporaryDirectory(prefix="planner-") as name:
+                scratch = Path(name)
+                repo = repository(setup, args.model_dir, args.dtype, scratch)
+                started = time.perf_counter()
+                server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
+                log(f"{setup.name}: ready in {time.perf_counter() - started:.0f} s")
+                try:
+                    url = server.config.grpc_url
+                    if not slos:
+                        slos = asyncio.run(calibrations(url, setup.model, workloads, factory))
+                        out["slos"] = {w: slo_line(slos[w]) for w in workloads}
+                        log(f"SLOs by the rule, measured on {setup.name}: {out['slos']}")
+                    out["measured"][setup.name] = asyncio.run(
+                        goodput_runs(url, setup.model, workloads, factory, slos, args)
+                    )
+                finally:
+                    server.stop(grace_s=5)
         out["slos"] = {w: slo_line(slos[w]) for w in workloads}
-        deployment = simulated(setup.name, found, fixed_s, rate_bps)
-        out["predicted"][setup.name] = {
-            w: predict(deployment, w, Slo(slos[w].slo.ttft_s, slos[w].slo.tpot_s), args.requests)
-            for w in workloads
-        }
+        out["predicted"][setup.name] = predictions(
+            setup.name, found, (fixed_s, rate_bps), relay, slos, workloads, args.requests,
+            out["measured"].get(setup.name, {}),
+        )  # fmt: skip
         log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
         write_json(args.out_dir / "planner_validation.json", out)  # each deployment as it ends
     publish(markdown(out), args.out_dir / "planner_validation.md", args.report, SECTION)

@@ -42,6 +42,27 @@ def test_decode_steps_the_batch_together_after_the_kv_arrives():
     assert first.tpot == pytest.approx(0.16 / 3)
 
 
+def test_the_relay_adds_its_cost_per_token_to_every_decode_step():
+    """A step of B sequences costs the profile's step plus B x relay_s_per_token, disaggregated and
+    colocated alike; prefill steps are the profile's alone."""
+    profile = Profile(Fit((0.2, 0.0, 0.0), 0, 0), Fit((0.01, 0.01, 0.0), 0, 0))
+    jobs = [Job(0.0, 100, 4), Job(0.0, 100, 4)]
+    relay = 0.005
+    first, second = simulate(Deployment(prefill=(profile,), decode=(profile,), relay_s_per_token=relay), jobs)
+    assert (first.first_token, second.first_token) == pytest.approx((0.2, 0.4))
+    # disaggregated: each decodes alone (0.02 + 0.005 a step), the first from 0.2, the second from 0.4
+    assert first.last_token == pytest.approx(0.2 + 3 * 0.025)
+    assert second.last_token == pytest.approx(0.4 + 3 * 0.025)
+    first, second = simulate(Deployment(colocated=(profile,), relay_s_per_token=relay), jobs)
+    # the first prompt's step starts on its arrival (0.2 s, no relay), a decode step of one (0.025,
+    # its 2nd token at 0.225), the second prompt (0.2 s, first token 0.425), then steps of two
+    # (0.03 + 2 x 0.005): 0.465 and 0.505 (the first's last), and one of one for the second (0.53)
+    assert (first.first_token, second.first_token) == pytest.approx((0.2, 0.425))
+    assert (first.last_token, second.last_token) == pytest.approx((0.505, 0.53))
+    with pytest.raises(ValueError):
+        Deployment(colocated=(profile,), relay_s_per_token=-0.001)
+
+
 def test_a_colocated_prefill_stalls_the_decode_batch():
     profile = constant(prefill_s=0.5, step_s=0.01)
     jobs = [Job(0.0, 10, 11), Job(0.005, 2000, 1)]
@@ -103,6 +124,18 @@ def test_goodput_grows_with_instances_and_the_plan_ranks_per_core():
         "colocated 1x2 cores",
         "colocated 1x2 cores, chunks of 64",
     ]
+
+
+def test_the_plan_charges_the_relay_to_every_placement():
+    """A relay term that makes a batch of 8 miss its TPOT (0.02 + 8 x 0.004 > 0.05) lowers every
+    placement's goodput, colocated and disaggregated."""
+    one = constant(prefill_s=0.02, step_s=0.02)
+    traffic = Traffic(LengthDist("fixed", 100), LengthDist("fixed", 32), count=200)
+    slo = Slo(ttft_s=0.5, tpot_s=0.05)
+    free = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo)}
+    relayed = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, relay_s_per_token=0.004)}
+    assert free.keys() == relayed.keys() and len(free) == 2
+    assert all(0 < relayed[name] < 0.9 * free[name] for name in free), (free, relayed)
     ranked = plan(2, {1: one}, traffic, slo)
     assert [p.per_core for p in ranked] == sorted((p.per_core for p in ranked), reverse=True)
     assert all(p.ttft_p90_s is not None for p in ranked if p.goodput_rps)

@@ -150,6 +150,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--transfer-gbps", type=float, default=0.0, help="KV hand-off rate, GB/s (0: free)")
     parser.add_argument("--chunk-tokens", type=int, default=0, help="also try colocated in chunks of this")
+    parser.add_argument(
+        "--relay-ms-per-token",
+        type=float,
+        default=0.0,
+        help="what serving adds to a decode step per token it produces, ms (perf/relay_cost.py; 0: none)",
+    )
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     parser.add_argument("--top", type=int, default=None, help="print only the best N placements")
     args = parser.parse_args(argv)
@@ -177,6 +183,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         transfer_bytes_per_s=args.transfer_gbps * 1e9,
         chunk_tokens=args.chunk_tokens,
         target=args.attainment,
+        relay_s_per_token=args.relay_ms_per_token / 1e3,
     )
     _table(results, "cores", "per core")
     return 0

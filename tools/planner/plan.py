@@ -103,13 +103,15 @@ def plan(
     transfer_bytes_per_s: float = 0.0,
     chunk_tokens: int = 0,
     target: float = 0.9,
+    relay_s_per_token: float = 0.0,
 ) -> list[Prediction]:
-    """Every placement's predicted goodput, best per core first."""
+    """Every placement's predicted goodput, best per core first. ``relay_s_per_token``: what serving
+    adds to each decode step per token it produces (``perf/relay_cost.py``), for every placement."""
     found = []
     for name, deployment, used in placements(cores, profiles, chunk_tokens):
         if deployment.prefill:
             deployment = replace(deployment, transfer_bytes_per_s=transfer_bytes_per_s)
-        found.append((name, deployment, used))
+        found.append((name, replace(deployment, relay_s_per_token=relay_s_per_token), used))
     return rank(found, traffic, slo, target)
 
 

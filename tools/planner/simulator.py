@@ -12,8 +12,11 @@ prefills waiting prompts within the budget (whole prompts, however long: the dec
 them, the interference disaggregation removes; or, with ``chunk_tokens``, at most that many prompt
 tokens), then one decode step over the whole batch.
 
+Every decode step costs ``relay_s_per_token`` more per token it produces: what the entry points'
+relay of each token takes from the pool's cores, measured apart (``perf/relay_cost.py``).
+
 Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
-(the orchestrator's own cost, the token relay, CPU contention between pools sharing a core).
+(the orchestrator's cost apart from the relay, CPU contention between pools sharing a core).
 """
 
 from __future__ import annotations
@@ -65,8 +68,14 @@ class Deployment:
     transfer_bytes_per_s: float = 0.0  # 0: the KV hand-off's bytes take no time
     transfer_fixed_s: float = 0.0  # the hand-off's cost apart from its bytes (export, descriptor, ack)
     chunk_tokens: int = 0  # colocated: prompt tokens per step beside decode (0: whole prompts, alone)
+    relay_s_per_token: float = 0.0
+    """What serving adds to a decode step (decode and colocated instances) per token it produces: the
+    entry points relaying each token on the pool's cores or beside them (``perf/relay_cost.py``
+    measures it per deployment); 0: the profile's step alone."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.relay_s_per_token < 1:
+            raise ValueError("relay_s_per_token must be seconds in [0, 1)")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("a deployment is disaggregated (prefill + decode) or colocated, not both")
         if not self.colocated and not (self.prefill and self.decode):
@@ -198,8 +207,13 @@ class Simulation:
         if not instance.active:
             return
         instance.busy = True
-        seconds = instance.profile.decode_s(len(instance.active), sum(s.context for s in instance.active))
-        self._at(self.now + seconds, lambda: self._stepped(instance))
+        self._at(self.now + self._decode_s(instance), lambda: self._stepped(instance))
+
+    def _decode_s(self, instance: _Instance) -> float:
+        """One decode step over the instance's batch: the profile's, plus the relay of its tokens."""
+        batch = len(instance.active)
+        context = sum(s.context for s in instance.active)
+        return instance.profile.decode_s(batch, context) + self.d.relay_s_per_token * batch
 
     def _advance(self, instance: _Instance) -> None:
         for seq in instance.active:
@@ -245,8 +259,7 @@ class Simulation:
             instance.busy = False
             self._colocated_step(instance)
             return
-        seconds = instance.profile.decode_s(len(instance.active), sum(s.context for s in instance.active))
-        self._at(self.now + seconds, lambda: self._colocated_decoded(instance))
+        self._at(self.now + self._decode_s(instance), lambda: self._colocated_decoded(instance))
 
     def _colocated_decoded(self, instance: _Instance) -> None:
         instance.busy = False
