@@ -16,6 +16,9 @@ hot ones by `codegen`'s). Setups, each a fresh Triton on a repository of `disagg
 - `isolation`: `--hot-group-rate R` (each hot group starts at most R requests/s, waiting at most
   30 s; on two cores the hot pool has no core of its own, so the token bucket is the isolation);
 - `both`: the two;
+- `adaptive`: `both` with `--hot-rate-adaptive`: R is the group rate's maximum, and it halves while
+  the decode pool's mean step time is over 1.1x its step time before the burst
+  (`disagg.serving.throttle`);
 - `hot_pool` (with `--hot-pool`): `--prefix-cache --hot-decode-cores 1`, hot groups decoded on a
   second decode pool sharing the decode core at nice 5: what two cores allow of a dedicated pool.
 
@@ -77,6 +80,7 @@ BURST_SETUPS = {  # setup -> disagg repository flags (the group rate is added wh
     "cache": ["--prefix-cache"],
     "isolation": ["rate"],
     "both": ["--prefix-cache", "rate"],
+    "adaptive": ["--prefix-cache", "rate", "--hot-rate-adaptive"],  # both, the group rate adaptive
     "hot_pool": ["--prefix-cache", "--hot-decode-cores", "1"],
 }
 CHAT_SETUPS = {"off": [], "on": ["--prefix-cache"]}

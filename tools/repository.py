@@ -69,8 +69,12 @@ class Layout:
     # about a quarter of a contended core against a nice-0 decode pool)
     hot_decode_cores: str = ""
     hot_decode_nice: int = 5
-    # where no hot pool takes them, each hot group starts at most this many requests per second (0: off)
+    # where no hot pool takes them, each hot group starts at most this many requests per second (0: off);
+    # adaptive: that rate is the maximum, lowered while the shared decode pool's mean step time is over
+    # hot_step_ratio x its step time while no group was hot (disagg.serving.throttle)
     hot_group_rate: float = 0.0
+    hot_rate_adaptive: bool = False
+    hot_step_ratio: float = 1.1
     # conditional disaggregation: prompts of at most this many tokens are served whole by the decode
     # pool while the prefill pool is backlogged, prefilled there in chunks of conditional_chunk_tokens
     # between decode steps (0: off)
@@ -117,6 +121,10 @@ class Layout:
             raise ValueError("hot_decode_nice must be an integer in [0, 19]")
         if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
             raise ValueError("hot_group_rate must be a number of requests per second >= 0")
+        if self.hot_rate_adaptive and not self.hot_group_rate:
+            raise ValueError("hot_rate_adaptive needs hot_group_rate > 0 (the adaptive rate's maximum)")
+        if not isinstance(self.hot_step_ratio, int | float) or not 1 < self.hot_step_ratio <= 100:
+            raise ValueError("hot_step_ratio must be a number in (1, 100]")
         for pool in ("prefill", "decode", "colocated"):
             count = getattr(self, f"{pool}_instances")
             if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
@@ -342,6 +350,10 @@ def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
         params["hot_decode_model"] = HOT_POOL
     if layout.hot_group_rate:
         params["hot_group_rate"] = f"{layout.hot_group_rate:g}"
+    if layout.hot_rate_adaptive:
+        params["hot_rate_adaptive"] = "true"
+    if layout.hot_step_ratio != OrchestratorConfig.hot_step_ratio:
+        params["hot_step_ratio"] = f"{layout.hot_step_ratio:g}"
     if layout.block_size != OrchestratorConfig.hot_block_tokens:
         # the groups are the prefix cache's full blocks: the same block size
         params["hot_block_tokens"] = str(layout.block_size)
@@ -539,6 +551,17 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per second one hot prompt group may start where no hot pool takes it (0: no cap)",
     )
     parser.add_argument(
+        "--hot-rate-adaptive",
+        action="store_true",
+        help="--hot-group-rate is a maximum: lowered while hot groups slow the decode pool's steps",
+    )
+    parser.add_argument(
+        "--hot-step-ratio",
+        type=float,
+        default=defaults.hot_step_ratio,
+        help="the step time, relative to the one before the burst, over which the adaptive rate drops",
+    )
+    parser.add_argument(
         "--no-local-decode",
         action="store_true",
         help="the prefill pool never decodes (drops the fallback ladder's 'local' rung)",
@@ -667,6 +690,8 @@ def _layout(args: argparse.Namespace) -> Layout:
         hot_decode_cores=args.hot_decode_cores,
         hot_decode_nice=args.hot_decode_nice,
         hot_group_rate=args.hot_group_rate,
+        hot_rate_adaptive=args.hot_rate_adaptive,
+        hot_step_ratio=args.hot_step_ratio,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
         colocated_gpus=args.colocated_gpus,

@@ -195,6 +195,14 @@ class HotPool:
 class HotPrompts:
     pool: HotPool | None = None  # a decode pool of their own ("decode_hot"); None: none
     group_rate: float = 0.0  # where no hot pool takes them: requests/s a hot group may start (0: off)
+    rate_adaptive: bool = False  # group_rate is a maximum, lowered while the decode steps slow down
+    step_ratio: float = 1.1  # ... over this x the step time while no group was hot
+
+    def __post_init__(self) -> None:
+        if self.rate_adaptive and not self.group_rate > 0:
+            raise ValueError("rate_adaptive: needs group_rate > 0 (the adaptive rate's maximum)")
+        if not 1 < self.step_ratio <= 100:
+            raise ValueError("step_ratio: must be in (1, 100]")
 
 
 @dataclass(frozen=True)
@@ -306,6 +314,8 @@ class Spec:
             hot_decode_cores=_cores(hot.cores) if hot is not None else "",
             hot_decode_nice=hot.nice if hot is not None else 5,
             hot_group_rate=self.hot_prompts.group_rate,
+            hot_rate_adaptive=self.hot_prompts.rate_adaptive,
+            hot_step_ratio=self.hot_prompts.step_ratio,
             conditional_prefill_tokens=d.conditional_prefill_tokens,
             conditional_chunk_tokens=d.conditional_chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,

@@ -216,6 +216,30 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
         Layout(hot_decode_cores="1", hot_decode_nice=20)
 
 
+def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
+    """`--hot-group-rate 2 --hot-rate-adaptive --hot-step-ratio 1.3`: the entry points' caps adapt
+    (disagg.serving.throttle) under a maximum of 2 req/s; without the flags, no such parameter."""
+    import re
+
+    from disagg.serving.orchestrator import OrchestratorConfig
+
+    def params(name: str) -> dict[str, str]:
+        text = (tmp_path / name / "config.pbtxt").read_text()
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+
+    flags = ["--hot-group-rate", "2", "--hot-rate-adaptive", "--hot-step-ratio", "1.3"]
+    assert main(["--out", str(tmp_path), *flags]) == 0
+    for name in ("orchestrator", "llm", "orchestrator_colocated"):
+        throttle = build(OrchestratorConfig, params(name), strings=True).throttle
+        assert throttle is not None and (throttle.max_rate, throttle.step_ratio) == (2.0, 1.3), name
+    assert "hot_rate_adaptive" not in render(Layout(hot_group_rate=2))["llm"]
+    assert "hot_step_ratio" not in render(Layout(hot_group_rate=2, hot_rate_adaptive=True))["llm"]
+    with pytest.raises(ValueError, match="hot_rate_adaptive needs hot_group_rate"):
+        Layout(hot_rate_adaptive=True)
+    with pytest.raises(ValueError, match="hot_step_ratio"):
+        Layout(hot_step_ratio=1.0)
+
+
 def test_hot_prompt_groups_use_the_prefix_cache_block_size():
     assert "hot_block_tokens" not in render(Layout())["llm"]
     for name in ("llm", "orchestrator"):

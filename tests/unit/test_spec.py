@@ -118,6 +118,8 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
             r"^remote: pools on other hosts are CPU pools here",
         ),
         ({"hot_prompts": {"pool": {"cores": []}}}, r"^hot_prompts\.pool\.cores: "),
+        ({"hot_prompts": {"rate_adaptive": True}}, r"^hot_prompts\.rate_adaptive: needs group_rate > 0"),
+        ({"hot_prompts": {"group_rate": 2, "step_ratio": 1}}, r"^hot_prompts\.step_ratio: must be in"),
     ],
 )
 def test_spec_errors_name_the_path_in_the_file(spec, message):
@@ -164,6 +166,12 @@ def test_the_decode_batch_tuner_is_a_decode_pool_setting_that_reaches_its_parame
         assert "batch_tpot_slo_s" not in (tmp_path / "repo" / pool / "config.pbtxt").read_text()
     with pytest.raises(ConfigError, match="batch_start"):
         parse_spec({"pools": {"decode": {"batch_start": "many"}}})
+
+
+def test_the_adaptive_hot_group_rate_reaches_the_entry_points():
+    spec = parse_spec({"hot_prompts": {"group_rate": 2, "rate_adaptive": True, "step_ratio": 1.3}})
+    layout = spec.layout()
+    assert (layout.hot_group_rate, layout.hot_rate_adaptive, layout.hot_step_ratio) == (2, True, 1.3)
 
 
 def test_a_spec_with_remote_pools_is_served_by_role():

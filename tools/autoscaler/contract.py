@@ -54,6 +54,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_hot_groups": GAUGE,  # per entry point instance: hot prompt (prefix) groups now
         "disagg_hot_group_requests_per_second": GAUGE,  # + label rank (1..4): the hottest groups' rates
         "disagg_similar_prompt_groups": GAUGE,  # near-duplicate (MinHash) groups; not routed on
+        "disagg_hot_group_rate_limit": GAUGE,  # per entry point instance: req/s per hot group (0: no cap)
         # counters (full sample names, `_total` included)
         "disagg_requests_total": COUNTER,
         "disagg_kv_transfer_bytes_total": COUNTER,
@@ -72,6 +73,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_prefix_cache_misses_total": COUNTER,
         "disagg_prefix_cache_evictions_total": COUNTER,
         "disagg_hot_routes_total": COUNTER,  # label route: cold, hot_shared, hot_pool, hot_delayed, ...
+        "disagg_hot_rate_decisions_total": COUNTER,  # labels action, reason: the adaptive hot-group cap
         "disagg_decode_batch_limit": GAUGE,  # per decode pool instance: the batch tuner's limit, or fixed
     }
 )

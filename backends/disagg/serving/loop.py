@@ -80,6 +80,7 @@ class LoopStats:
             self.blocks_free,
             self.prompt_tokens_done,
             self.engine_busy_s,
+            self.engine_steps,
         )
 
 

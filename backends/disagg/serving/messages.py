@@ -150,7 +150,12 @@ class Ping:
 
 @dataclass(frozen=True)
 class PoolLoad:
-    """A pool instance's answer to a ``Ping``: its load, which the orchestrator judges health by."""
+    """A pool instance's answer to a ``Ping``: its load, which the orchestrator judges health by.
+
+    Fields are only ever added, with a default: a pool of an older version answers without the newer
+    ones (``wire.decode_load`` gives them their default). Counters (``prompt_tokens_done``,
+    ``busy_s``, ``engine_steps``) only grow while the instance lives; a pool of several servers
+    answers the sum of each field (``disagg.triton.remote``)."""
 
     queued: int  # jobs waiting for admission
     queued_prompt_tokens: int  # prompt tokens not prefilled yet
@@ -159,6 +164,7 @@ class PoolLoad:
     blocks_free: int
     prompt_tokens_done: int = 0  # prompt tokens prefilled since the instance started ...
     busy_s: float = 0.0  # ... and the seconds its engine has computed: the throughput, from two loads
+    engine_steps: int = 0  # engine calls since it started: busy_s per step is its mean step time
 
     @property
     def kv_use(self) -> float:

@@ -57,6 +57,7 @@ from disagg.serving.ladder import (
 from disagg.serving.messages import PoolLoad, Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
+from disagg.serving.throttle import Throttle, ThrottleConfig
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,16 @@ class OrchestratorConfig:
     token longer than ``hot_max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
     hot_group_burst: int = 1
     hot_max_wait_s: float = 30.0
+    hot_rate_adaptive: bool = False
+    """The group rate adapts (``disagg.serving.throttle``): ``hot_group_rate`` is its maximum; while a
+    group is hot, the cap halves (``hot_rate_decrease``, down to ``hot_rate_min``) after each probe
+    interval whose mean decode step time exceeds ``hot_step_ratio`` x the step time learnt while no
+    group was hot, and grows by ``hot_rate_increase`` after each interval within it. The shared decode
+    pool's engine measures it (``colocated`` in colocated mode). Needs ``hot_group_rate`` > 0."""
+    hot_step_ratio: float = 1.1
+    hot_rate_min: float = 0.1
+    hot_rate_decrease: float = 0.5
+    hot_rate_increase: float = 0.25
     remote_pools: str = ""
     """Pools served by other Triton servers, reached over gRPC (``disagg.triton.remote``):
     ``POOL=SERVERS[;POOL=SERVERS]``, SERVERS being ``HOST:PORT,...`` or ``dns:NAME:PORT`` (see
@@ -240,7 +251,11 @@ class OrchestratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
-        _ = self.admission, self.hot, self.bucket  # validate their settings
+        if not isinstance(self.hot_rate_adaptive, bool):
+            raise ValueError("hot_rate_adaptive must be true or false")
+        _ = self.admission, self.hot, self.bucket, self.throttle  # validate their settings
+        if not self.hot_rate_adaptive:
+            self._throttle(1e6)  # the adaptive settings are checked when unused too
         if not isinstance(self.hot_decode_model, str):
             raise ValueError("hot_decode_model must be a model name or empty")
         unknown = set(self.remote) - set(self.pool_models)
@@ -280,6 +295,29 @@ class OrchestratorConfig:
     @property
     def bucket(self) -> BucketConfig:
         return BucketConfig(self.hot_group_rate, self.hot_group_burst, self.hot_max_wait_s)
+
+    @property
+    def throttle(self) -> ThrottleConfig | None:
+        """The adaptive cap's settings; None unless ``hot_rate_adaptive``."""
+        if not self.hot_rate_adaptive:
+            return None
+        if not self.bucket.enabled:
+            raise ValueError("hot_rate_adaptive needs hot_group_rate > 0 (the cap's maximum)")
+        return self._throttle(self.hot_group_rate)
+
+    def _throttle(self, max_rate: float) -> ThrottleConfig:
+        return ThrottleConfig(
+            max_rate=max_rate,
+            min_rate=self.hot_rate_min,
+            step_ratio=self.hot_step_ratio,
+            decrease=self.hot_rate_decrease,
+            increase=self.hot_rate_increase,
+        )
+
+    @property
+    def shared_decode_pool(self) -> str:
+        """The pool a hot request decodes on when no hot pool takes it (the adaptive cap watches it)."""
+        return "decode" if self.mode == "disaggregated" else COLOCATED
 
     @property
     def ladder(self) -> tuple[str, ...]:
@@ -357,6 +395,8 @@ class Orchestrator:
         # hot prompts: counted on the event loop, read by the metrics thread too
         self.hotness = HotPrompts(config.hot)
         self.bucket = config.bucket  # the hot groups' rate cap, built once
+        throttle = config.throttle
+        self.throttle = None if throttle is None else Throttle(throttle)  # an adaptive cap, if any
         self._buckets: dict[str, TokenBucket] = {}
         self._hot_lock = threading.Lock()
         self.waiting = 0  # requests waiting for a pool's first answer or a token (event loop only)
@@ -376,9 +416,26 @@ class Orchestrator:
         with self._hot_lock:
             return self.hotness.groups(now), self.hotness.similar_groups(now)
 
+    def hot_rate(self) -> tuple[float, dict[tuple[str, str], int]]:
+        """The cap on each hot group now, requests/s (0: none), and the adaptive cap's decisions so
+        far by (action, reason) (empty: a fixed cap)."""
+        with self._hot_lock:
+            if self.throttle is None:
+                return self.bucket.rate, {}
+            return self.throttle.rate, dict(self.throttle.decisions)
+
+    def observe_load(self, pool: str, load: PoolLoad, now: float) -> None:
+        """A probe's answer of ``pool`` at ``now``: the shared decode pool's feeds the adaptive cap,
+        with whether a group is hot now."""
+        if self.throttle is None or pool != self.config.shared_decode_pool:
+            return
+        with self._hot_lock:
+            self.throttle.observe(load, now, hot=bool(self.hotness.groups(now)))
+
     def hot_wait(self, group: str, now: float) -> float | None:
         """Seconds a request of hot ``group`` waits for its bucket's token; None: refused. Buckets of
-        groups that cooled down and refilled are dropped."""
+        groups that cooled down and refilled are dropped. An adaptive cap sets the rate at each
+        reservation."""
         with self._hot_lock:
             bucket = self._buckets.get(group)
             if bucket is None:
@@ -387,7 +444,7 @@ class Orchestrator:
                 ]:
                     del self._buckets[old]
                 bucket = self._buckets[group] = TokenBucket(self.bucket, now)
-            return bucket.reserve(now)
+            return bucket.reserve(now, None if self.throttle is None else self.throttle.rate)
 
     def observe(self, change: Change | None) -> None:
         """Pass on a pool's state change (from a call here or a probe)."""
@@ -541,7 +598,7 @@ class _Run:
             retry = max(owner.config.retry_after_s, owner.config.hot_max_wait_s)
             raise ServingError(
                 UNAVAILABLE,
-                f"too many similar requests (a hot prompt group over {owner.config.hot_group_rate:g} "
+                f"too many similar requests (a hot prompt group over {owner.hot_rate()[0]:.3g} "
                 f"requests/s); retry after {retry:g} s",
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"

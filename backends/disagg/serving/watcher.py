@@ -1,7 +1,8 @@
 """The pool watcher: probes each pool for its health and load, and restarts the pools that are gone.
 
 Every ``probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
-answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth``. A pool that
+answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth`` (and the load it
+answers to admission and to the adaptive hot-group cap, ``Orchestrator.observe_load``). A pool that
 misses ``DEAD_AFTER`` probes in a row is gone, and why matters: a model Triton still reports ready whose
 instance does not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked
 unready); one that is not ready is being unloaded (a shutdown, an operator, a reload) or was never
@@ -127,8 +128,10 @@ class PoolWatcher:
         finally:
             self._probing.discard(pool)
         self._missed[pool] = 0
-        self._note(health.probed(load, self._clock() - started))
+        now = self._clock()
+        self._note(health.probed(load, now - started))
         orchestrator.admission.observe(pool, load)
+        orchestrator.observe_load(pool, load, now)  # the adaptive hot-group cap's measurement
 
     def _miss(self, pool: str, reason: str) -> None:
         missed = self._missed[pool] = self._missed.get(pool, 0) + 1

@@ -17,6 +17,7 @@ from disagg.serving.errors import ServingError
 from disagg.serving.hotness import GroupRate
 from disagg.serving.orchestrator import HOT_ROUTES, Outcome
 from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains
+from disagg.serving.throttle import DECISIONS as HOT_RATE_DECISIONS
 
 if TYPE_CHECKING:
     # Types only: both import torch, and the text models that use this module must not.
@@ -106,6 +107,15 @@ DESCRIPTIONS = {
     "disagg_hot_routes_total": (
         "COUNTER",
         "New requests by their hot-prompt routing: cold, hot_shared, hot_pool, hot_delayed, hot_refused",
+    ),
+    "disagg_hot_group_rate_limit": (
+        "GAUGE",
+        "Requests per second each hot prompt group may start now (the token buckets' rate; 0: no cap)",
+    ),
+    "disagg_hot_rate_decisions_total": (
+        "COUNTER",
+        "Adaptive hot-group cap decisions per probe interval, by action (decrease, increase, hold, "
+        "recover) and reason",
     ),
     "disagg_serving_version": (
         "GAUGE",
@@ -248,11 +258,13 @@ class OrchestratorMetrics:
         hot_groups: Callable[[], tuple[list[GroupRate], int]] | None = None,
         remote_servers: Callable[[], dict[tuple[str, str], int]] | None = None,
         remote_pools: tuple[str, ...] = (),
+        hot_rate: Callable[[], tuple[float, Mapping[tuple[str, str], int]]] | None = None,
     ) -> None:
         """``open_calls()``: the instance's calls to the pools still open; ``hot_groups()``: the hot
         prompt groups, hottest first, and the near-duplicate groups' count; ``remote_servers()``: the
-        servers of each of ``remote_pools`` by state (``SERVER_STATES``), all published at each
-        refresh."""
+        servers of each of ``remote_pools`` by state (``SERVER_STATES``); ``hot_rate()``: the cap on
+        each hot group (requests/s, 0: none) and the adaptive cap's decisions so far by (action,
+        reason) (``Orchestrator.hot_rate``); all published at each refresh."""
         fam = Families(pb_utils)
         labels = {"model": model, "path": path}
         self._labels = labels
@@ -286,6 +298,15 @@ class OrchestratorMetrics:
         self.hot_routes = {
             r: fam.metric("disagg_hot_routes_total", {**labels, "route": r}) for r in HOT_ROUTES
         }
+        self._hot_rate = hot_rate
+        self.hot_rate_limit = fam.gauge("disagg_hot_group_rate_limit", own)
+        self.hot_rate_decisions = {
+            (action, reason): fam.metric(
+                "disagg_hot_rate_decisions_total", {**own, "action": action, "reason": reason}
+            )
+            for action, reason in HOT_RATE_DECISIONS
+        }
+        self._decided: dict[tuple[str, str], int] = {}  # the decisions published so far
         self._outcomes: dict[str, SerialMetric] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
@@ -349,6 +370,7 @@ class OrchestratorMetrics:
             self.calls_open,
             self.hot,
             self.similar,
+            self.hot_rate_limit,
             *self.hot_rates,
             *self.remote.values(),
         ):
@@ -371,6 +393,18 @@ class OrchestratorMetrics:
             for rank, gauge in enumerate(self.hot_rates):
                 gauge.set(groups[rank].rate if rank < len(groups) else 0.0)
             self.similar.set(similar)
+        if self._hot_rate is not None:
+            self._publish_hot_rate(*self._hot_rate())
+
+    def _publish_hot_rate(self, limit: float, decisions: Mapping[tuple[str, str], int]) -> None:
+        self.hot_rate_limit.set(limit)
+        with self._lock:  # refreshed by the event loop and the refresher thread
+            for key, total in decisions.items():
+                delta = total - self._decided.get(key, 0)
+                counter = self.hot_rate_decisions.get(key)
+                if counter is not None and delta > 0:
+                    counter.increment(delta)
+                    self._decided[key] = total
 
 
 class VersionMetrics:

@@ -151,6 +151,7 @@ class OrchestratorModel:
             hot_groups=lambda: self.orchestrator.hot_groups(time.monotonic()),
             remote_servers=remote.server_counts if remote is not None else None,
             remote_pools=tuple(self.config.remote),
+            hot_rate=self.orchestrator.hot_rate,
         )
         self.metrics.start_refresher()
         # the pool versions new requests take during a rollout (serving.routing); none: no pins

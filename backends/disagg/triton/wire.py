@@ -23,7 +23,7 @@ Every pool request carries the request parameter ``disagg_auth`` (``disagg.servi
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import MISSING, asdict
 from typing import Any
 
 import numpy as np
@@ -166,14 +166,27 @@ def encode_load(load: PoolLoad) -> str:
 
 
 def decode_load(raw: bytes) -> PoolLoad:
-    """A ping's answer; a pool that answers something else is out of protocol (ValueError)."""
+    """A ping's answer; a pool that answers something else is out of protocol (ValueError, or
+    TypeError for a field of the wrong type).
+
+    Across versions (a rolling upgrade): a field the answer lacks takes its default, if it has one (a
+    pool of an older version knows fewer fields; one without a default is out of protocol), and a
+    field this version does not know is ignored (a newer pool's)."""
     data = json.loads(raw)
     if not isinstance(data, dict) or data.pop("type", None) != "load":
         raise ValueError("not a pool load")
-    return PoolLoad(**{name: _LOAD_TYPES[name](data[name]) for name in PoolLoad.__dataclass_fields__})
+    missing = sorted(name for name in _LOAD_REQUIRED if name not in data)
+    if missing:
+        raise ValueError(f"a pool load without {', '.join(missing)}")
+    return PoolLoad(**{name: kind(data[name]) for name, kind in _LOAD_TYPES.items() if name in data})
 
 
 _LOAD_TYPES = {name: float if name == "busy_s" else int for name in PoolLoad.__dataclass_fields__}
+_LOAD_REQUIRED = tuple(
+    name
+    for name, f in PoolLoad.__dataclass_fields__.items()
+    if f.default is MISSING and f.default_factory is MISSING
+)
 
 
 def decode_event(raw: bytes, descriptor: bytes | None) -> Event:

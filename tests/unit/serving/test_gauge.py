@@ -143,3 +143,53 @@ def test_families_wrap_each_metric_in_a_serial_metric() -> None:
     assert isinstance(families.metric("disagg_requests_total", {}), SerialMetric)
     assert isinstance(families.histogram("disagg_prompt_tokens", {}, (1.0,)), SerialMetric)
     assert isinstance(families.gauge("disagg_kv_blocks_used", {})._metric, SerialMetric)
+
+
+def test_the_hot_group_cap_and_its_decisions_are_published_from_the_orchestrator() -> None:
+    """``disagg_hot_group_rate_limit`` is the cap now; ``disagg_hot_rate_decisions_total{action,reason}``
+    counts what the adaptive cap decided, by increments of what is new at each refresh; every decision
+    series exists from the start (at 0), and a stopped instance takes its share of the gauge out."""
+    from disagg.serving.telemetry import SloConfig, SloWindow
+    from disagg.serving.throttle import DECISIONS
+
+    series: dict[tuple[str, tuple[tuple[str, str], ...]], FakeMetric] = {}
+
+    class FakeFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+        def __init__(self, name: str, **_: object) -> None:
+            self.name = name
+
+        def Metric(self, labels: dict[str, str], **_: object) -> FakeMetric:
+            return series.setdefault((self.name, tuple(sorted(labels.items()))), FakeMetric())
+
+    state: list[tuple[float, dict[tuple[str, str], int]]] = [(2.0, {})]
+    published = metrics.OrchestratorMetrics(
+        SimpleNamespace(MetricFamily=FakeFamily),
+        "llm",
+        "disaggregated",
+        SloWindow(SloConfig()),
+        instance="llm_0",
+        hot_rate=lambda: state[-1],
+    )
+
+    def total(name: str, **labels: str) -> float:
+        found = [m.total for (n, ls), m in series.items() if n == name and set(labels.items()) <= set(ls)]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
+
+    decided = {(n, dict(ls)["action"], dict(ls)["reason"]) for n, ls in series if "action" in dict(ls)}
+    assert decided == {("disagg_hot_rate_decisions_total", a, r) for a, r in DECISIONS}
+    published.refresh()
+    assert total("disagg_hot_group_rate_limit", instance="llm_0") == 2.0
+    state.append((1.0, {("decrease", "step_time"): 1, ("hold", "no_baseline"): 2}))
+    published.refresh()
+    state.append((0.5, {("decrease", "step_time"): 2, ("hold", "no_baseline"): 2}))
+    published.refresh()
+    published.refresh()
+    assert total("disagg_hot_group_rate_limit", instance="llm_0") == 0.5
+    assert total("disagg_hot_rate_decisions_total", action="decrease", reason="step_time") == 2
+    assert total("disagg_hot_rate_decisions_total", action="hold", reason="no_baseline") == 2
+    assert total("disagg_hot_rate_decisions_total", action="increase", reason="headroom") == 0
+    published.stop()
+    assert total("disagg_hot_group_rate_limit", instance="llm_0") == 0.0

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from recorder import Recorder
 
+from disagg.config import build
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.tokenizer import Tokenizer
@@ -20,8 +21,10 @@ from disagg.serving.errors import UNAVAILABLE
 from disagg.serving.health import PoolState
 from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.local import LocalPools
+from disagg.serving.messages import PoolLoad
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
+from disagg.serving.watcher import PoolWatcher
 
 SHARED = list(range(300, 364))  # a 64-token prefix: 4 blocks of 16
 PARAMS = SamplingParams(max_tokens=6)
@@ -141,9 +144,105 @@ def test_a_request_waiting_for_its_token_hears_its_client_leave(pools):
     assert time.monotonic() - started < 5, "noticed at the next poll, not after the 1000 s wait"
 
 
+class _Decode:
+    """A decode pool's probe answers: ``run(n, step_s)`` runs n engine steps of step_s seconds."""
+
+    def __init__(self) -> None:
+        self.steps, self.busy_s = 0, 0.0
+
+    def run(self, n: int, step_s: float) -> PoolLoad:
+        self.steps, self.busy_s = self.steps + n, self.busy_s + n * step_s
+        return self.load()
+
+    def load(self) -> PoolLoad:
+        return PoolLoad(0, 0, 4, 10, 90, busy_s=self.busy_s, engine_steps=self.steps)
+
+    async def ping(self, pool: str) -> PoolLoad:  # the watcher's probes: every pool answers this load
+        return self.load()
+
+
+ADAPTIVE = {"hot_group_rate": 2.0, "hot_rate_adaptive": True, "hot_group_burst": 1, "hot_max_wait_s": 100.0}
+
+
+def test_an_adaptive_cap_follows_the_decode_pools_step_time_while_a_group_is_hot():
+    decode = _Decode()
+    orch = Orchestrator(OrchestratorConfig(**ADAPTIVE, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
+    assert orch.hot_rate() == (2.0, {})
+    for t in range(4):  # no group hot: the baseline, 10 ms a step
+        orch.observe_load("decode", decode.run(50, 0.010), 100.0 + t)
+    heats = [orch.heat(prompt, 104.0) for prompt in _burst(3)]
+    assert heats[-1].group is not None, "the third of the burst makes its group hot"
+    group = heats[-1].group
+    for pool in ("prefill", HOT_POOL):
+        orch.observe_load(pool, decode.run(50, 0.050), 105.0)  # not the shared decode pool's
+    assert orch.hot_rate() == (2.0, {}), "only the shared decode pool drives the cap"
+    orch.observe_load("decode", decode.run(50, 0.050), 106.0)  # (the others' steps are one interval)
+    assert orch.hot_rate() == (1.0, {("decrease", "step_time"): 1})
+    # the group's bucket refills at the cap: its burst's one token, then one a second
+    assert orch.hot_wait(group, 106.0) == 0.0
+    assert orch.hot_wait(group, 106.0) == pytest.approx(1.0)
+    orch.observe_load("decode", decode.run(50, 0.050), 107.0)
+    assert orch.hot_rate()[0] == 0.5
+    # the second one's token came at 107 (refilled at 1/s until then): the next one's at 0.5/s
+    assert orch.hot_wait(group, 107.0) == pytest.approx(2.0)
+
+    fixed = Orchestrator(OrchestratorConfig(hot_group_rate=2.0, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
+    fixed.observe_load("decode", decode.run(50, 0.050), 108.0)
+    assert fixed.throttle is None and fixed.hot_rate() == (2.0, {}), "a fixed cap ignores the loads"
+    assert Orchestrator(OrchestratorConfig(), decode, lambda ids: "").hot_rate() == (0.0, {})  # type: ignore[arg-type]
+
+
+def test_the_watcher_feeds_the_adaptive_cap_the_decode_pools_probe_answers():
+    decode = _Decode()
+    config = OrchestratorConfig(**ADAPTIVE, **HOT)
+    orch = Orchestrator(config, decode, lambda ids: "", deployed=("prefill", "decode"))  # type: ignore[arg-type]
+    now = [100.0]
+    watcher = PoolWatcher(orch, clock=lambda: now[0])
+
+    async def rounds() -> None:
+        for step_s in (0.010, 0.010, 0.020):
+            decode.run(50, step_s)
+            now[0] += 1.0
+            await watcher.probe_all()
+
+    asyncio.run(rounds())
+    throttle = orch.throttle
+    assert throttle is not None and throttle.step_s == pytest.approx(0.020)
+    assert throttle.baseline == pytest.approx(0.2 * 0.020 + 0.8 * 0.010), "the first answer anchors"
+
+
+def test_a_colocated_entry_point_adapts_to_the_colocated_pool():
+    decode = _Decode()
+    orch = Orchestrator(OrchestratorConfig(mode="colocated", **ADAPTIVE), decode, lambda ids: "")  # type: ignore[arg-type]
+    for t in range(2):
+        orch.observe_load("colocated", decode.run(50, 0.010), 100.0 + t)
+    assert orch.throttle is not None and orch.throttle.baseline == pytest.approx(0.010)
+
+
 def test_hot_settings_are_checked():
     with pytest.raises(ValueError, match="hot_group_rate"):
         OrchestratorConfig(hot_group_rate=-1)
+    with pytest.raises(ValueError, match="hot_rate_adaptive needs hot_group_rate"):
+        OrchestratorConfig(hot_rate_adaptive=True)
+    with pytest.raises(ValueError, match="hot_rate_min"):
+        OrchestratorConfig(hot_group_rate=0.05, hot_rate_adaptive=True)  # under the default minimum
+    with pytest.raises(ValueError, match="hot_step_ratio"):
+        OrchestratorConfig(hot_step_ratio=0.9)  # checked with the cap fixed too
+    with pytest.raises(ValueError, match="hot_rate_decrease"):
+        OrchestratorConfig(**ADAPTIVE, hot_rate_decrease=1.5)
+    with pytest.raises(ValueError, match="hot_rate_adaptive"):
+        OrchestratorConfig(hot_group_rate=1.0, hot_rate_adaptive="yes")  # type: ignore[arg-type]
+    parsed = build(
+        OrchestratorConfig,
+        {"hot_group_rate": "3", "hot_rate_adaptive": "true", "hot_step_ratio": "1.25", "hot_rate_min": "0.5"},
+        strings=True,
+    )
+    assert parsed.throttle is not None
+    assert (parsed.throttle.max_rate, parsed.throttle.step_ratio, parsed.throttle.min_rate) == (
+        3.0,
+        1.25,
+        0.5,
+    )
     with pytest.raises(ValueError, match="hot_min_prefix_tokens"):
         OrchestratorConfig(hot_min_prefix_tokens=0)
     assert HOT_POOL not in OrchestratorConfig(mode="colocated", hot_decode_model="x").pool_models

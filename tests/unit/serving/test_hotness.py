@@ -158,3 +158,20 @@ def test_the_token_bucket_spreads_a_burst_and_refuses_past_its_wait():
         TokenBucket(BucketConfig(), now=0.0)
     with pytest.raises(ValueError, match="hot_group_burst"):
         BucketConfig(rate=1.0, burst=0)
+
+
+def test_a_token_bucket_whose_rate_changes_refills_the_time_before_at_the_old_rate():
+    bucket = TokenBucket(BucketConfig(rate=2.0, burst=4, max_wait_s=100.0), now=0.0)
+    assert [bucket.reserve(0.0) for _ in range(4)] == [0.0] * 4
+    assert bucket.rate == 2.0
+    # 1 s at 2 tokens/s refilled two tokens before the rate drops to 0.5/s
+    assert bucket.reserve(1.0, rate=0.5) == 0.0 and bucket.rate == 0.5
+    assert bucket.reserve(1.0) == 0.0
+    assert bucket.reserve(1.0) == pytest.approx(2.0), "the next token at the new rate: 1 / 0.5 s"
+    assert bucket.reserve(1.0, rate=4.0) == pytest.approx(0.5), "a waiting reservation, then 2 / 4 s"
+    assert bucket.reserve(3.0) == 0.0, "2 s at 4/s repaid the two reserved tokens and refilled the burst"
+    assert bucket.full(3.25) and not bucket.full(3.2), "3 of 4 tokens left: the fourth in 1 / 4 s"
+    bucket.set_rate(1.0, now=10.0)
+    assert bucket.reserve(10.0) == 0.0
+    with pytest.raises(ValueError, match="rate"):
+        bucket.set_rate(0.0, now=11.0)

@@ -119,6 +119,8 @@ def test_engine_calls_are_counted_with_their_time(pools):
     assert prefilled.engine_steps == warmed.engine_steps + 1
     assert decoded.engine_steps == 4, "tokens 2..5, one decode step each"
     assert prefilled.engine_busy_s > warmed.engine_busy_s and decoded.engine_busy_s > 0
+    load = decoded.load()  # what a ping answers: the orchestrator's adaptive hot-group cap reads them
+    assert (load.engine_steps, load.busy_s) == (4, decoded.engine_busy_s)
 
 
 def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):

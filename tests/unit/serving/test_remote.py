@@ -659,8 +659,8 @@ def test_the_oldest_jobs_are_forgotten_past_the_remembered_limit(monkeypatch: py
 
 def test_a_ping_sums_the_loads_of_the_servers_that_answered() -> None:
     fleet = _Fleet("a:1", "b:1", "c:1")
-    fleet["a:1"].load = PoolLoad(1, 10, 2, 3, 5, prompt_tokens_done=100, busy_s=1.5)
-    fleet["b:1"].load = PoolLoad(2, 20, 4, 6, 10, prompt_tokens_done=50, busy_s=0.25)
+    fleet["a:1"].load = PoolLoad(1, 10, 2, 3, 5, prompt_tokens_done=100, busy_s=1.5, engine_steps=70)
+    fleet["b:1"].load = PoolLoad(2, 20, 4, 6, 10, prompt_tokens_done=50, busy_s=0.25, engine_steps=30)
     fleet["c:1"].ping_failure = lambda stream: stream.fail(_rpc_error(grpc.StatusCode.UNAVAILABLE))
     pools = _pools(fleet, decode="a:1,b:1,c:1")
 
@@ -670,7 +670,8 @@ def test_a_ping_sums_the_loads_of_the_servers_that_answered() -> None:
             _check_request(fleet[url].control_streams[0], "decode-model", CONTROL_TIMEOUT_S)
         return load
 
-    assert _run(test) == PoolLoad(3, 30, 6, 9, 15, 150, 1.75)
+    # counters sum too: busy_s / engine_steps of the sum is the servers' mean step time, by steps
+    assert _run(test) == PoolLoad(3, 30, 6, 9, 15, 150, 1.75, 100)
     assert [_endpoint(pools, "decode", u).up for u in ("a:1", "b:1", "c:1")] == [True, True, False]
     assert pools.open_calls == 0
 

@@ -3,6 +3,8 @@ refused as the client's error (INVALID_ARG), never a crash."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -112,8 +114,28 @@ def test_a_pool_load_round_trips_and_anything_else_is_out_of_protocol():
     assert wire.decode_load(wire.encode_load(load).encode()) == load
     assert load.kv_use == 0.3
     for raw in (wire.encode_event(Token(5, False)), "[]", '{"type": "load"}'):
-        with pytest.raises((ValueError, KeyError)):
+        with pytest.raises(ValueError):
             wire.decode_load(raw.encode())
+
+
+def test_a_pool_load_of_another_version_fills_in_defaults_and_ignores_unknown_fields():
+    """A rolling upgrade: an older pool lacks the newer counters (their defaults), a newer one may
+    send fields this version does not know (ignored); a field of the wrong type is still refused."""
+    full = PoolLoad(1, 10, 2, 3, 4, prompt_tokens_done=5, busy_s=0.5, engine_steps=6)
+    assert wire.decode_load(wire.encode_load(full).encode()) == full
+    older = {"type": "load", "queued": 1, "queued_prompt_tokens": 10, "active_sequences": 2}
+    older |= {"blocks_used": 3, "blocks_free": 4, "prompt_tokens_done": 5, "busy_s": 0.5}
+    assert wire.decode_load(json.dumps(older).encode()) == PoolLoad(1, 10, 2, 3, 4, 5, 0.5, engine_steps=0)
+    oldest = {k: v for k, v in older.items() if k not in ("prompt_tokens_done", "busy_s")}
+    assert wire.decode_load(json.dumps(oldest).encode()) == PoolLoad(1, 10, 2, 3, 4)
+    newer = {**older, "engine_steps": 6, "spare_cores": 2, "mood": "fine"}
+    assert wire.decode_load(json.dumps(newer).encode()) == full
+    for wrong in ({"engine_steps": "many"}, {"busy_s": None}, {"queued": [1]}):
+        with pytest.raises((ValueError, TypeError)):
+            wire.decode_load(json.dumps({**newer, **wrong}).encode())
+    without_required = {k: v for k, v in older.items() if k != "blocks_free"}
+    with pytest.raises(ValueError, match="blocks_free"):
+        wire.decode_load(json.dumps(without_required).encode())
 
 
 @pytest.mark.parametrize(
