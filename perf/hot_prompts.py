@@ -88,7 +88,8 @@ HOT_ROUTES = ("cold", "hot_shared", "hot_pool", "hot_delayed", "hot_refused")
 
 
 def counters(metrics_url: str) -> dict[str, float]:
-    """The hot routes and the prefill pool's prefix-cache blocks so far (summed over series)."""
+    """The hot routes, the prefill pool's prefix-cache blocks and the adaptive hot-group cap's decisions
+    so far (summed over series)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
@@ -102,6 +103,12 @@ def counters(metrics_url: str) -> dict[str, float]:
                 out["cache_hits"] += sample.value
             elif sample.name == "disagg_prefix_cache_misses_total" and sample.labels.get("pool") == "prefill":
                 out["cache_misses"] += sample.value
+            elif (
+                sample.name == "disagg_hot_rate_decisions_total"
+                and sample.labels.get("model") == "orchestrator"
+            ):
+                key = f"rate_{sample.labels['action']}"  # the adaptive cap's decisions, by action
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
@@ -318,6 +325,13 @@ def markdown(out: dict[str, Any], command: str) -> str:
         shown = ", ".join(
             f"{r}: {routes[f'route_{r}']:.0f}" for r in HOT_ROUTES[1:] if routes.get(f"route_{r}")
         )
+        decided = [  # the adaptive cap's decisions (setup adaptive)
+            f"{k.removeprefix('rate_')} {n:.0f}"
+            for k, n in sorted(routes.items())
+            if k.startswith("rate_") and n
+        ]
+        if decided:
+            shown += f"; rate decisions: {', '.join(decided)}"
         lines.append(
             f"| {name} | {_f(b['ttft_ms_p99'])} / {_f(d['ttft_ms_p99'])} | {_f(b['tpot_ms_p99'], '.1f')} / "
             f"{_f(d['tpot_ms_p99'], '.1f')} | {_f(ratio, '.2f')}x | "
