@@ -113,29 +113,41 @@ def profiles(args: argparse.Namespace) -> dict[int, Profile]:
 
 
 def simulated(
-    name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float, relay_s: float = 0.0
+    name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float, relay: Relay | None = None
 ) -> Deployment:
     one, two = found[1], found[2]
-    if name == "disagg":
+    relay_s = relay.step_s_per_token if relay else 0.0
+    if name == "disagg":  # the entry points share the prefill pool's core: their CPU delays prompts
         return Deployment(
             prefill=(one,),
             decode=(one,),
             transfer_bytes_per_s=rate_bps,
             transfer_fixed_s=fixed_s,
             relay_s_per_token=relay_s,
+            prefill_relay_s_per_token=relay.entry_cpu_s_per_token if relay else 0.0,
         )
     if name == "colocated":
         return Deployment(colocated=(two,), relay_s_per_token=relay_s)
     return Deployment(colocated=(one, one), relay_s_per_token=relay_s)
 
 
-def relay_costs(path: Path | None) -> dict[str, float]:
-    """Each deployment's relay term, seconds per token a decode step produces (`perf/relay_cost.py`);
-    none without the file."""
+@dataclass(frozen=True)
+class Relay:
+    """A deployment's relay terms, measured by `perf/relay_cost.py`."""
+
+    step_s_per_token: float  # a decode step's time inside the server over its profile's, per token
+    entry_cpu_s_per_token: float  # the entry points' CPU per token streamed
+
+
+def relay_costs(path: Path | None) -> dict[str, Relay]:
+    """Each deployment's relay terms (`perf/relay_cost.py`); none without the file."""
     if path is None or not path.exists():
         return {}
     found = json.loads(path.read_text())["deployments"]
-    return {name: float(d["relay_s_per_token"]) for name, d in found.items()}
+    return {
+        name: Relay(float(d["relay_s_per_token"]), float(d.get("entry_cpu_s_per_token", 0.0)))
+        for name, d in found.items()
+    }
 
 
 def predictions(
@@ -145,13 +157,14 @@ def predictions(
     """Per workload: the prediction with the deployment's relay term, the profiles' alone beside it
     (``profile_only``), and the p90s the simulator gives at the measured goodput (``at_measured``)."""
     fixed_s, rate_bps = transfer
-    deployment = simulated(name, found, fixed_s, rate_bps, relay.get(name, 0.0))
+    deployment = simulated(name, found, fixed_s, rate_bps, relay.get(name))
     alone = simulated(name, found, fixed_s, rate_bps)
     out = {}
     for w in workloads:
         slo = Slo(slos[w].slo.ttft_s, slos[w].slo.tpot_s)
         out[w] = predict(deployment, w, slo, requests)
         out[w]["relay_s_per_token"] = deployment.relay_s_per_token
+        out[w]["prefill_relay_s_per_token"] = deployment.prefill_relay_s_per_token
         out[w]["profile_only"] = predict(alone, w, slo, requests)
         runs = measured.get(w, [])
         if runs:
@@ -227,6 +240,7 @@ def cells(out: dict[str, Any]) -> list[dict[str, Any]]:
                     "predicted_rps": pred["goodput_rps"],
                     "profile_only_rps": alone["goodput_rps"] if alone else None,
                     "relay_ms": pred.get("relay_s_per_token", 0.0) * 1e3,
+                    "prefill_relay_ms": pred.get("prefill_relay_s_per_token", 0.0) * 1e3,
                     "measured_rps": values,
                     "missed_at": [bracket(r) for r in runs],
                     "measured_mean_rps": mean,
@@ -238,6 +252,11 @@ def cells(out: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def _relay(row: dict[str, Any]) -> str:
+    shown = f"{row['relay_ms']:.2f}"
+    return shown + (f"; prefill {row['prefill_relay_ms']:.2f}" if row["prefill_relay_ms"] else "")
 
 
 def _pct(value: float | None) -> str:
@@ -255,7 +274,10 @@ def markdown(out: dict[str, Any]) -> str:
         f"({out['requests']} simulated requests per rate), KV hand-off "
         f"{out['transfer']['fixed_ms']:.2f} ms + {out['transfer']['gbps']:.2f} GB/s (fitted to "
         "perf/results/kv_transfer.json), and each decode step r ms longer per token it produces (the "
-        'relay\'s cost, measured apart by `perf/relay_cost.py`; "profile only": without it). '
+        'relay\'s cost, measured apart by `perf/relay_cost.py`; "profile only": without it); where '
+        "the entry points share the prefill pool's core (`disagg`), each prefill step also lasts the "
+        '"prefill" ms longer per token streamed while it ran (their CPU per token, measured by the same '
+        "script). "
         "Measured: the serving benchmark's goodput search on a real Triton, "
         f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe. Goodput: the highest "
         f"probed rate with {TARGET:.0%} of requests meeting both SLOs; in brackets the lowest probed rate "
@@ -276,7 +298,7 @@ def markdown(out: dict[str, Any]) -> str:
         alone = "–" if r["profile_only_rps"] is None else f"{r['profile_only_rps']:.2f}"
         (pt, mt), (pp, mp) = r["ttft_p90"], r["tpot_p90"]
         lines.append(
-            f"| {r['deployment']} | {r['workload']} | {r['relay_ms']:.2f} | {r['predicted_rps']:.2f} | "
+            f"| {r['deployment']} | {r['workload']} | {_relay(r)} | {r['predicted_rps']:.2f} | "
             f"{alone} | {measured} | {spread} | {_pct(r['error'])} | {_pct(r['profile_only_error'])} | "
             f"{_ms(pt)} / {_ms(mt)} | {_ms(pp)} / {_ms(mp)} |"
         )

@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +51,8 @@ from planner_validation import SETUPS, repository
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
+from disagg.procfs import read_stat
+from disagg.server import process_group_members
 from disagg_tools.planner.profile import Profile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +76,29 @@ async def _streams(url: str, model: str, specs: list[RequestSpec]) -> list[Any]:
             await client.close()
 
 
-def inside(url: str, metrics_url: str, setup: str, batch: int, tokens: int, factory: PromptFactory) -> dict:
-    """B streams together; the pool's mean step and tokens per step over the run, from /metrics."""
+POOL_STUB = re.compile(r"\b(prefill|decode|colocated|decode_hot)_\d+_\d+\b")  # a pool instance's stub
+
+
+def entry_cpu_s(server_pid: int) -> float:
+    """CPU seconds so far of the server's processes that are not pool instances: tritonserver itself
+    (its frontends, the ensemble) and the entry points' stubs (orchestrator, text steps): the relay."""
+    ticks = 0
+    for pid in [server_pid, *process_group_members(server_pid)]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        stat = read_stat(pid)
+        if stat is not None and (pid == server_pid or not POOL_STUB.search(argv)):
+            ticks += stat.cpu_ticks
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def inside(
+    url: str, metrics_url: str, setup: str, batch: int, tokens: int, factory: PromptFactory, server_pid: int
+) -> dict:
+    """B streams together; the pool's mean step and tokens per step over the run, from /metrics, and
+    the entry points' CPU time per token streamed."""
     pool = POOLS[setup][0]
     rng = np.random.default_rng(batch)
     specs = [
@@ -81,7 +106,9 @@ def inside(url: str, metrics_url: str, setup: str, batch: int, tokens: int, fact
         for i in range(batch)
     ]
     before = server_decode_counters(metrics_url, pool)
+    cpu_before = entry_cpu_s(server_pid)
     outcomes = asyncio.run(_streams(url, SETUPS[setup].model, specs))
+    cpu = entry_cpu_s(server_pid) - cpu_before
     failed = [o.error for o in outcomes if o.error]
     if failed:
         raise RuntimeError(f"{setup}: {len(failed)} of {batch} streams failed: {failed[0]}")
@@ -97,6 +124,7 @@ def inside(url: str, metrics_url: str, setup: str, batch: int, tokens: int, fact
         "steps": steps,
         "step_ms": busy / steps * 1e3,
         "tokens_per_step": batch * tokens / steps,  # per step of an instance (steps: of all of them)
+        "entry_cpu_ms_per_token": cpu / (batch * tokens) * 1e3,
     }
 
 
@@ -134,9 +162,9 @@ def measure(args: argparse.Namespace, setup: str, profile: Profile) -> dict:
         server = start_triton(repo, scratch / "server", args.model_dir, exit_timeout_s=10)
         try:
             url, metrics_url = server.config.grpc_url, server.config.metrics_url
-            inside(url, metrics_url, setup, 2, 16, factory)  # warms every path up; dropped
+            inside(url, metrics_url, setup, 2, 16, factory, server.pid)  # warms every path up; dropped
             for batch in args.batches:
-                row = inside(url, metrics_url, setup, batch, args.tokens, factory)
+                row = inside(url, metrics_url, setup, batch, args.tokens, factory, server.pid)
                 log(f"{setup} B={batch}: {row['step_ms']:.2f} ms a step, {row['tokens_per_step']:.1f} tokens")
                 rows.append(row)
         finally:
@@ -150,8 +178,15 @@ def measure(args: argparse.Namespace, setup: str, profile: Profile) -> dict:
         context = per_instance * (PROMPT_TOKENS + args.tokens // 2)
         row["alone_ms"] = alone(engine, per_instance, args.tokens) * 1e3
         row["profile_ms"] = profile.decode_s(per_instance, context) * 1e3
-    relay = fit_relay(rows)
-    return {"pool": pool, "cores": [list(c) for c in cores], "rows": rows, "relay_s_per_token": relay}
+    return {
+        "pool": pool,
+        "cores": [list(c) for c in cores],
+        "rows": rows,
+        "relay_s_per_token": fit_relay(rows),
+        # the entry points' CPU per token streamed, over all the runs (what the relay takes from the
+        # core it shares: the disaggregated prefill pool's)
+        "entry_cpu_s_per_token": statistics.fmean(r["entry_cpu_ms_per_token"] for r in rows) / 1e3,
+    }
 
 
 def server_dtype(dtype: str) -> str:
@@ -170,18 +205,25 @@ def markdown(out: dict) -> str:
         "the same batch per instance; profile: `disagg profile`'s fit (what the simulator uses). "
         "r: step inside = profile + r x tokens per step, least squares through the origin.",
         "",
-        "| deployment | B | tokens a step | step inside (ms) | alone (ms) | profile (ms) | inside / alone |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| deployment | B | tokens a step | step inside (ms) | alone (ms) | profile (ms) | inside / alone "
+        "| entry points' CPU per token (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for setup, found in out["deployments"].items():
         for r in found["rows"]:
             lines.append(
                 f"| {setup} | {r['batch']} | {r['tokens_per_step']:.1f} | {r['step_ms']:.2f} | "
-                f"{r['alone_ms']:.2f} | {r['profile_ms']:.2f} | {r['step_ms'] / r['alone_ms']:.2f} |"
+                f"{r['alone_ms']:.2f} | {r['profile_ms']:.2f} | {r['step_ms'] / r['alone_ms']:.2f} | "
+                f"{r['entry_cpu_ms_per_token']:.3f} |"
             )
-    lines += ["", "| deployment | r (ms per token a step produces) |", "|---|---:|"]
+    lines += [
+        "",
+        "| deployment | r (ms per token a step produces) | entry points' CPU per token (ms, mean) |",
+        "|---|---:|---:|",
+    ]
     for setup, found in out["deployments"].items():
-        lines.append(f"| {setup} | {found['relay_s_per_token'] * 1e3:.3f} |")
+        r, cpu = found["relay_s_per_token"] * 1e3, found["entry_cpu_s_per_token"] * 1e3
+        lines.append(f"| {setup} | {r:.3f} | {cpu:.3f} |")
     return "\n".join(lines) + "\n"
 
 

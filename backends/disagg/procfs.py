@@ -16,6 +16,7 @@ class ProcStat:
     ppid: int
     pgrp: int
     start_time: int  # clock ticks since boot
+    cpu_ticks: int = 0  # user + system CPU time so far, clock ticks
 
     @property
     def exited(self) -> bool:
@@ -30,4 +31,10 @@ def read_stat(pid: int | str, proc: Path = PROC) -> ProcStat | None:
         return None
     # fields after the parenthesised command name (which may itself contain spaces or parentheses)
     fields = line.rsplit(")", 1)[1].split()
-    return ProcStat(state=fields[0], ppid=int(fields[1]), pgrp=int(fields[2]), start_time=int(fields[19]))
+    return ProcStat(
+        state=fields[0],
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        start_time=int(fields[19]),
+        cpu_ticks=int(fields[11]) + int(fields[12]),
+    )

@@ -63,6 +63,22 @@ def test_the_relay_adds_its_cost_per_token_to_every_decode_step():
         Deployment(colocated=(profile,), relay_s_per_token=-0.001)
 
 
+def test_a_prefill_step_yields_its_core_to_the_relay_of_the_tokens_streamed_meanwhile():
+    """Disaggregated, the entry points beside the prefill instance: a prefill step lasts
+    prefill_relay_s_per_token longer per token decode produced while it ran, and again for those
+    produced in that extension."""
+    profile = constant(prefill_s=0.2, step_s=0.01)
+    jobs = [Job(0.0, 100, 41), Job(0.255, 100, 1)]
+    plain = simulate(Deployment(prefill=(profile,), decode=(profile,)), jobs)
+    assert plain[1].first_token == pytest.approx(0.455)
+    relayed = Deployment(prefill=(profile,), decode=(profile,), prefill_relay_s_per_token=0.001)
+    first, second = simulate(relayed, jobs)
+    # the first decodes from 0.2, a token every 0.01 s; the second's prefill computes 0.255-0.455, while
+    # 20 tokens stream (0.26-0.45): +0.02 s; 2 more meanwhile (0.46, 0.47): +0.002 s; none by 0.477
+    assert second.first_token == pytest.approx(0.477)
+    assert first.last_token == pytest.approx(plain[0].last_token), "decode steps are not slowed by it"
+
+
 def test_a_colocated_prefill_stalls_the_decode_batch():
     profile = constant(prefill_s=0.5, step_s=0.01)
     jobs = [Job(0.0, 10, 11), Job(0.005, 2000, 1)]

@@ -13,7 +13,9 @@ them, the interference disaggregation removes; or, with ``chunk_tokens``, at mos
 tokens), then one decode step over the whole batch.
 
 Every decode step costs ``relay_s_per_token`` more per token it produces: what the entry points'
-relay of each token takes from the pool's cores, measured apart (``perf/relay_cost.py``).
+relay of each token takes from the pool's cores, measured apart (``perf/relay_cost.py``). Where the
+entry points share the disaggregated prefill instances' core, a prefill step also lasts
+``prefill_relay_s_per_token`` longer per token streamed while it ran.
 
 Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
 (the orchestrator's cost apart from the relay, CPU contention between pools sharing a core).
@@ -72,10 +74,15 @@ class Deployment:
     """What serving adds to a decode step (decode and colocated instances) per token it produces: the
     entry points relaying each token on the pool's cores or beside them (``perf/relay_cost.py``
     measures it per deployment); 0: the profile's step alone."""
+    prefill_relay_s_per_token: float = 0.0
+    """Disaggregated: the entry points' CPU per token streamed, taken from the prefill instances (they
+    share its core): a prefill step lasts this much longer per token the decode instances produced
+    while it ran. 0: the relay takes nothing from prefill."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.relay_s_per_token < 1:
-            raise ValueError("relay_s_per_token must be seconds in [0, 1)")
+        for name in ("relay_s_per_token", "prefill_relay_s_per_token"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be seconds in [0, 1)")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("a deployment is disaggregated (prefill + decode) or colocated, not both")
         if not self.colocated and not (self.prefill and self.decode):
@@ -107,6 +114,9 @@ class _Instance:
         return len(self.active) + len(self.joining) + self.incoming
 
 
+_Piece = tuple[Outcome, int, bool]  # a step's prompt piece: (request, tokens, whether its last)
+
+
 class Simulation:
     def __init__(self, deployment: Deployment) -> None:
         self.d = deployment
@@ -116,6 +126,7 @@ class Simulation:
         self.prefill = [_Instance(p) for p in deployment.prefill]
         self.decode = [_Instance(p) for p in deployment.decode]
         self.colocated = [_Instance(p) for p in deployment.colocated]
+        self.emitted = 0  # output tokens the decode steps produced so far (what the relay streams)
 
     def _at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (when, next(self._order), action))
@@ -173,7 +184,18 @@ class Simulation:
         instance.busy = True
         instance.stepping = sum(tokens for _, tokens, _ in taken)
         seconds = instance.profile.prefill_s([tokens for _, tokens, _ in taken])
-        self._at(self.now + seconds, lambda: self._prefilled(instance, taken))
+        mark = self.emitted
+        self._at(self.now + seconds, lambda: self._prefill_relayed(instance, taken, mark))
+
+    def _prefill_relayed(self, instance: _Instance, taken: list[_Piece], mark: int) -> None:
+        """The step's compute is done; the relay of the tokens streamed meanwhile took its share of the
+        core, so the step ends that much later (and the tokens streamed in that time, later still)."""
+        extra = self.d.prefill_relay_s_per_token * (self.emitted - mark)
+        if extra > 1e-9:
+            mark = self.emitted
+            self._at(self.now + extra, lambda: self._prefill_relayed(instance, taken, mark))
+            return
+        self._prefilled(instance, taken)
 
     def _prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
         instance.busy = False
@@ -216,6 +238,7 @@ class Simulation:
         return instance.profile.decode_s(batch, context) + self.d.relay_s_per_token * batch
 
     def _advance(self, instance: _Instance) -> None:
+        self.emitted += len(instance.active)
         for seq in instance.active:
             seq.left -= 1
             seq.context += 1

@@ -9,6 +9,8 @@ import planner_validation
 import pytest
 import relay_cost
 
+from disagg_tools.planner.profile import Fit, Profile
+
 
 def test_the_relay_term_is_the_extra_step_time_per_token_a_step_produces():
     rows = [
@@ -22,8 +24,20 @@ def test_the_relay_term_is_the_extra_step_time_per_token_a_step_produces():
 
 def test_relay_costs_are_read_per_deployment_and_absent_without_the_file(tmp_path):
     path = tmp_path / "relay_cost.json"
-    path.write_text(json.dumps({"deployments": {"colocated": {"relay_s_per_token": 0.0009, "rows": []}}}))
-    assert planner_validation.relay_costs(path) == {"colocated": 0.0009}
+    found = {
+        "colocated": {"relay_s_per_token": 0.0009, "rows": []},
+        "disagg": {"relay_s_per_token": 0.0003, "entry_cpu_s_per_token": 0.0005, "rows": []},
+    }
+    path.write_text(json.dumps({"deployments": found}))
+    relay = planner_validation.relay_costs(path)
+    assert relay["colocated"] == planner_validation.Relay(0.0009, 0.0), "an older file: no CPU figure"
+    assert relay["disagg"] == planner_validation.Relay(0.0003, 0.0005)
+    profiles = {1: Profile(Fit((0.1, 0, 0), 0, 0), Fit((0.01, 0, 0), 0, 0))}
+    profiles[2] = profiles[1]
+    disagg = planner_validation.simulated("disagg", profiles, 0.0, 1e9, relay["disagg"])
+    assert (disagg.relay_s_per_token, disagg.prefill_relay_s_per_token) == (0.0003, 0.0005)
+    colocated = planner_validation.simulated("colocated", profiles, 0.0, 1e9, relay["colocated"])
+    assert (colocated.relay_s_per_token, colocated.prefill_relay_s_per_token) == (0.0009, 0.0)
     assert planner_validation.relay_costs(tmp_path / "missing.json") == {}
     assert planner_validation.relay_costs(None) == {}
 
@@ -72,3 +86,6 @@ def test_a_cell_has_both_errors_and_the_p90s_at_the_measured_rate():
         in table
     )
     assert "met in 1 of 1 cells (profile only: 0 of 1)" in table
+    disagg = _out()
+    disagg["predicted"]["colocated"]["codegen"]["prefill_relay_s_per_token"] = 0.0005
+    assert "| colocated | codegen | 1.00; prefill 0.50 | 2.20 |" in planner_validation.markdown(disagg)
