@@ -152,6 +152,10 @@ def test_the_plan_charges_the_relay_to_every_placement():
     relayed = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, relay_s_per_token=0.004)}
     assert free.keys() == relayed.keys() and len(free) == 2
     assert all(0 < relayed[name] < 0.9 * free[name] for name in free), (free, relayed)
+    # the entry points' CPU on the prefill core: only the disaggregated placement pays it
+    busy = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, prefill_relay_s_per_token=0.004)}
+    assert busy["colocated 2x1 cores"] == free["colocated 2x1 cores"]
+    assert busy["disaggregated 1P:1D"] < 0.9 * free["disaggregated 1P:1D"], (free, busy)
     ranked = plan(2, {1: one}, traffic, slo)
     assert [p.per_core for p in ranked] == sorted((p.per_core for p in ranked), reverse=True)
     assert all(p.ttft_p90_s is not None for p in ranked if p.goodput_rps)

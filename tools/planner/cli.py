@@ -156,6 +156,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="what serving adds to a decode step per token it produces, ms (perf/relay_cost.py; 0: none)",
     )
+    parser.add_argument(
+        "--prefill-relay-ms-per-token",
+        type=float,
+        default=0.0,
+        help="disaggregated: the entry points' CPU per token streamed, taken from the prefill instances "
+        "whose cores they share, ms (perf/relay_cost.py; 0: none)",
+    )
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     parser.add_argument("--top", type=int, default=None, help="print only the best N placements")
     args = parser.parse_args(argv)
@@ -184,6 +191,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         chunk_tokens=args.chunk_tokens,
         target=args.attainment,
         relay_s_per_token=args.relay_ms_per_token / 1e3,
+        prefill_relay_s_per_token=args.prefill_relay_ms_per_token / 1e3,
     )
     _table(results, "cores", "per core")
     return 0

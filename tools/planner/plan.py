@@ -104,13 +104,20 @@ def plan(
     chunk_tokens: int = 0,
     target: float = 0.9,
     relay_s_per_token: float = 0.0,
+    prefill_relay_s_per_token: float = 0.0,
 ) -> list[Prediction]:
     """Every placement's predicted goodput, best per core first. ``relay_s_per_token``: what serving
-    adds to each decode step per token it produces (``perf/relay_cost.py``), for every placement."""
+    adds to each decode step per token it produces, for every placement; ``prefill_relay_s_per_token``:
+    the entry points' CPU per token streamed, taken from the disaggregated prefill instances whose
+    cores they share (both measured by ``perf/relay_cost.py``)."""
     found = []
     for name, deployment, used in placements(cores, profiles, chunk_tokens):
         if deployment.prefill:
-            deployment = replace(deployment, transfer_bytes_per_s=transfer_bytes_per_s)
+            deployment = replace(
+                deployment,
+                transfer_bytes_per_s=transfer_bytes_per_s,
+                prefill_relay_s_per_token=prefill_relay_s_per_token,
+            )
         found.append((name, replace(deployment, relay_s_per_token=relay_s_per_token), used))
     return rank(found, traffic, slo, target)
 
