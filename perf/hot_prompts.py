@@ -115,8 +115,10 @@ def counters(metrics_url: str) -> dict[str, float]:
 # ---- traces ------------------------------------------------------------------------------------------
 
 
-def burst_trace(args: argparse.Namespace, factory: PromptFactory, salt: str) -> list[RequestSpec]:
-    rng = np.random.default_rng(args.seed)
+def burst_trace(
+    args: argparse.Namespace, factory: PromptFactory, salt: str, seed: int | None = None
+) -> list[RequestSpec]:
+    rng = np.random.default_rng(args.seed if seed is None else seed)
     span = args.burst_count / args.burst_rate
     duration = args.burst_at + span + args.tail
     others = poisson_arrivals(args.rate, max(1, int(args.rate * duration * 2) + 10), rng)
@@ -272,18 +274,42 @@ def latency(records: list[RequestRecord]) -> dict[str, Any]:
 def burst_summary(
     args: argparse.Namespace, records: list[RequestRecord], slos: dict[str, Slo]
 ) -> dict[str, Any]:
-    hot = [r for r in records if r.kind == "hot"]
-    others = [r for r in records if r.kind == "other"]
-    end = max(r.arrival for r in hot) + args.tail
-    span = max(r.arrival for r in records) or 1.0
-    good = sum(r.meets(slos["other"]) for r in others) + sum(r.meets(slos["hot"]) for r in hot)
-    return {
-        "others_before": latency([r for r in others if r.arrival < args.burst_at]),
-        "others_during": latency([r for r in others if args.burst_at <= r.arrival <= end]),
+    return pooled_summary(args, [records], slos)
+
+
+def pooled_summary(
+    args: argparse.Namespace, runs: list[list[RequestRecord]], slos: dict[str, Slo]
+) -> dict[str, Any]:
+    """The burst's figures over one or more runs of it: each run's other users split into before and
+    during by that run's burst, then pooled, so the percentiles are over every run's requests; with
+    several runs, each run's own TPOT p99 ratio too (the spread between runs)."""
+    before: list[RequestRecord] = []
+    during: list[RequestRecord] = []
+    hot: list[RequestRecord] = []
+    ratios = []
+    good = span = 0.0
+    for records in runs:
+        burst = [r for r in records if r.kind == "hot"]
+        others = [r for r in records if r.kind == "other"]
+        end = max(r.arrival for r in burst) + args.tail
+        run_before = [r for r in others if r.arrival < args.burst_at]
+        run_during = [r for r in others if args.burst_at <= r.arrival <= end]
+        before, during, hot = before + run_before, during + run_during, hot + burst
+        b, d = latency(run_before)["tpot_ms_p99"], latency(run_during)["tpot_ms_p99"]
+        ratios.append(d / b if b and d else None)
+        good += sum(r.meets(slos["other"]) for r in others) + sum(r.meets(slos["hot"]) for r in burst)
+        span += max(r.arrival for r in records) or 1.0
+    out = {
+        "others_before": latency(before),
+        "others_during": latency(during),
         "hot": latency(hot),
         "goodput_rps": good / span,
-        "attainment": good / len(records),
+        "attainment": good / sum(len(r) for r in runs),
     }
+    if len(runs) > 1:
+        out["runs"] = len(runs)
+        out["tpot_p99_ratio_per_run"] = ratios
+    return out
 
 
 def chat_summary(records: list[RequestRecord], slo: Slo) -> dict[str, Any]:
@@ -297,6 +323,14 @@ def chat_summary(records: list[RequestRecord], slo: Slo) -> dict[str, Any]:
 
 def _f(value: float | None, spec: str = ".0f") -> str:
     return "–" if value is None else format(value, spec)
+
+
+def _per_run(summary: dict[str, Any]) -> str:
+    """Each run's own ratio, where the setup's figures pool several runs."""
+    ratios = summary.get("tpot_p99_ratio_per_run")
+    if not ratios:
+        return ""
+    return f" (pooled over {len(ratios)} runs; each: {', '.join(_f(r, '.2f') for r in ratios)})"
 
 
 def markdown(out: dict[str, Any], command: str) -> str:
@@ -334,7 +368,7 @@ def markdown(out: dict[str, Any], command: str) -> str:
             shown += f"; rate decisions: {', '.join(decided)}"
         lines.append(
             f"| {name} | {_f(b['ttft_ms_p99'])} / {_f(d['ttft_ms_p99'])} | {_f(b['tpot_ms_p99'], '.1f')} / "
-            f"{_f(d['tpot_ms_p99'], '.1f')} | {_f(ratio, '.2f')}x | "
+            f"{_f(d['tpot_ms_p99'], '.1f')} | {_f(ratio, '.2f')}x{_per_run(v)} | "
             f"{_f(h['ttft_ms_p50'])} / {_f(h['ttft_ms_p99'])} "
             f"| {h['failed']} of {h['requests']} | {v['goodput_rps']:.2f} | {shown or '–'} "
             f"| {_f(routes.get('cache_hits'))} |"
@@ -432,6 +466,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--loadgen-cpus", default=None, help="pin the load generator, e.g. '0'")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of the burst per setup (seeds seed, seed+1, ...), pooled: its percentiles are over "
+        "every run's requests",
+    )
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "hot_prompts")
     parser.add_argument("--from-json", type=Path, help="write the reports of this run's JSON, run nothing")
     parser.add_argument(
@@ -483,8 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         chats = {}
     with tempfile.TemporaryDirectory(prefix="hot-prompts-") as scratch:
         for name, flags in setups.items():
-            records, seen = triton_run(args, Path(scratch), name, flags, burst, factory)
-            out["burst"][name] = {**burst_summary(args, records, slos), "counters": seen}
+            runs, seen = [], {}
+            for rep in range(args.repeats):  # a fresh trace (seed + rep) on a fresh server each time
+                trace = burst if rep == 0 else burst_trace(args, factory, new_salt(), args.seed + rep)
+                records, counted = triton_run(args, Path(scratch), name, flags, trace, factory)
+                runs.append(records)
+                seen = {k: seen.get(k, 0.0) + v for k, v in counted.items()}
+            out["burst"][name] = {**pooled_summary(args, runs, slos), "counters": seen}
             log(f"{name}: {json.dumps(out['burst'][name], default=str)}")
         for workload, chat in chats.items():
             for setup, flags in CHAT_SETUPS.items():

@@ -57,6 +57,20 @@ def test_the_summary_splits_other_users_before_and_during_the_burst():
     assert out["attainment"] == pytest.approx(3 / 5), "the slow other user misses its TTFT"
 
 
+def test_repeated_runs_are_split_each_by_its_own_burst_then_pooled():
+    args = _args()
+    slos = {"other": Slo(1.0, 0.05), "hot": Slo(1.0, 0.05)}
+    # run 1's burst ends at 7 + 2: its other user at 8.5 is during; run 2's ends at 5 + 2: 8.5 is after
+    one = [_record(0, "other", 1.0, 0.1), _record(1, "other", 8.5, 0.3), _record(2, "hot", 7.0, 0.5)]
+    two = [_record(0, "other", 2.0, 0.2), _record(1, "other", 8.5, 0.3), _record(2, "hot", 5.0, 0.5)]
+    out = hp.pooled_summary(args, [one, two], slos)
+    assert out["others_before"]["requests"] == 2 and out["others_during"]["requests"] == 1
+    assert out["hot"]["requests"] == 2 and out["runs"] == 2
+    assert out["tpot_p99_ratio_per_run"] == [pytest.approx(1.0), None], "run 2 had no one during"
+    assert out["attainment"] == 1.0 and out["goodput_rps"] == pytest.approx(6 / 17)
+    assert "runs" not in hp.burst_summary(args, one, slos), "one run: the figures as before"
+
+
 def test_the_chat_trace_renders_the_template_so_only_the_system_prompt_is_shared(factory, tmp_path):
     """A template of the model's folder (here a small one); the prompts are tokenized by ``factory``."""
     model = tmp_path / "model"
