@@ -377,6 +377,8 @@ def markdown(out: dict[str, Any], command: str) -> str:
             f"| {h['failed']} of {h['requests']} | {v['goodput_rps']:.2f} | {shown or '–'} "
             f"| {_f(routes.get('cache_hits'))} |"
         )
+    if not out["chat"]:  # a burst-only run (--no-chat)
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"**Chat.** Unique {a['chat_tokens']}-token user messages in the model's chat template, "
@@ -396,7 +398,8 @@ def markdown(out: dict[str, Any], command: str) -> str:
             f"{_f(v['tpot_ms_p50'], '.1f')} / {_f(v['tpot_ms_p99'], '.1f')} | {v['failed']} of "
             f"{v['requests']} | {v['goodput_rps']:.2f} | {_f(v.get('counters', {}).get('cache_hits'))} |"
         )
-    lines += ["", "vLLM command lines:", ""] + [f"- `{c}`" for c in out["vllm_commands"]]
+    if out["vllm_commands"]:
+        lines += ["", "vLLM command lines:", ""] + [f"- `{c}`" for c in out["vllm_commands"]]
     return "\n".join(lines) + "\n"
 
 
@@ -571,6 +574,8 @@ def write_reports(args: argparse.Namespace, out: dict[str, Any]) -> None:
             seed = out["settings"]["seed"]
             seeds = f"{seed}-{seed + runs - 1}"
             heading = f"## Hot prompts, each burst run {runs} times (seeds {seeds}) and pooled"
+        if not out["chat"]:
+            report = report.replace(", and a chat workload", "", 1)
             section = f"hot_prompts_pooled_{seed}"
         body = report.replace("# Hot prompts", heading, 1)
         picture = os.path.relpath(args.out_dir.resolve() / "hot_prompts.png", args.report.resolve().parent)
