@@ -205,8 +205,16 @@ def colocated(url: str, metrics_url: str | None, model_dir: Path, dtype: str, re
 
 
 def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float], steps: int) -> float:
-    """Mean engine step since `before`, once the counters show at least `steps` more steps (they are
-    published a quarter of a second apart, so this polls for up to five seconds)."""
+    """Mean engine step since `before`, once the counters show at least `steps` more steps."""
+    done, busy = counted_since(read, before, steps)
+    return busy / done
+
+
+def counted_since(
+    read: Callable[[], tuple[int, float]], before: tuple[int, float], steps: int
+) -> tuple[int, float]:
+    """(engine steps, busy seconds) since `before`, once the counters show at least `steps` more steps
+    (they are published a quarter of a second apart, so this polls for up to five seconds)."""
     deadline = time.monotonic() + 5.0
     while True:
         after = read()
@@ -216,7 +224,7 @@ def step_during(read: Callable[[], tuple[int, float]], before: tuple[int, float]
     done = after[0] - before[0]
     if done < steps:
         raise RuntimeError(f"decode counters show {done} steps, expected {steps}")
-    return (after[1] - before[1]) / done
+    return done, after[1] - before[1]
 
 
 def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: int) -> dict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import sys
@@ -44,7 +45,7 @@ from benchlib.clients import ClientConfig, TritonClient
 from benchlib.cliutil import log, machine, write_json
 from benchlib.deploy import start_triton
 from benchlib.workload import PromptFactory, RequestSpec
-from orchestration_cost import server_decode_counters
+from orchestration_cost import counted_since, server_decode_counters
 from planner_validation import SETUPS, repository
 
 from disagg.engine.engine import Engine, EngineConfig
@@ -111,13 +112,9 @@ def inside(
     failed = [o.error for o in outcomes if o.error]
     if failed:
         raise RuntimeError(f"{setup}: {len(failed)} of {batch} streams failed: {failed[0]}")
-    expected = before[0] + tokens - 1  # at least: one instance stepped every token of one stream
-    deadline = time.monotonic() + 5.0  # the counters are published a quarter of a second apart
-    after = server_decode_counters(metrics_url, pool)
-    while after[0] < expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-        after = server_decode_counters(metrics_url, pool)
-    steps, busy = after[0] - before[0], after[1] - before[1]
+    read = functools.partial(server_decode_counters, metrics_url, pool)
+    # at least: one instance stepped every token of one stream
+    steps, busy = counted_since(read, before, tokens - 1)
     return {
         "batch": batch,
         "steps": steps,

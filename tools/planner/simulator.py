@@ -160,9 +160,9 @@ class Simulation:
 
     # ---- prefill ------------------------------------------------------------------------------------
 
-    def _take_prompts(self, instance: _Instance, budget: int, whole: bool) -> list[tuple[Outcome, int, bool]]:
+    def _take_prompts(self, instance: _Instance, budget: int, whole: bool) -> list[_Piece]:
         """Prompt pieces for one step: (request, tokens, its last piece)."""
-        taken: list[tuple[Outcome, int, bool]] = []
+        taken: list[_Piece] = []
         while instance.queue and budget > 0:
             outcome, left = instance.queue[0]
             if whole and taken and left > budget:
@@ -197,7 +197,7 @@ class Simulation:
             return
         self._prefilled(instance, taken)
 
-    def _prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
+    def _prefilled(self, instance: _Instance, taken: list[_Piece]) -> None:
         instance.busy = False
         instance.stepping = 0
         for outcome, _, _ in taken:
@@ -267,7 +267,7 @@ class Simulation:
         instance.busy = True
         self._at(self.now + seconds, lambda: self._colocated_prefilled(instance, taken))
 
-    def _colocated_prefilled(self, instance: _Instance, taken: list[tuple[Outcome, int, bool]]) -> None:
+    def _colocated_prefilled(self, instance: _Instance, taken: list[_Piece]) -> None:
         instance.stepping = 0
         for outcome, _, last in taken:
             if not last:

@@ -780,9 +780,7 @@ class _Run:
             raise ServingError(CANCELLED, "request was cancelled by the client")
 
     async def cleanup(self) -> None:
-        """Stop whatever still runs for this request: the sequence on its pool, a held lease, its
-        place in a backlog."""
-        self.leave_backlog()
+        """Stop whatever still runs for this request: the sequence on its pool, a held lease."""
         pool, self.running_on = self.running_on, None
         if pool is not None:
             try:
