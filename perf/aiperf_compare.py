@@ -323,7 +323,7 @@ def measure(
         )  # fmt: skip
         log(f"{name}: AIPerf: {shlex.join(command)}")
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0
         )
         with metered(lambda: group_members(process.pid), serving) as aiperf_cpu:
             output, _ = process.communicate()

@@ -309,7 +309,7 @@ def vllm_pd_running(
         servers = [stack.enter_context(VllmServer(c).start()) for c in configs]
         for server in servers:
             server.wait_healthy()
-        front = subprocess.Popen(proxy, stdin=subprocess.DEVNULL, start_new_session=True)
+        front = subprocess.Popen(proxy, stdin=subprocess.DEVNULL, process_group=0)
         stack.callback(front.wait, 10)
         stack.callback(front.terminate)
         url = f"http://127.0.0.1:{port}"

@@ -188,7 +188,12 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,
-                start_new_session=True,
+                # a process group of its own (stopped with killpg) in the caller's session: a new
+                # session is a new scheduler autogroup (sched_autogroup_enabled, on by default), and
+                # the kernel then shares the cores between groups, not tasks: a client beside the
+                # server (a benchmark, a test, a co-located front end) waited up to 0.3-0.9 s to run
+                # under load while its cores had idle time (see README, "Measuring on one machine")
+                process_group=0,
                 preexec_fn=_pinning(self.config.cpus),
             )
         except subprocess.SubprocessError as exc:  # the child could not pin itself: cpus not available

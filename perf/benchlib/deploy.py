@@ -161,7 +161,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,  # the client's session: one scheduler autogroup, as for Triton
                 cwd=REPO_ROOT,
             )
         return self

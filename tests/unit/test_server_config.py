@@ -317,6 +317,23 @@ def test_server_process_starts_on_its_cpus(tmp_path: Path, files: TritonFiles) -
     assert report.read_text().split() == ["Cpus_allowed_list:", str(core)]
 
 
+def test_server_leads_its_own_group_in_the_callers_session(tmp_path: Path, files: TritonFiles) -> None:
+    """The server is stopped by its process group, and stays in the caller's session: a session of its
+    own would be a scheduler autogroup of its own, and a client beside it (a benchmark, a test) would
+    then wait hundreds of milliseconds to run under load (README, "Measuring on one machine")."""
+    report = tmp_path / "ids"
+    files.server.write_text(f"#!/bin/sh\necho $$ $(cut -d' ' -f5,6 /proc/$$/stat) > {report}\n")
+    files.server.chmod(0o755)
+    (tmp_path / "models").mkdir()
+    config = make_config(model_repository=tmp_path / "models", backend_directory=tmp_path / "b")
+    server = TritonServer(config).start(files)
+    assert server.wait(30) == 0
+    pid, group, session = (int(x) for x in report.read_text().split())
+    assert pid == server.pid
+    assert group == server.pid != os.getpgid(0)
+    assert session == os.getsid(0)
+
+
 def test_server_refuses_cpus_it_cannot_have(tmp_path: Path, files: TritonFiles) -> None:
     (tmp_path / "models").mkdir()
     config = make_config(

@@ -95,9 +95,9 @@ class FrontendProcess:
         ]
         if launch.chat_template is not None:
             argv += ["--chat-template", str(launch.chat_template)]
-        try:
+        try:  # a process group of its own (killpg), in the caller's session: see disagg.server
             self._process = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),), start_new_session=True
+                argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),), process_group=0
             )
         except OSError as exc:
             raise FrontendError(f"could not start the OpenAI front end ({type(exc).__name__})") from None
