@@ -259,6 +259,17 @@ def _relay(row: dict[str, Any]) -> str:
     return shown + (f"; prefill {row['prefill_relay_ms']:.2f}" if row["prefill_relay_ms"] else "")
 
 
+def _search(out: dict[str, Any]) -> str:
+    """How the searches ran, for runs that record it."""
+    search = out.get("search")
+    if not search:
+        return ""
+    return (
+        f" (started at {search['started_at']}, steps of x{search['growth']:g} until one missed, then "
+        f"bisection to {search['rel_tol']:.0%} or {search['max_probes']} probes)"
+    )
+
+
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:+.0%}"
 
@@ -279,8 +290,9 @@ def markdown(out: dict[str, Any]) -> str:
         '"prefill" ms longer per token streamed while it ran (their CPU per token, measured by the same '
         "script). "
         "Measured: the serving benchmark's goodput search on a real Triton, "
-        f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe. Goodput: the highest "
-        f"probed rate with {TARGET:.0%} of requests meeting both SLOs; in brackets the lowest probed rate "
+        f"{out['runs']} runs per cell, {out['duration']:g} s of arrivals per probe{_search(out)}. "
+        f"Goodput: the highest probed rate with {TARGET:.0%} of requests meeting both SLOs; in brackets "
+        "the lowest probed rate "
         "above it that missed (the search's resolution: the true goodput lies between). p90s are at the "
         "measured goodput: measured (the median over the runs), and the simulator's at that rate.",
         "",
@@ -359,6 +371,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=REPO_ROOT / "perf" / "results" / "planner" / "relay_cost.json",
         help="perf/relay_cost.py's results: each deployment's relay term (none when absent)",
     )
+    parser.add_argument(
+        "--start-at",
+        type=Path,
+        help="an earlier run's planner_validation.json: each cell's search starts at the goodput that "
+        "run measured for it (with a small --growth, fewer probes bracket it), not at the idle capacity",
+    )
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
     add_search_args(parser, runs=2, max_requests=150)
@@ -399,6 +417,19 @@ def resumed(path: Path) -> tuple[dict[str, Any], dict[str, GivenSlo]]:
     return earlier, slos
 
 
+def earlier_goodputs(path: Path | None) -> dict[str, dict[str, float]]:
+    """Per deployment and workload, the mean goodput an earlier run measured (none without a file)."""
+    if path is None:
+        return {}
+    measured = json.loads(path.read_text())["measured"]
+    return {
+        setup: {
+            w: statistics.fmean(r["goodput_rps"] for r in runs) for w, runs in by_workload.items() if runs
+        }
+        for setup, by_workload in measured.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -423,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "runs": args.runs,
         "duration": args.duration,
+        "search": {
+            "growth": args.growth,
+            "rel_tol": args.rel_tol,
+            "max_probes": args.max_probes,
+            "started_at": str(args.start_at) if args.start_at else "the idle capacity",
+        },
         "requests": args.requests,
         "transfer": {"fixed_ms": fixed_s * 1000, "gbps": rate_bps / 1e9},
         "profiles": {
@@ -437,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     if earlier:
         out["command"] = f"{earlier['command'].split(', then ')[0]}, then {out['command']}"
         if args.repredict:  # the measurement's settings, not this run's defaults
-            out.update({k: earlier[k] for k in ("machine", "runs", "duration", "dtype") if k in earlier})
+            out.update(
+                {k: earlier[k] for k in ("machine", "runs", "duration", "dtype", "search") if k in earlier}
+            )
+    starts = earlier_goodputs(args.start_at)
     relay = relay_costs(args.relay_cost)
     out["relay_cost"] = str(args.relay_cost) if relay else None
     factory = PromptFactory.from_model_dir(args.model_dir)
@@ -456,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                         out["slos"] = {w: slo_line(slos[w]) for w in workloads}
                         log(f"SLOs by the rule, measured on {setup.name}: {out['slos']}")
                     out["measured"][setup.name] = asyncio.run(
-                        goodput_runs(url, setup.model, workloads, factory, slos, args)
+                        goodput_runs(url, setup.model, workloads, factory, slos, args, starts.get(setup.name))
                     )
                 finally:
                     server.stop(grace_s=5)

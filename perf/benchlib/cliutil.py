@@ -44,6 +44,9 @@ def add_search_args(parser: argparse.ArgumentParser, runs: int = 1, max_requests
     parser.add_argument("--max-probes", type=int, default=5)
     parser.add_argument("--rel-tol", type=float, default=0.1)
     parser.add_argument(
+        "--growth", type=float, default=2.0, help="a search's bracketing step: x this while it passes"
+    )
+    parser.add_argument(
         "--lowest-rate",
         type=float,
         default=0.125,

@@ -154,12 +154,13 @@ async def goodput_runs(
     factory: PromptFactory,
     frozen: dict[str, Any],
     args: Any,
+    starts: dict[str, float] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """`args.runs` goodput searches per workload against the Triton entry point `model` at `url` (gRPC),
     each judged by its SLO (a `benchlib.slo.FrozenSlo`, or a `Calibration` made here) and started from
-    its idle capacity; the
-    searches' sizes come from `args` (duration, min_requests, max_requests, rel_tol, max_probes).
-    Per workload: each run's goodput and its best probe's p90 TTFT / TPOT, and every probe."""
+    `starts[workload]` where given (an earlier run's goodput), else from its idle capacity; the
+    searches' sizes come from `args` (duration, min_requests, max_requests, rel_tol, max_probes,
+    growth). Per workload: each run's goodput and its best probe's p90 TTFT / TPOT, and every probe."""
     client = make_client(ClientConfig(kind="triton", url=url, model=model))
     await client.open()
     plan = RunPlan(args.duration, args.min_requests, args.max_requests, 60.0)
@@ -167,10 +168,11 @@ async def goodput_runs(
     try:
         for name in workloads:
             workload, fz = WORKLOADS[name], frozen[name]
-            start = start_rate(fz.idle_ttft_s, fz.idle_tpot_s, workload.output.median())
+            idle = start_rate(fz.idle_ttft_s, fz.idle_tpot_s, workload.output.median())
+            start = (starts or {}).get(name, idle)
             search = SearchConfig(
-                start=start, min_rate=start * args.lowest_rate, max_rate=start * 64, rel_tol=args.rel_tol,
-                max_probes=args.max_probes,
+                start=start, min_rate=min(start, idle) * args.lowest_rate, max_rate=max(start, idle) * 64,
+                rel_tol=args.rel_tol, max_probes=args.max_probes, growth=args.growth,
             )  # fmt: skip
             for run in range(args.runs):
                 log(f"{model} {name} run {run + 1}/{args.runs}: goodput search from {start:.2f} req/s")

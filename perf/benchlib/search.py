@@ -3,8 +3,9 @@
 `RateSearch` is a small state machine so that the policy is testable without a server: ask `next_rate()`,
 measure attainment there, `record(rate, attainment)`, repeat until `next_rate()` returns None.
 
-1. Bracket: from `start`, double while the rate passes (up to `max_rate`), halve while it fails (down
-   to `min_rate`).
+1. Bracket: from `start`, multiply by `growth` (2) while the rate passes (up to `max_rate`), divide by
+   it while it fails (down to `min_rate`). A search started near a known goodput (an earlier run's)
+   brackets it in fewer probes with a smaller `growth`.
 2. Bisect the bracket [highest pass, lowest fail] at its arithmetic midpoint until its relative width
    is at most `rel_tol` or `max_probes` are spent.
 
@@ -25,6 +26,7 @@ class SearchConfig:
     max_rate: float = 64.0
     rel_tol: float = 0.1
     max_probes: int = 8
+    growth: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.min_rate <= self.start <= self.max_rate:
@@ -35,6 +37,8 @@ class SearchConfig:
             raise ValueError("rel_tol must be in (0, 1)")
         if self.max_probes < 1:
             raise ValueError("max_probes must be at least 1")
+        if not self.growth > 1:
+            raise ValueError("growth must be above 1")
 
 
 @dataclass
@@ -68,10 +72,10 @@ class RateSearch:
         best, fail = self.best, self._lowest_fail()
         if fail is None:  # everything so far passed: go up
             top = max(r for r, _ in self.probes)
-            return None if top >= cfg.max_rate else min(top * 2, cfg.max_rate)
+            return None if top >= cfg.max_rate else min(top * cfg.growth, cfg.max_rate)
         if best == 0.0:  # everything so far failed: go down
             low = min(r for r, _ in self.probes)
-            return None if low <= cfg.min_rate else max(low / 2, cfg.min_rate)
+            return None if low <= cfg.min_rate else max(low / cfg.growth, cfg.min_rate)
         if (fail - best) / best <= cfg.rel_tol:
             return None
         return (best + fail) / 2

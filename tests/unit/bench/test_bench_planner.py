@@ -89,3 +89,17 @@ def test_a_cell_has_both_errors_and_the_p90s_at_the_measured_rate():
     disagg = _out()
     disagg["predicted"]["colocated"]["codegen"]["prefill_relay_s_per_token"] = 0.0005
     assert "| colocated | codegen | 1.00; prefill 0.50 | 2.20 |" in planner_validation.markdown(disagg)
+
+
+def test_searches_start_at_an_earlier_runs_goodput_and_the_report_says_how_they_ran(tmp_path):
+    earlier = tmp_path / "planner_validation.json"
+    out = _out()
+    out["measured"]["colocated"]["codegen"][1]["goodput_rps"] = 3.0
+    earlier.write_text(json.dumps({"measured": {**out["measured"], "disagg": {"chat": []}}}))
+    assert planner_validation.earlier_goodputs(earlier) == {"colocated": {"codegen": 2.5}, "disagg": {}}
+    assert planner_validation.earlier_goodputs(None) == {}
+    assert "arrivals per probe. Goodput" in planner_validation.markdown(_out()), "older runs: no line"
+    out["search"] = {"growth": 1.25, "rel_tol": 0.05, "max_probes": 6, "started_at": str(earlier)}
+    assert f"probe (started at {earlier}, steps of x1.25 until one missed, then bisection to 5% or 6 " in (
+        planner_validation.markdown(out)
+    )

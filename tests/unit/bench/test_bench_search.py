@@ -29,6 +29,15 @@ def test_shrinks_then_bisects_from_above():
     assert s.best == 3.125
 
 
+def test_a_smaller_growth_brackets_a_known_goodput_in_fewer_probes():
+    # started at an earlier run's goodput (3.0): x1.25 misses at once, then bisection to 5 %
+    s = run(SearchConfig(start=3.0, rel_tol=0.05, max_probes=20, growth=1.25), step(3.3))
+    assert [r for r, _ in s.probes] == [3.0, 3.75, 3.375, 3.1875, 3.28125]
+    assert s.best == 3.28125
+    below = run(SearchConfig(start=4.0, rel_tol=0.05, max_probes=20, growth=1.25), step(3.3))
+    assert [r for r, _ in below.probes][:3] == [4.0, 3.2, 3.6]
+
+
 def test_smooth_curve_converges_near_the_crossing():
     # attainment falls linearly from 1 at rate 2 to 0 at rate 6: crosses 0.9 at 2.4
     s = run(SearchConfig(start=1.0, rel_tol=0.02, max_probes=30), lambda r: min(1.0, max(0.0, (6 - r) / 4)))
@@ -49,3 +58,5 @@ def test_config_validation():
         SearchConfig(start=1.0, target=1.5)
     with pytest.raises(ValueError):
         RateSearch(SearchConfig(start=1.0)).record(1.0, 2.0)
+    with pytest.raises(ValueError, match="growth"):
+        SearchConfig(start=1.0, growth=1.0)
