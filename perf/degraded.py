@@ -44,26 +44,11 @@ from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
 
+from disagg.procfs import stub_pids
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 10.0
 SCRAPE_S = 0.5
-
-
-def stub_pids(server_pid: int, model: str) -> list[int]:
-    """The Python backend stubs of `model` that this server started (its direct children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        named = any(re.fullmatch(rf"{re.escape(model)}_\d+_\d+".encode(), arg) for arg in argv[1:])
-        if ppid == server_pid and argv[0].endswith(b"triton_python_backend_stub") and named:
-            pids.append(int(entry.name))
-    return pids
 
 
 def pool_health(metrics_url: str, pool: str) -> list[float]:

@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import functools
 import os
-import re
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ from planner_validation import SETUPS, repository
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.procfs import read_stat
+from disagg.procfs import cmdline, read_stat, serves
 from disagg.server import process_group_members
 from disagg_tools.planner.profile import Profile
 
@@ -76,7 +75,7 @@ async def _streams(url: str, model: str, specs: list[RequestSpec]) -> list[Any]:
             await client.close()
 
 
-POOL_STUB = re.compile(r"\b(prefill|decode|colocated|decode_hot)_\d+_\d+\b")  # a pool instance's stub
+POOLS = ("prefill", "decode", "colocated", "decode_hot")  # the pool models, whose stubs are not the relay
 
 
 def entry_cpu_s(server_pid: int) -> float:
@@ -84,12 +83,10 @@ def entry_cpu_s(server_pid: int) -> float:
     (its frontends, the ensemble) and the entry points' stubs (orchestrator, text steps): the relay."""
     ticks = 0
     for pid in [server_pid, *process_group_members(server_pid)]:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
+        argv, stat = cmdline(pid), read_stat(pid)
+        if argv is None or stat is None:
             continue
-        stat = read_stat(pid)
-        if stat is not None and (pid == server_pid or not POOL_STUB.search(argv)):
+        if pid == server_pid or not any(serves(argv, pool) for pool in POOLS):
             ticks += stat.cpu_ticks
     return ticks / os.sysconf("SC_CLK_TCK")
 

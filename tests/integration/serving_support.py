@@ -271,30 +271,6 @@ def metric_sum(server: Any, name: str, **labels: str) -> float:
 # ---- processes -------------------------------------------------------------------------------------
 
 
-def stub_pids(server_pid: int, model: str) -> list[int]:
-    """The Python backend stub processes of `model` started by this server.
-
-    A stub is a direct child of `tritonserver`; its argv holds the model's `<model>/<version>/model.py`
-    path and its instance name `<model>_<group>_<index>`. Only this server's children are considered:
-    other servers on the machine run stubs with the same instance names.
-    """
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) != server_pid or state == "Z" or not argv[0].endswith(b"triton_python_backend_stub"):
-            continue
-        if any(re.fullmatch(rf"{re.escape(model)}_\d+_\d+".encode(), arg) for arg in argv[1:]):
-            pids.append(int(entry.name))
-    return pids
-
-
 def group_rss(pgid: int) -> dict[str, int]:
     """Resident memory (bytes) of every live process of a process group (the server and its stubs),
     keyed by the stub's instance name (`<model>_<group>_<index>`) or the command's name."""

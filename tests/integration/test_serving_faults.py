@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import pytest
-from serving_support import REPOSITORY, engine_texts, generate, read_stream, stub_pids, text_inputs
+from serving_support import REPOSITORY, engine_texts, generate, read_stream, text_inputs
 from triton_support import (
     GrpcStream,
     LeakProbe,
@@ -35,6 +35,7 @@ from triton_support import (
 )
 
 from disagg.kv.secret import load_secret
+from disagg.procfs import stub_pids
 from disagg.server import TritonServer
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.messages import Prefilled

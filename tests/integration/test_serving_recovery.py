@@ -11,7 +11,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-from serving_support import REPOSITORY, engine_texts, generate, stub_pids
+from serving_support import REPOSITORY, engine_texts, generate
 from triton_support import (
     LeakProbe,
     TritonFactory,
@@ -22,6 +22,7 @@ from triton_support import (
     wait_until,
 )
 
+from disagg.procfs import stub_pids
 from disagg.server import TritonServer
 from disagg.serverconfig import ADMIN_HEADER
 from disagg_tools.autoscaler.actuator import instance_count, with_instance_count

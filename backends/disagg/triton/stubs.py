@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from disagg.procfs import PROC, read_stat
+from disagg.procfs import PROC, cmdline, read_stat, serves
 
 CONFIRM_S = 0.1
 ZOMBIE = "Z"  # exited, not reaped yet
@@ -48,7 +47,7 @@ class StubWatch:
         process's parent, as for a stub)."""
         self.parent = os.getppid() if parent is None else parent
         self.confirm_s = confirm_s
-        self._names = {pool: re.compile(rf"{re.escape(model)}_\d+_\d+") for pool, model in models.items()}
+        self._models = dict(models)
         self._proc = proc
         self._clock = clock
         self._lock = threading.Lock()
@@ -81,14 +80,11 @@ class StubWatch:
             stat = read_stat(pid, self._proc)
             if stat is None or stat.ppid != self.parent or stat.state == ZOMBIE:
                 continue
-            try:
-                argv = (
-                    (self._proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
-                )
-            except OSError:
+            argv = cmdline(pid, self._proc)
+            if argv is None:
                 continue
-            for pool, name in self._names.items():
-                if any(name.fullmatch(arg) for arg in argv):
+            for pool, model in self._models.items():
+                if serves(argv, model):
                     found.append((pool, pid, stat.start_time))
                     break
         with self._lock:
