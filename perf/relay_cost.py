@@ -75,7 +75,7 @@ async def _streams(url: str, model: str, specs: list[RequestSpec]) -> list[Any]:
             await client.close()
 
 
-POOLS = ("prefill", "decode", "colocated", "decode_hot")  # the pool models, whose stubs are not the relay
+POOL_MODELS = ("prefill", "decode", "colocated", "decode_hot")  # pool models: their stubs are not the relay
 
 
 def entry_cpu_s(server_pid: int) -> float:
@@ -86,7 +86,7 @@ def entry_cpu_s(server_pid: int) -> float:
         argv, stat = cmdline(pid), read_stat(pid)
         if argv is None or stat is None:
             continue
-        if pid == server_pid or not any(serves(argv, pool) for pool in POOLS):
+        if pid == server_pid or not any(serves(argv, pool) for pool in POOL_MODELS):
             ticks += stat.cpu_ticks
     return ticks / os.sysconf("SC_CLK_TCK")
 
