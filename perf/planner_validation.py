@@ -43,7 +43,7 @@ from benchlib.workload import WORKLOADS, PromptFactory
 
 from disagg_tools.planner.plan import Traffic, goodput, run_at
 from disagg_tools.planner.profile import Profile
-from disagg_tools.planner.simulator import Deployment, Slo
+from disagg_tools.planner.simulator import ROUTINGS, Deployment, Slo
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "planner-validation"
@@ -113,7 +113,12 @@ def profiles(args: argparse.Namespace) -> dict[int, Profile]:
 
 
 def simulated(
-    name: str, found: dict[int, Profile], fixed_s: float, rate_bps: float, relay: Relay | None = None
+    name: str,
+    found: dict[int, Profile],
+    fixed_s: float,
+    rate_bps: float,
+    relay: Relay | None = None,
+    routing: str = "random",
 ) -> Deployment:
     one, two = found[1], found[2]
     relay_s = relay.step_s_per_token if relay else 0.0
@@ -125,10 +130,11 @@ def simulated(
             transfer_fixed_s=fixed_s,
             relay_s_per_token=relay_s,
             prefill_relay_s_per_token=relay.entry_cpu_s_per_token if relay else 0.0,
+            routing=routing,
         )
     if name == "colocated":
-        return Deployment(colocated=(two,), relay_s_per_token=relay_s)
-    return Deployment(colocated=(one, one), relay_s_per_token=relay_s)
+        return Deployment(colocated=(two,), relay_s_per_token=relay_s, routing=routing)
+    return Deployment(colocated=(one, one), relay_s_per_token=relay_s, routing=routing)
 
 
 @dataclass(frozen=True)
@@ -153,12 +159,13 @@ def relay_costs(path: Path | None) -> dict[str, Relay]:
 def predictions(
     name: str, found: dict[int, Profile], transfer: tuple[float, float], relay: dict[str, float],
     slos: dict[str, Any], workloads: list[str], requests: int, measured: dict[str, list[dict[str, Any]]],
+    routing: str = "random",
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per workload: the prediction with the deployment's relay term, the profiles' alone beside it
     (``profile_only``), and the p90s the simulator gives at the measured goodput (``at_measured``)."""
     fixed_s, rate_bps = transfer
-    deployment = simulated(name, found, fixed_s, rate_bps, relay.get(name))
-    alone = simulated(name, found, fixed_s, rate_bps)
+    deployment = simulated(name, found, fixed_s, rate_bps, relay.get(name), routing)
+    alone = simulated(name, found, fixed_s, rate_bps, routing=routing)
     out = {}
     for w in workloads:
         slo = Slo(slos[w].slo.ttft_s, slos[w].slo.tpot_s)
@@ -259,6 +266,15 @@ def _relay(row: dict[str, Any]) -> str:
     return shown + (f"; prefill {row['prefill_relay_ms']:.2f}" if row["prefill_relay_ms"] else "")
 
 
+def _routing(out: dict[str, Any]) -> str:
+    """How the simulator assigned requests to a pool's instances, for runs that record it."""
+    routing = out.get("routing")
+    if routing is None:
+        return ""
+    how = "at random, as Triton's own assignment" if routing == "random" else "to the least loaded"
+    return f"; requests go to a pool's instances {how}"
+
+
 def _search(out: dict[str, Any]) -> str:
     """How the searches ran, for runs that record it."""
     search = out.get("search")
@@ -282,7 +298,7 @@ def markdown(out: dict[str, Any]) -> str:
         "",
         f"`{out['command']}` on {out['machine']}, {out['model']} {out['dtype']}. "
         "Predictions: `disagg plan`'s simulator on the profiles below "
-        f"({out['requests']} simulated requests per rate), KV hand-off "
+        f"({out['requests']} simulated requests per rate{_routing(out)}), KV hand-off "
         f"{out['transfer']['fixed_ms']:.2f} ms + {out['transfer']['gbps']:.2f} GB/s (fitted to "
         "perf/results/kv_transfer.json), and each decode step r ms longer per token it produces (the "
         'relay\'s cost, measured apart by `perf/relay_cost.py`; "profile only": without it); where '
@@ -377,6 +393,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="an earlier run's planner_validation.json: each cell's search starts at the goodput that "
         "run measured for it (with a small --growth, fewer probes bracket it), not at the idle capacity",
     )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="random",
+        help="the simulator's assignment of requests to a pool's instances (random: as Triton's)",
+    )
     parser.add_argument("--deployments", default="disagg,colocated,colocated2")
     parser.add_argument("--workloads", default="codegen,chat")
     add_search_args(parser, runs=2, max_requests=150)
@@ -461,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             "started_at": str(args.start_at) if args.start_at else "the idle capacity",
         },
         "requests": args.requests,
+        "routing": args.routing,
         "transfer": {"fixed_ms": fixed_s * 1000, "gbps": rate_bps / 1e9},
         "profiles": {
             k: {"prefill_error": p.prefill.mean_error, "decode_error": p.decode.mean_error}
@@ -503,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         out["slos"] = {w: slo_line(slos[w]) for w in workloads}
         out["predicted"][setup.name] = predictions(
             setup.name, found, (fixed_s, rate_bps), relay, slos, workloads, args.requests,
-            out["measured"].get(setup.name, {}),
+            out["measured"].get(setup.name, {}), args.routing,
         )  # fmt: skip
         log(f"{setup.name}: predicted {out['predicted'][setup.name]}")
         write_json(args.out_dir / "planner_validation.json", out)  # each deployment as it ends

@@ -7,7 +7,7 @@ import pytest
 from disagg_tools.planner.lengths import LengthDist, from_buckets, parse_lengths
 from disagg_tools.planner.plan import Traffic, goodput, placements, plan
 from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
-from disagg_tools.planner.simulator import Deployment, Job, Slo, poisson_jobs, simulate
+from disagg_tools.planner.simulator import ROUTING_DRAWS, Deployment, Job, Slo, poisson_jobs, simulate
 
 
 def constant(prefill_s: float = 0.0, step_s: float = 0.0, **more: object) -> Profile:
@@ -229,3 +229,37 @@ def test_a_busy_prefill_instance_counts_the_prompt_it_is_on():
     deployment = Deployment(prefill=(profile, profile), decode=(profile,))
     first, second = simulate(deployment, [Job(0.0, 100, 1), Job(0.0, 100, 1)])
     assert first.ttft == pytest.approx(0.1) and second.ttft == pytest.approx(0.1)
+
+
+def test_random_routing_pools_several_draws_and_can_put_two_requests_on_one_instance():
+    """Least loaded, two prompts arriving together go to the two instances and finish together;
+    random (Triton's load-oblivious assignment), each of ROUTING_DRAWS seeded draws may put both on
+    one instance, where the second waits its turn; the outcomes of all the draws come back together."""
+    profile = constant(prefill_s=0.2, step_s=0.01)
+    jobs = [Job(0.0, 100, 1), Job(0.0, 100, 1)]
+    spread = simulate(Deployment(colocated=(profile, profile)), jobs)
+    assert [o.first_token for o in spread] == pytest.approx([0.2, 0.2])
+    drawn = simulate(Deployment(colocated=(profile, profile), routing="random"), jobs)
+    assert len(drawn) == ROUTING_DRAWS * len(jobs)
+    firsts = sorted(round(o.first_token, 6) for o in drawn)
+    assert set(firsts) <= {0.2, 0.4} and 0.4 in firsts, firsts  # some draw put both on one instance
+    assert firsts.count(0.2) > firsts.count(0.4), "the first of each pair is never late"
+    again = simulate(Deployment(colocated=(profile, profile), routing="random"), jobs)
+    assert [o.first_token for o in again] == [o.first_token for o in drawn], "seeded: the same draws"
+    with pytest.raises(ValueError, match="routing"):
+        Deployment(colocated=(profile,), routing="round_robin")
+
+
+def test_the_plan_routes_at_random_by_default():
+    """Two one-core instances under load: a router that knows their queues serves more than Triton's
+    load-oblivious assignment, which the plan models unless told otherwise."""
+    # prompts cost 1 ms a token, a decode step 5 ms plus 2 ms a sequence
+    one = Profile(Fit((0.0, 0.001, 0.0), 0, 0), Fit((0.005, 0.002, 0.0), 0, 0))
+    traffic = Traffic(LengthDist("lognormal", 100, 0.8), LengthDist("fixed", 16), count=200)
+    slo = Slo(ttft_s=0.5, tpot_s=0.05)
+    default = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo)}
+    oblivious = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, routing="random")}
+    aware = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, routing="least_loaded")}
+    assert default == oblivious
+    assert oblivious["colocated 2x1 cores"] < aware["colocated 2x1 cores"], (oblivious, aware)
+    assert oblivious["disaggregated 1P:1D"] == aware["disaggregated 1P:1D"], "one instance a pool: no choice"

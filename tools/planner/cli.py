@@ -19,7 +19,7 @@ from disagg_tools.planner.lengths import parse_lengths
 from disagg_tools.planner.machine import describe, gpu_placements, load_machine
 from disagg_tools.planner.plan import Prediction, Traffic, plan, rank
 from disagg_tools.planner.profile import DecodePoint, Fit, PrefillPoint, Profile
-from disagg_tools.planner.simulator import Slo
+from disagg_tools.planner.simulator import ROUTINGS, Slo
 
 PREFILL_SHAPES = [(16,), (64,), (128,), (256,), (512,), (1024,), (128,) * 4, (256,) * 4, (64,) * 8]
 DECODE_SHAPES = [(1, 64), (4, 64), (16, 64), (1, 512), (4, 512), (8, 512), (16, 256), (2, 1024)]
@@ -163,6 +163,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         help="disaggregated: the entry points' CPU per token streamed, taken from the prefill instances "
         "whose cores they share, ms (perf/relay_cost.py; 0: none)",
     )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="random",
+        help="how requests meet a pool's instances: random (Triton's own assignment, load-oblivious: "
+        "the default) or least_loaded (a router that knows each instance's queue)",
+    )
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     parser.add_argument("--top", type=int, default=None, help="print only the best N placements")
     args = parser.parse_args(argv)
@@ -192,6 +199,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         target=args.attainment,
         relay_s_per_token=args.relay_ms_per_token / 1e3,
         prefill_relay_s_per_token=args.prefill_relay_ms_per_token / 1e3,
+        routing=args.routing,
     )
     _table(results, "cores", "per core")
     return 0

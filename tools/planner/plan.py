@@ -105,11 +105,13 @@ def plan(
     target: float = 0.9,
     relay_s_per_token: float = 0.0,
     prefill_relay_s_per_token: float = 0.0,
+    routing: str = "random",
 ) -> list[Prediction]:
     """Every placement's predicted goodput, best per core first. ``relay_s_per_token``: what serving
     adds to each decode step per token it produces, for every placement; ``prefill_relay_s_per_token``:
     the entry points' CPU per token streamed, taken from the disaggregated prefill instances whose
-    cores they share (both measured by ``perf/relay_cost.py``)."""
+    cores they share (both measured by ``perf/relay_cost.py``). ``routing``: how requests meet a pool's
+    instances (``simulator.Deployment.routing``; random: Triton's own, load-oblivious assignment)."""
     found = []
     for name, deployment, used in placements(cores, profiles, chunk_tokens):
         if deployment.prefill:
@@ -118,7 +120,7 @@ def plan(
                 transfer_bytes_per_s=transfer_bytes_per_s,
                 prefill_relay_s_per_token=prefill_relay_s_per_token,
             )
-        found.append((name, replace(deployment, relay_s_per_token=relay_s_per_token), used))
+        found.append((name, replace(deployment, relay_s_per_token=relay_s_per_token, routing=routing), used))
     return rank(found, traffic, slo, target)
 
 
