@@ -134,6 +134,8 @@ class Search:
     transfer_bytes_per_s: float = 0.0
     max_prefill_tokens: int = 4096
     max_batch: int = 64
+    routing: str = "least_loaded"
+    """How requests meet a pool's instances (``simulator.Deployment.routing``)."""
 
 
 def search(
@@ -151,6 +153,7 @@ def search(
             max_prefill_tokens=s.max_prefill_tokens,
             max_batch=s.max_batch,
             transfer_bytes_per_s=s.transfer_bytes_per_s,
+            routing=s.routing,
         )
         outcomes = simulate(deployment, jobs)
         met = attainment(outcomes, s.slo)
@@ -183,6 +186,7 @@ class Recommender:
         decode: PoolConfig,
         prefill_profile: Profile,
         decode_profile: Profile | None = None,
+        routing: str = "least_loaded",
     ) -> None:
         if prefill.ttft_target_s is None or decode.tpot_target_s is None:
             raise ValueError(
@@ -203,6 +207,7 @@ class Recommender:
             transfer_bytes_per_s=config.transfer_gbps * 1e9,
             max_prefill_tokens=config.max_prefill_tokens,
             max_batch=config.max_batch,
+            routing=routing,
         )
         self._last_run: float | None = None
         self.last: Recommendation | None = None
@@ -278,4 +283,8 @@ def load_recommender(config: AutoscalerConfig) -> Recommender | None:
             raise ConfigError(f"planner.{key}: not a profile ({exc})") from None
     prefill = next(p for p in config.pools if p.role == "prefill")
     decode = next(p for p in config.pools if p.role == "decode")
-    return Recommender(planner, prefill, decode, profiles["profile"], profiles.get("decode_profile"))
+    # the triton actuator sizes the instance groups of one server, whose calls Triton hands to the
+    # instances without looking at their load (random routing, as `disagg plan` models it); the
+    # kubernetes one sizes servers, which the frontend picks by their fewest open calls
+    routing = "random" if config.actuator.kind == "triton" else "least_loaded"
+    return Recommender(planner, prefill, decode, profiles["profile"], profiles.get("decode_profile"), routing)

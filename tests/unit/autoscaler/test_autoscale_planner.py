@@ -248,3 +248,20 @@ def test_profiles_are_read_with_the_planners_loader(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^planner\.decode_profile: not a profile"):
         load_recommender(planner_config(profile=str(path), decode_profile=str(tmp_path / "bad.json")))
+
+
+def test_the_triton_actuator_plans_for_tritons_load_oblivious_routing(tmp_path: Path) -> None:
+    """Instances of one Triton server meet calls without regard to their load (random routing, as
+    `disagg plan` models it), so the same window asks for more prefill instances than when the pools
+    are servers the frontend picks by their fewest open calls (kubernetes, or no actuator)."""
+    path = tmp_path / "profile.json"
+    path.write_text(PROFILE.to_json())
+    pools = [prefill_pool(max_size=6, capacity_tokens_per_s=None), decode_pool(max_size=6)]
+    planner = {"enabled": True, "profile": str(path)}
+    window = observed({512.0: 240}, {32.0: 240})
+    on_triton = load_recommender(config(pools, planner=planner, actuator={"kind": "triton"}))
+    elsewhere = load_recommender(config(pools, planner=planner))
+    assert on_triton is not None and elsewhere is not None
+    oblivious, aware = on_triton.recommend(window, 0.0), elsewhere.recommend(window, 0.0)
+    assert (aware.prefill, aware.decode, aware.reason) == (2, 1, MET)
+    assert (oblivious.prefill, oblivious.decode, oblivious.reason) == (4, 1, MET)
