@@ -53,6 +53,7 @@ from disagg.engine.sequence import Request
 from disagg.procfs import cmdline, read_stat, serves
 from disagg.server import process_group_members
 from disagg_tools.planner.profile import Profile
+from disagg_tools.repository import POOL_MODELS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 32
@@ -75,12 +76,10 @@ async def _streams(url: str, model: str, specs: list[RequestSpec]) -> list[Any]:
             await client.close()
 
 
-POOL_MODELS = ("prefill", "decode", "colocated", "decode_hot")  # pool models: their stubs are not the relay
-
-
 def entry_cpu_s(server_pid: int) -> float:
     """CPU seconds so far of the server's processes that are not pool instances: tritonserver itself
-    (its frontends, the ensemble) and the entry points' stubs (orchestrator, text steps): the relay."""
+    (its frontends, the ensemble) and the entry points' stubs (orchestrator, text steps): the relay.
+    The pool models' stubs (``POOL_MODELS``) are not counted."""
     ticks = 0
     for pid in [server_pid, *process_group_members(server_pid)]:
         argv, stat = cmdline(pid), read_stat(pid)

@@ -71,9 +71,10 @@ def stub_pids(server_pid: int, model: str, proc: Path = PROC) -> list[int]:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        stat, argv = read_stat(entry.name, proc), cmdline(entry.name, proc)
-        if stat is None or argv is None or stat.ppid != server_pid or stat.exited:
-            continue
+        stat = read_stat(entry.name, proc)
+        if stat is None or stat.ppid != server_pid or stat.exited:
+            continue  # the argv of every other process on the machine is not read
+        argv = cmdline(entry.name, proc)
         if argv and argv[0].endswith(STUB_EXECUTABLE) and serves(argv, model):
             pids.append(int(entry.name))
     return pids

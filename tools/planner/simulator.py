@@ -157,12 +157,13 @@ class Simulation:
 
     def _arrive(self, outcome: Outcome) -> None:
         pools = self.colocated or self.prefill
-        if self.d.routing == "random":
-            target = self._rng.choice(pools)
-        else:
-            target = min(pools, key=lambda i: i.waiting_tokens() + (i.sequences() if self.colocated else 0))
+        target = self._route(pools, lambda i: i.waiting_tokens() + (i.sequences() if self.colocated else 0))
         target.queue.append((outcome, outcome.job.prompt))
         self._kick(target)
+
+    def _route(self, instances: list[_Instance], load: Callable[[_Instance], int]) -> _Instance:
+        """The instance a request (or a hand-off) meets: the least loaded, or one drawn at random."""
+        return self._rng.choice(instances) if self.d.routing == "random" else min(instances, key=load)
 
     def _kick(self, instance: _Instance) -> None:
         if instance.busy:
@@ -221,10 +222,7 @@ class Simulation:
             if outcome.job.output <= 1:
                 outcome.last_token = self.now
                 continue
-            if self.d.routing == "random":
-                target = self._rng.choice(self.decode)
-            else:
-                target = min(self.decode, key=_Instance.sequences)
+            target = self._route(self.decode, _Instance.sequences)
             target.incoming += 1
             bytes_ = outcome.job.prompt * instance.profile.kv_bytes_per_token
             delay = self.d.transfer_fixed_s
