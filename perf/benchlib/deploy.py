@@ -141,18 +141,23 @@ def wait_for_health(url: str, process: Any, what: str, timeout_s: float = 60.0) 
         time.sleep(0.2)  # a poll interval
 
 
-class VllmServer:
-    """A vLLM OpenAI server process (see module contract)."""
+class ServerProcess:
+    """A peer's OpenAI server process, started from a config with `command()`, `environment()`, `url`
+    and `log_path` (see module contract); subclasses name it (`what`) and check what it needs."""
 
-    def __init__(self, config: VllmConfig) -> None:
+    what = "the server"
+
+    def __init__(self, config: Any) -> None:
         self.config = config
         self._process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> VllmServer:
+    def check(self) -> None:
+        """Raise DeployError when what the server needs is missing (before it is started)."""
+
+    def start(self) -> Any:
         if self._process is not None:
-            raise DeployError("vLLM already started")
-        if not (self.config.venv / "bin" / "python").exists():
-            raise DeployError(f"no vLLM venv at {self.config.venv}; install it with: {VLLM_INSTALL_HINT}")
+            raise DeployError(f"{self.what} already started")
+        self.check()
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.config.log_path, "wb") as log:
             self._process = subprocess.Popen(
@@ -170,7 +175,7 @@ class VllmServer:
     def pid(self) -> int:
         """Process id of the server, also its process group id."""
         if self._process is None:
-            raise DeployError("vLLM not started")
+            raise DeployError(f"{self.what} not started")
         return self._process.pid
 
     def healthy(self) -> bool:
@@ -180,33 +185,26 @@ class VllmServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_text(self) -> str:
         try:
-            text = self.config.log_path.read_text(encoding="utf-8", errors="replace")
+            return self.config.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
 
-    def binding(self) -> str:
-        """Where vLLM says it bound its compute threads and which CPUs it reserved (from its log)."""
-        try:
-            text = self.config.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        found = re.findall(r"(core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])", text)
-        return ", ".join(dict.fromkeys(found))
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        """Poll `/health` until `timeout_s` (first start compiles the model: minutes on two cores)."""
+        """Poll `/health` until `timeout_s` (a first start may compile the model: minutes on two cores)."""
         if self._process is None:
-            raise DeployError("vLLM not started")
+            raise DeployError(f"{self.what} not started")
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if self._process.poll() is not None:
-                raise DeployError(f"vLLM exited with {self._process.returncode}:\n{self.log_tail()}")
+                raise DeployError(f"{self.what} exited with {self._process.returncode}:\n{self.log_tail()}")
             if time.monotonic() >= deadline:
                 self.stop()
-                raise DeployError(f"vLLM not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+                raise DeployError(f"{self.what} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout=0.5)
 
@@ -223,16 +221,34 @@ class VllmServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        # Engine-core and worker children live in the same group; make sure none outlives us.
+        # Children (vLLM's engine core and workers) live in the same group; make sure none outlives us.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         return process.returncode
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VllmServer(ServerProcess):
+    """A vLLM OpenAI server process (see module contract)."""
+
+    what = "vLLM"
+
+    def __init__(self, config: VllmConfig) -> None:
+        super().__init__(config)
+
+    def check(self) -> None:
+        if not (self.config.venv / "bin" / "python").exists():
+            raise DeployError(f"no vLLM venv at {self.config.venv}; install it with: {VLLM_INSTALL_HINT}")
+
+    def binding(self) -> str:
+        """Where vLLM says it bound its compute threads and which CPUs it reserved (from its log)."""
+        found = re.findall(r"(core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])", self.log_text())
+        return ", ".join(dict.fromkeys(found))
 
 
 def start_triton(

@@ -18,7 +18,7 @@ from benchlib.cliutil import log
 from benchlib.cpuprobe import CpuProbe
 from benchlib.loadgen import LoadConfig, run_trace
 from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
-from benchlib.search import RateSearch, SearchConfig
+from benchlib.search import BUDGET, Bracket, RateSearch, SearchConfig
 from benchlib.slo import calibrate
 from benchlib.workload import WORKLOADS, PromptFactory, Workload, build_trace, new_salt
 
@@ -84,6 +84,10 @@ class GoodputResult:
     best_rate: float
     cores: int
     runs: list[RateRun]
+    bracket: Bracket | None = None
+    """[highest rate that met, lowest above it that missed); None for a result without a search."""
+    stop_reason: str = ""
+    """Why the search stopped (`benchlib.search.STOP_REASONS`)."""
 
     @property
     def per_core(self) -> float:
@@ -95,6 +99,8 @@ class GoodputResult:
             "goodput_rps": self.best_rate,
             "cores": self.cores,
             "goodput_rps_per_core": self.per_core,
+            **({"bracket": self.bracket.to_dict()} if self.bracket is not None else {}),
+            **({"stop_reason": self.stop_reason} if self.stop_reason else {}),
             "probes": [r.to_dict(with_records) for r in self.runs],
         }
 
@@ -114,10 +120,12 @@ async def search_goodput(
     starts after `deadline` (a `time.monotonic()` value): the best rate so far is returned."""
     state = RateSearch(search)
     runs = []
+    stopped = ""
     while (rate := state.next_rate()) is not None:
         if deadline is not None and time.monotonic() > deadline:
             if log is not None:
                 log(f"  {workload.name}: time budget spent, search stopped after {len(runs)} probes")
+            stopped = BUDGET
             break
         run = await run_rate(client, workload, factory, rate, slo, plan)
         state.record(rate, run.summary.attainment)
@@ -129,7 +137,10 @@ async def search_goodput(
                 f"(n={s.n_requests}, errors {s.n_errors}), TTFT p90 {_ms(s.ttft_p90)}, "
                 f"TPOT p90 {_ms(s.tpot_p90)}, max send lag {_ms(s.max_send_lag_s)}"
             )
-    return GoodputResult(workload.name, state.best, cores, runs)
+    reason = stopped or state.stop_reason or ""
+    if log is not None:
+        log(f"  {workload.name}: goodput {state.bracket.text()} req/s, stopped: {reason}")
+    return GoodputResult(workload.name, state.best, cores, runs, state.bracket, reason)
 
 
 async def calibrations(
@@ -264,3 +275,89 @@ async def interference(
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+@dataclass(frozen=True)
+class PooledInterference:
+    """The interference pair run once per seed (fresh arrivals and prompts each), pooled: the short
+    requests' TPOTs of every seed's decode-only runs against those of every seed's mixed runs. About
+    100 requests a run leave one seed's p99 ratio inside its noise; each seed's ratio is kept beside the
+    pooled one."""
+
+    seeds: tuple[int, ...]
+    runs: tuple[InterferenceResult, ...]
+
+    @property
+    def rate(self) -> float:
+        return self.runs[0].rate
+
+    def _pooled(self, which: str) -> list[float]:
+        return [t for r in self.runs for t in r.short_tpots(getattr(r, which))]
+
+    def figures(self) -> dict[str, float | None]:
+        a, b = self._pooled("decode_only"), self._pooled("mixed")
+        fig = {
+            "decode_only_tpot_p50": percentile(a, 50),
+            "decode_only_tpot_p99": percentile(a, 99),
+            "mixed_tpot_p50": percentile(b, 50),
+            "mixed_tpot_p99": percentile(b, 99),
+        }
+        for q in ("p50", "p99"):
+            base, mixed = fig[f"decode_only_tpot_{q}"], fig[f"mixed_tpot_{q}"]
+            fig[f"ratio_{q}"] = mixed / base if base and mixed is not None else None
+        return fig
+
+    def seed_ratios(self, q: str) -> list[float | None]:
+        return [r.figures()[f"ratio_{q}"] for r in self.runs]
+
+    def _merged(self, which: str, with_records: bool) -> dict[str, Any]:
+        """Every seed's run of one kind together: each run's summary, CPU seconds summed over the runs
+        (when every run was probed), and the records pooled."""
+        runs = [getattr(r, which) for r in self.runs]
+        out: dict[str, Any] = {"rate": runs[0].rate, "summaries": [run.summary.to_dict() for run in runs]}
+        if all(run.cpu is not None for run in runs):
+            cpu: dict[str, dict[str, float]] = {}
+            for run in runs:
+                for process, per in (run.cpu or {}).items():
+                    mine = cpu.setdefault(process, {})
+                    for core, seconds in per.items():
+                        mine[core] = mine.get(core, 0.0) + seconds
+            out["cpu"] = cpu
+        if with_records:
+            out["records"] = [rec.to_dict() for run in runs for rec in run.records]
+        return out
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        first = self.runs[0]
+        per_seed = []
+        for seed, run in zip(self.seeds, self.runs, strict=True):
+            f = run.figures()
+            per_seed.append({"seed": seed, **{k: f[k] for k in ("decode_only_tpot_p99", "mixed_tpot_p99",
+                                                                  "ratio_p50", "ratio_p99")}})  # fmt: skip
+        return {
+            "rate": first.rate,
+            "count": first.count,
+            "seeds": list(self.seeds),
+            "long_share": first.long_share,
+            "long_prompt_tokens": first.long_prompt_tokens,
+            **self.figures(),
+            "per_seed": per_seed,
+            "decode_only": self._merged("decode_only", with_records),
+            "mixed": self._merged("mixed", with_records),
+        }
+
+
+async def pooled_interference(
+    client: StreamClient,
+    factory: PromptFactory,
+    rate: float,
+    count: int,
+    slo: Slo,
+    seeds: tuple[int, ...],
+    probe: Callable[[], CpuProbe] | None = None,
+) -> PooledInterference:
+    """`interference` once per seed, in order, pooled (see `PooledInterference`)."""
+    if not seeds:
+        raise ValueError("at least one seed")
+    runs = [await interference(client, factory, rate, count, slo, seed=s, probe=probe) for s in seeds]
+    return PooledInterference(tuple(seeds), tuple(runs))

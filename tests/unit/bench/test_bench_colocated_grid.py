@@ -90,4 +90,4 @@ def test_tuning_takes_the_best_colocated_configuration_and_the_report_lists_them
     text = report.render({**minimal_results(), "colocated_grid": results["colocated_grid"]}, {}, None)
     assert "## Our colocated baseline at its best" in text
     label = "cores 0, whole prompts, 4096 tokens per step"
-    assert f"| {label} | 1.400 | `cmd {label}` |" in text
+    assert f"| {label} | 1.400 | – | this run | `cmd {label}` |" in text

@@ -76,7 +76,8 @@ def test_report_states_slos_ratios_and_unique_prompts():
     text = report.render(res, names)
     assert report.UNIQUE_PROMPTS_NOTE in text
     assert "**500.0**" in text and "**50.0**" in text  # the SLOs in ms
-    assert "| vllm | **2.000** | 1.000 | 2.00× | 1.00× |" in text  # goodput, per core, vs colocated, vs vLLM
+    # goodput, its bracket (from the probes: 4.0 missed), how the search stopped, disagg vs it, vs colocated
+    assert "| vllm | **2.000** | [2.000, 4.000) (100.0%) | – | – | 2.00× |" in text
     assert "**2.50×**" in text  # interference p99 ratio
     assert "not measured: not ready" in text
     assert "| colocated | stub:decode | 0.5 | 3.0 | 3.5 |" in text  # CPU placement, cores in order
@@ -87,7 +88,7 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
     res, _ = results()
     disagg = GoodputResult("codegen", 2.5, 2, [run(2.5, 0.02)])
     res["goodput"]["codegen"]["disagg"] = disagg.to_dict()
-    mixed = run(4.0, 0.024)
+    mixed = run(4.0, 0.0236)
     cpu = {"stub:decode": {"cpu1": 20.0, "cpu0": 0.2}, "tritonserver": {"cpu1": 1.0, "cpu0": 2.0}}
     mixed = RateRun(mixed.rate, mixed.summary, mixed.records, {**cpu, "load generator": {"cpu1": 2.0}})
     inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), mixed)
@@ -101,11 +102,17 @@ def test_report_checks_the_targets_and_splits_the_orchestration_cost():
         "overhead_vs_engine_loop": {"ensemble": 11.0 / 10.2 - 1, "llm": 10.6 / 10.2 - 1},
     }
     text = report.render(res, {}, orchestration)
-    # goodput 2.5 vs colocated 1.0: met; interference 1.20x (colocated's 2.50x beside it): met
-    assert "| codegen goodput, disaggregated vs our colocated at its best | ≥ 1.5× | 2.50× | met |" in text
-    assert "| ≤ 1.3× | 1.20× (colocated 2.50×) | met |" in text
+    # disagg [2.5, open) against vLLM's [2.0, 4.0), the best other: 2.5 < 1.3 x 4.0, and they overlap
+    row = "| codegen goodput, disaggregated vs the best other | ≥ 1.3× |"
+    assert (
+        f"{row} [2.500, –) vs vllm [2.000, 4.000): low / high 0.62× | **missed (tie: brackets overlap)** |"
+        in text
+    )
+    assert "| disagg | **2.500** | [2.500, –) | – | – |" in text
+    assert "| vllm | **2.000** | [2.000, 4.000) (100.0%) | – | tie (overlap) |" in text
+    # interference 1.18x (colocated's 2.50x beside it): met at <= 1.2x
+    assert "| ≤ 1.2× | 1.18× (colocated 2.50×) | met |" in text
     assert "ensemble +7.8%, llm +3.9% | **missed** |" in text  # the worse path decides
-    assert "| codegen goodput, disaggregated vs vLLM CPU | goal: ≥ 1× | 1.25× | met |" in text
     # ensemble: +0.80 ms over the loop = the step 0.50 ms slower in the server + 0.30 ms more between steps
     assert "`ensemble`: +0.80 ms per token over the engine loop" in text
     assert "is +0.50 ms slower inside the server, and 0.50 ms pass between steps" in text
@@ -151,3 +158,35 @@ def test_publish_writes_the_report_and_its_section_one_level_down(tmp_path):
     assert "kept" in text and "## Tuner\n\nsecond" in text and "first" not in text
     report.publish("# Alone\n", tmp_path / "alone.md", tmp_path / "missing.md", "alone")
     assert not (tmp_path / "missing.md").exists(), "a results file that is not there is not created"
+
+
+def test_targets_apply_the_bracket_rule():
+    from benchlib.search import Bracket
+
+    res, _ = results()
+
+    def entry(low: float, high: float | None) -> dict:
+        return GoodputResult("codegen", low, 2, [run(low, 0.02)], Bracket(low, high), "narrow").to_dict()
+
+    def verdict(ours: tuple, vllm: tuple, workload: str = "codegen") -> str:
+        res["goodput"] = {
+            workload: {"disagg": entry(*ours), "vllm": entry(*vllm), "colocated": entry(0.5, 0.51)}
+        }
+        text = report.render(res, {})
+        row = next(line for line in text.splitlines() if line.startswith(f"| {workload} goodput"))
+        return row.rsplit("|", 2)[1].strip()
+
+    assert verdict((2.6, 2.65), (1.9, 2.0)) == "met"  # 2.6 >= 1.3 x 2.0
+    assert verdict((2.59, 2.65), (1.9, 2.0)) == "**missed**"  # 2.59 < 2.6, and no overlap
+    assert verdict((1.95, 2.05), (1.9, 2.0)) == "**missed (tie: brackets overlap)**"
+    assert verdict((1.0, 1.1), (1.9, 2.0)) == "**missed (below)**"
+    assert verdict((3.9, 4.0), (1.9, 2.0), "summarize") == "**missed**"  # 2x wanted: 3.9 < 4.0
+    assert verdict((4.0, 4.1), (1.9, 2.0), "summarize") == "met"
+    # another deployment whose search never missed (an open bracket) can never be beaten
+    assert verdict((9.0, 9.5), (1.9, None)) == "**missed (tie: brackets overlap)**"
+    # the best other is the one that reaches highest, not the first listed
+    res["goodput"] = {
+        "codegen": {"disagg": entry(2.6, 2.7), "vllm": entry(1.0, 1.1), "llamacpp": entry(1.9, 2.1)}
+    }
+    text = report.render(res, {})
+    assert "vs llamacpp [1.900, 2.100): low / high 1.24× | **missed** |" in text

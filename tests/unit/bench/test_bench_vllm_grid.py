@@ -83,7 +83,7 @@ def test_tuning_measures_every_configuration_and_takes_the_best(tmp_path: Path) 
     assert [e["config"] for e in failed] == ["float32, bind auto"] and "would not start" in failed[0]["error"]
     assert results["goodput"] == {}, "tuning runs stay out of the report's goodput tables"
     text = report.render({**minimal_results(), "vllm_grid": grid}, {}, None)
-    assert "| float32, bind 0-1 | 2.500 | `cmd float32, bind 0-1` |" in text
+    assert "| float32, bind 0-1 | 2.500 | – | this run | `cmd float32, bind 0-1` |" in text
     assert "failed: RuntimeError: vLLM would not start" in text
     assert "tied with" not in text
 
@@ -116,7 +116,10 @@ def test_a_tie_is_reported_and_the_first_listed_taken(tmp_path: Path) -> None:
     best, results = tuned(tmp_path, "bfloat16:0-1,float32:auto,float32:0-1", goodput)
     assert best == run_all.VllmChoice("bfloat16", "0-1")
     text = report.render({**minimal_results(), "vllm_grid": results["vllm_grid"]}, {}, None)
-    assert "It tied with float32, bind auto (the quick plan's resolution); the first listed is taken." in text
+    assert (
+        "It tied with float32, bind auto (overlapping brackets at the quick plan's resolution); the first "
+        "listed is taken." in text
+    )
 
 
 def test_a_configuration_the_time_budget_left_out_is_reported_as_skipped(tmp_path: Path) -> None:
