@@ -93,10 +93,18 @@ $(AIPERF_VENV)/.installed:
 # Serving benchmarks: disaggregated vs colocated vs vLLM CPU on this machine; writes perf/RESULTS.md.
 # bench-quick runs on the tiny model (MODEL_DIR overrides), bench on the default model, SmolLM2.
 bench-quick: test-models $(VLLM_VENV)/.installed
-	$(PY) perf/run_all.py --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}"
+	$(PY) perf/run_all.py --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}" $(BENCH_PARTS)
 
-bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
-	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"
+# In parts: WORKLOADS=codegen,chat and/or DEPLOYMENTS=disagg,llamacpp measure only those, and the report
+# keeps the earlier run's other figures, marked with their run; REUSE_GRIDS=1 takes each deployment's
+# tuned configurations from perf/results/bench/grids.json (same machine, model and workload) instead of
+# tuning again; START_AT=perf/results/bench/bench.json starts each search at that run's goodput.
+BENCH_PARTS = $(if $(WORKLOADS),--workloads $(WORKLOADS) --keep-earlier) \
+	$(if $(DEPLOYMENTS),--deployments $(DEPLOYMENTS) --keep-earlier) \
+	$(if $(REUSE_GRIDS),--reuse-grids) $(if $(START_AT),--start-at $(START_AT))
+
+bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed $(LLAMACPP)/build.json
+	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" $(BENCH_PARTS)
 	$(MAKE) bench-aiperf
 
 # AIPerf's figures beside the harness's on codegen (disaggregated, colocated, vLLM at the best of its

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -264,6 +265,11 @@ def deployment(
             dtype=args.vllm_dtype,
             log_path=scratch / "vllm.log",
             served_name=args.model_dir.name,
+            extra_args=(
+                ("--max-num-batched-tokens", str(args.vllm_max_batched_tokens))
+                if args.vllm_max_batched_tokens
+                else ()
+            ),
         )
         command = vllm_command_line(config)
         log(f"starting vLLM: {command}")
@@ -411,18 +417,23 @@ DEFINITIONS = (
 )
 
 
-def from_bench(bench: Mapping[str, Any], workload: str) -> tuple[float, str, str]:
-    """(rate, vLLM dtype, vLLM bind) from run_all's bench.json: the disaggregated goodput of `workload`
-    (rounded to 0.1 req/s, at least 0.1) and the vLLM grid's best configuration."""
+_VLLM_LABEL = re.compile(r"^(\w+), bind ([^,]+)(?:, (\d+) batched tokens)?$")
+
+
+def from_bench(bench: Mapping[str, Any], workload: str) -> tuple[float, str, str, int]:
+    """(rate, vLLM dtype, vLLM bind, its --max-num-batched-tokens or 0) from run_all's bench.json: the
+    disaggregated goodput of `workload` (rounded to 0.1 req/s, at least 0.1) and the vLLM grid's best
+    configuration (`run_all.VllmChoice.label`)."""
     try:
         goodput = bench["goodput"][workload]["disagg"]["goodput_rps"]
         best = bench["vllm_grid"]["best"]
     except (KeyError, TypeError):
         raise ValueError(f"no disagg goodput for {workload} or no vllm_grid.best in it") from None
-    dtype, sep, bind = str(best).partition(", bind ")
-    if not sep or not isinstance(goodput, int | float):
+    match = _VLLM_LABEL.match(str(best))
+    if match is None or not isinstance(goodput, int | float):
         raise ValueError(f"unreadable vLLM choice {best!r} or goodput {goodput!r}")
-    return max(0.1, round(float(goodput), 1)), dtype, bind
+    dtype, bind, batched = match.groups()
+    return max(0.1, round(float(goodput), 1)), dtype, bind, int(batched or 0)
 
 
 SECTION = "aiperf_compare"  # the name of its section in perf/RESULTS.md (benchlib.report.with_section)
@@ -440,11 +451,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-dtype", default="bfloat16")
     parser.add_argument("--vllm-omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument(
+        "--vllm-max-batched-tokens",
+        type=int,
+        default=0,
+        help="vLLM's --max-num-batched-tokens (0: its default)",
+    )
+    parser.add_argument(
         "--from-bench",
         type=Path,
         default=None,
         help="perf/run_all.py's bench.json: vLLM as the best of its grid, the rate as the disaggregated "
-        "goodput of --workload (overrides --rate, --vllm-dtype and --vllm-omp-bind)",
+        "goodput of --workload (overrides --rate, --vllm-dtype, --vllm-omp-bind and "
+        "--vllm-max-batched-tokens)",
     )
     parser.add_argument(
         "--append-to",
@@ -463,7 +481,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.deployments = names
     if args.from_bench is not None:
         try:
-            args.rate, args.vllm_dtype, args.vllm_omp_bind = from_bench(
+            args.rate, args.vllm_dtype, args.vllm_omp_bind, args.vllm_max_batched_tokens = from_bench(
                 json.loads(args.from_bench.read_text()), args.workload
             )
         except (OSError, ValueError) as exc:

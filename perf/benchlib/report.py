@@ -432,7 +432,8 @@ def render(
         on = [k.removeprefix("GGML_") for k, v in build.get("options", {}).items() if v == "ON"]
         out += [
             f"llama.cpp's server was built from `{build.get('sdist')}` with {', '.join(on) or 'none'} "
-            f"(GGML_NATIVE off); it reports: `{build.get('system_info') or '(none)'}`.",
+            f"(GGML_NATIVE off); it reports: `{build.get('system_info') or '(none)'}`."
+            + (f" {build['note']}." if build.get("note") else ""),
             "",
         ]
     if results.get("vllm_pd", {}).get("command"):

@@ -132,7 +132,9 @@ def test_rate_and_vllm_come_from_the_bench_results() -> None:
         "goodput": {"codegen": {"disagg": {"goodput_rps": 2.34}}},
         "vllm_grid": {"best": "float32, bind auto"},
     }
-    assert ac.from_bench(bench, "codegen") == (2.3, "float32", "auto")
+    assert ac.from_bench(bench, "codegen") == (2.3, "float32", "auto", 0)
+    chunked = {**bench, "vllm_grid": {"best": "bfloat16, bind 0-1, 512 batched tokens"}}
+    assert ac.from_bench(chunked, "codegen") == (2.3, "bfloat16", "0-1", 512)
     with pytest.raises(ValueError, match="no disagg goodput"):
         ac.from_bench(bench, "chat")
 

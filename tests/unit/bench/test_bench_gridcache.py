@@ -165,3 +165,16 @@ def test_a_run_in_parts_carries_the_earlier_figures_marked_with_their_run() -> N
     # carried again by a later run, a figure keeps the run it was measured in
     again = run_all.carry_earlier(minimal(), merged)
     assert again["goodput"]["codegen"]["vllm"]["from_run"] == "2026-12-05T03:00:00+00:00"
+
+
+def test_a_full_search_starts_where_the_grid_found_the_best() -> None:
+    results = {"vllm_grid": {"workload": "codegen", "best": "b", "tried": [
+        {"config": "a", "goodput_rps": 1.0}, {"config": "b", "goodput_rps": 2.2}]}}  # fmt: skip
+    starts: dict = {}
+    run_all.grid_start(starts, results, "vllm")
+    assert starts == {"codegen": {"vllm": 2.2}}
+    earlier = {"codegen": {"vllm": 2.0}}
+    run_all.grid_start(earlier, results, "vllm")  # --start-at's figure takes precedence
+    assert earlier == {"codegen": {"vllm": 2.0}}
+    run_all.grid_start(starts, {"llamacpp_grid": {"workload": None, "tried": [], "best": "x"}}, "llamacpp")
+    assert "llamacpp" not in starts.get("codegen", {})  # a grid of one is not tuned: no figure

@@ -190,3 +190,27 @@ def test_targets_apply_the_bracket_rule():
     }
     text = report.render(res, {})
     assert "vs llamacpp [1.900, 2.100): low / high 1.24× | **missed** |" in text
+
+
+def test_interference_is_pooled_over_seeds_with_each_seeds_ratio_kept():
+    from benchlib.experiment import PooledInterference
+
+    def pair(base: float, mixed: float) -> InterferenceResult:
+        return InterferenceResult(4.0, 4, 0.2, 300, run(4.0, base), run(4.0, mixed, ("short", "long") * 2))
+
+    pooled = PooledInterference((1, 2, 3), (pair(0.02, 0.022), pair(0.02, 0.030), pair(0.04, 0.044)))
+    assert [round(r, 3) for r in pooled.seed_ratios("p99")] == [1.1, 1.5, 1.1]
+    fig = pooled.figures()
+    # pooled: 12 decode-only TPOTs (8 of 0.02, 4 of 0.04) against 6 mixed short ones (0.022, 0.030, 0.044)
+    assert fig["decode_only_tpot_p50"] == pytest.approx(0.02)
+    assert fig["mixed_tpot_p99"] == pytest.approx(0.044, rel=0.01)
+    assert fig["ratio_p99"] == fig["mixed_tpot_p99"] / fig["decode_only_tpot_p99"]
+    d = pooled.to_dict(with_records=True)
+    assert d["seeds"] == [1, 2, 3] and [e["seed"] for e in d["per_seed"]] == [1, 2, 3]
+    assert len(d["mixed"]["records"]) == 12 and len(d["mixed"]["summaries"]) == 3
+    assert "records" not in pooled.to_dict(with_records=False)["mixed"]
+    res, _ = results()
+    res["interference"] = {"disagg": pooled.to_dict(with_records=False)}
+    text = report.render(res, {})
+    assert "| disagg | 4.00 | 4 | 3 |" in text and "| 1: 1.10×, 2: 1.50×, 3: 1.10× | this run |" in text
+    assert "3 seeds pooled" in text
