@@ -73,7 +73,7 @@ from benchlib.deploy import (
 from benchlib.experiment import GoodputResult, RunPlan, pooled_interference, search_goodput, start_rate
 from benchlib.gridcache import GridCache, GridEntry, machine_key
 from benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
-from benchlib.search import SearchConfig
+from benchlib.search import Bracket, SearchConfig
 from benchlib.slo import (
     FIXED_SLOS,
     REFERENCE_DEPLOYMENT,
@@ -855,8 +855,8 @@ async def _misses_alone(
     results.setdefault("alone", {}).setdefault(name, {})[dep.name] = figures
     if alone.idle_ttft_s <= cal.slo.ttft_s and alone.idle_tpot_s <= cal.slo.tpot_s:
         return False
-    res = GoodputResult(workload.name, 0.0, dep.cores, []).to_dict()
-    results["goodput"].setdefault(name, {})[dep.name] = {**res, "misses_alone": True}
+    res = GoodputResult(workload.name, 0.0, dep.cores, [], Bracket(0.0, 0.0), "misses alone").to_dict()
+    results["goodput"].setdefault(name, {})[dep.name] = {**res, "misses_alone": True, "measured": _now()}
     records["goodput"].setdefault(name, {})[dep.name] = None
     note = (
         f"{dep.name} {name}: goodput 0 without a search: alone, its median TTFT "

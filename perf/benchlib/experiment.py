@@ -207,6 +207,20 @@ def start_rate(idle_ttft_s: float, idle_tpot_s: float, output_tokens: int) -> fl
     return 1.0 / (idle_ttft_s + idle_tpot_s * max(output_tokens - 1, 0))
 
 
+def tpot_ratios(decode_only: list[float], mixed: list[float]) -> dict[str, float | None]:
+    """The short requests' TPOT p50 / p99 in each run of the interference pair, and mixed / decode-only."""
+    fig = {
+        "decode_only_tpot_p50": percentile(decode_only, 50),
+        "decode_only_tpot_p99": percentile(decode_only, 99),
+        "mixed_tpot_p50": percentile(mixed, 50),
+        "mixed_tpot_p99": percentile(mixed, 99),
+    }
+    for q in ("p50", "p99"):
+        base, worse = fig[f"decode_only_tpot_{q}"], fig[f"mixed_tpot_{q}"]
+        fig[f"ratio_{q}"] = worse / base if base and worse is not None else None
+    return fig
+
+
 @dataclass(frozen=True)
 class InterferenceResult:
     rate: float
@@ -220,17 +234,7 @@ class InterferenceResult:
         return [r.tpot for r in run.records if r.kind != "long" and r.tpot is not None]
 
     def figures(self) -> dict[str, float | None]:
-        a, b = self.short_tpots(self.decode_only), self.short_tpots(self.mixed)
-        fig = {
-            "decode_only_tpot_p50": percentile(a, 50),
-            "decode_only_tpot_p99": percentile(a, 99),
-            "mixed_tpot_p50": percentile(b, 50),
-            "mixed_tpot_p99": percentile(b, 99),
-        }
-        for q in ("p50", "p99"):
-            base, mixed = fig[f"decode_only_tpot_{q}"], fig[f"mixed_tpot_{q}"]
-            fig[f"ratio_{q}"] = mixed / base if base and mixed is not None else None
-        return fig
+        return tpot_ratios(self.short_tpots(self.decode_only), self.short_tpots(self.mixed))
 
     def to_dict(self, with_records: bool = True) -> dict[str, Any]:
         return {
@@ -295,17 +299,7 @@ class PooledInterference:
         return [t for r in self.runs for t in r.short_tpots(getattr(r, which))]
 
     def figures(self) -> dict[str, float | None]:
-        a, b = self._pooled("decode_only"), self._pooled("mixed")
-        fig = {
-            "decode_only_tpot_p50": percentile(a, 50),
-            "decode_only_tpot_p99": percentile(a, 99),
-            "mixed_tpot_p50": percentile(b, 50),
-            "mixed_tpot_p99": percentile(b, 99),
-        }
-        for q in ("p50", "p99"):
-            base, mixed = fig[f"decode_only_tpot_{q}"], fig[f"mixed_tpot_{q}"]
-            fig[f"ratio_{q}"] = mixed / base if base and mixed is not None else None
-        return fig
+        return tpot_ratios(self._pooled("decode_only"), self._pooled("mixed"))
 
     def seed_ratios(self, q: str) -> list[float | None]:
         return [r.figures()[f"ratio_{q}"] for r in self.runs]

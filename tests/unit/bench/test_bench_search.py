@@ -1,9 +1,11 @@
-"""Goodput bisection against synthetic attainment curves."""
+"""Goodput bisection against synthetic attainment curves; goodput as a bracket: the search refines until it
+is at most 3 % wide or says why it stopped, the bracket rule compares deployments, and an old result
+without a bracket gets one from its probes."""
 
 from __future__ import annotations
 
 import pytest
-from benchlib.search import RateSearch, SearchConfig
+from benchlib.search import BOTTOM, NARROW, PROBES, TOP, Bracket, RateSearch, SearchConfig
 
 
 def run(config: SearchConfig, attainment) -> RateSearch:
@@ -60,3 +62,64 @@ def test_config_validation():
         RateSearch(SearchConfig(start=1.0)).record(1.0, 2.0)
     with pytest.raises(ValueError, match="growth"):
         SearchConfig(start=1.0, growth=1.0)
+
+
+def test_the_search_refines_until_the_bracket_is_at_most_three_percent_wide():
+    s = run(SearchConfig(start=1.0, growth=1.4, max_probes=20), step(2.5))
+    # x1.4 up: 1.0, 1.4, 1.96 pass, 2.744 misses; then bisection: 2.352 pass, 2.548 miss, 2.45 pass,
+    # 2.499 pass -> [2.499, 2.548) is 1.96 % wide (2.45 -> 2.548 was 4 %)
+    rates = [round(r, 4) for r, _ in s.probes]
+    assert rates == [1.0, 1.4, 1.96, 2.744, 2.352, 2.548, 2.45, 2.499]
+    assert s.stop_reason == NARROW
+    assert s.bracket.low == s.best and s.bracket.high == pytest.approx(2.548)
+    assert s.bracket.width is not None and s.bracket.width <= 0.03
+    assert s.best <= 2.5 < s.bracket.high
+
+
+def test_the_search_says_why_it_stopped_before_three_percent():
+    limited = run(SearchConfig(start=1.0, growth=2.0, max_probes=4), step(2.5))
+    assert limited.stop_reason == PROBES  # 1, 2 pass, 4 misses, 3 misses: [2, 3) is 50 % wide
+    assert limited.bracket == Bracket(2.0, 3.0) and limited.bracket.width == 0.5
+    top = run(SearchConfig(start=1.0, max_rate=4.0), lambda r: 1.0)
+    assert top.stop_reason == TOP and top.bracket == Bracket(4.0, None) and top.bracket.width is None
+    bottom = run(SearchConfig(start=1.0, min_rate=0.25), lambda r: 0.0)
+    assert bottom.stop_reason == BOTTOM and bottom.bracket == Bracket(0.0, 0.25)
+    assert RateSearch(SearchConfig(start=1.0)).stop_reason is None  # nothing probed yet
+
+
+def test_a_miss_below_a_pass_does_not_close_the_bracket():
+    # noise: 2.0 misses, then 3.0 passes; the bracket is above the highest pass
+    answers = {1.0: 1.0, 2.0: 0.8, 3.0: 0.95, 4.0: 0.5}
+    s = RateSearch(SearchConfig(start=1.0))
+    for rate, attainment in answers.items():
+        s.record(rate, attainment)
+    assert s.bracket == Bracket(3.0, 4.0)
+
+
+def test_the_bracket_rule():
+    ours, theirs = Bracket(2.6, 2.7), Bracket(1.9, 2.0)
+    assert ours.at_least(theirs, 1.3)  # 2.6 >= 1.3 x 2.0
+    assert not Bracket(2.59, 2.7).at_least(theirs, 1.3)
+    assert not ours.at_least(Bracket(1.9, None))  # an open high end is never beaten
+    assert not Bracket(0.0, 0.1).at_least(Bracket(0.0, 0.0))  # nothing met is no win
+    assert Bracket(1.95, 2.05).overlaps(theirs) and theirs.overlaps(Bracket(1.95, 2.05))
+    assert not ours.overlaps(theirs)
+    # touching: our low end is their high end, the rate they missed and we met: above, not a tie
+    assert Bracket(2.0, 2.1).at_least(theirs) and not Bracket(2.0, 2.1).overlaps(theirs)
+    with pytest.raises(ValueError):
+        Bracket(2.0, 1.0)
+
+
+def test_an_entry_without_a_bracket_gets_one_from_its_probes():
+    def probe(rate: float, attainment: float) -> dict:
+        return {"rate": rate, "summary": {"attainment": attainment}}
+
+    old = {
+        "goodput_rps": 2.0,
+        "probes": [probe(1.0, 1.0), probe(2.0, 0.95), probe(4.0, 0.5), probe(3.0, 0.7)],
+    }
+    assert Bracket.of(old) == Bracket(2.0, 3.0)
+    assert Bracket.of({"goodput_rps": 0.0, "probes": [], "misses_alone": True}) == Bracket(0.0, 0.0)
+    stored = {"goodput_rps": 2.0, "bracket": {"low": 2.0, "high": 2.05, "width": 0.025}, "probes": []}
+    assert Bracket.of(stored) == Bracket(2.0, 2.05)
+    assert Bracket.from_dict(Bracket(1.0, None).to_dict()) == Bracket(1.0, None)
