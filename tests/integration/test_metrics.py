@@ -124,7 +124,7 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
     """disagg_engine_info: one series set to 1 per pool instance, labelled with its configured compute
     and KV dtypes (``auto`` resolved) and the projection and attention paths its engine chose on this
     CPU."""
-    from disagg.engine import kernel
+    from disagg.engine import fp32kernel, kernel
     from disagg.engine.device import onednn_bf16
 
     samples = scrape_metrics(server.config.metrics_url)
@@ -140,12 +140,21 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
         dtype = resolved(params["dtype"])
         bf16 = dtype == "bfloat16"
         kernels = bf16 and kernel.library() is not None
-        projections = "kernel" if kernels else "onednn-packed" if bf16 and onednn_bf16() else "torch"
+        # fp32 (what `auto` is without AVX-512-BF16) on AVX2: the fp32 kernels; the test model's random
+        # weights are no block code, so every row goes through the fp32 tiles
+        fp32_kernels = dtype == "float32" and fp32kernel.library() is not None
+        projections = (
+            "kernel" if kernels
+            else "onednn-packed" if bf16 and onednn_bf16()
+            else "fp32-kernel" if fp32_kernels
+            else "torch"
+        )  # fmt: skip
+        fp32_cache = resolved(params.get("kv_dtype", params["dtype"])) == "float32"
         for info in mine:
             assert info["dtype"] == dtype
             assert info["kv_dtype"] == resolved(params.get("kv_dtype", params["dtype"]))
             assert info["projections"] == projections
-            assert info["attention"] == ("kernel" if kernels else "torch")
+            assert info["attention"] == ("kernel" if kernels or (fp32_kernels and fp32_cache) else "torch")
 
 
 def test_histograms_counters_and_gauges_agree_with_the_client(server: TritonServer) -> None:
