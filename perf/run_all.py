@@ -102,9 +102,10 @@ SLO_RULE = (
 )
 TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm": "llm"}
 PEERS = ("vllm", "llamacpp", "vllm-pd")
-MEASURING_ORDER = ("colocated", "disagg", "llm", "vllm", "llamacpp", "vllm-pd")
-"""The SLO reference first, then our deployments, the tuned peer, and vLLM's own P/D last: when the time
-budget runs out, what it cuts is the deployment with the least to show."""
+MEASURING_ORDER = ("colocated", "disagg", "llm", "llamacpp", "vllm", "vllm-pd")
+"""The SLO reference first, then our deployments, the peers (llama.cpp, quick to start, before vLLM,
+which compiles at every start), and vLLM's own P/D last: when the time budget runs out, what it cuts is
+the deployment with the least to show."""
 IDLE_REPS = 3
 """Requests served alone, before a deployment's goodput search, to see whether it can meet the SLOs."""
 NOTES = {
@@ -223,6 +224,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="carry the earlier bench.json's figures that this run does not measure (other workloads or "
         "deployments) into the report, each marked with the run it comes from",
+    )
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=None,
+        help="minutes after which no new probe starts (default: the profile's, 120 for --full)",
     )
     parser.add_argument(
         "--no-bandwidth",
@@ -899,6 +906,48 @@ def _calibration(d: dict[str, Any]) -> Calibration:
     )  # fmt: skip
 
 
+def deployment_rows(deployments: dict[str, Deployment]) -> dict[str, dict[str, Any]]:
+    return {
+        n: {"endpoint": d.endpoint, "cores": d.cores, "note": d.note,
+            "available": d.available, "reason": d.reason}
+        for n, d in deployments.items()
+    }  # fmt: skip
+
+
+_EARLIER: dict[str, Any] = {}
+"""The earlier run's results and records (--keep-earlier), read once, before this run writes its own."""
+
+
+def write_partial(
+    results: dict[str, Any],
+    records: dict[str, Any],
+    deployments: dict[str, Deployment],
+    args: argparse.Namespace,
+    started: float,
+    model_key: str,
+    final: bool = False,
+) -> None:
+    """The report of what is measured so far (after each deployment, and at the end): a run cut short
+    still leaves its figures. With --keep-earlier, the earlier run's other figures are carried."""
+    out = {**results, "deployments": deployment_rows(deployments)}
+    out["meta"] = {**results["meta"], "elapsed_s": time.monotonic() - started}
+    out["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if not final:
+        out["meta"]["notes"] = [*results["meta"]["notes"], "partial: the run was still going on"]
+    earlier_json = args.out_dir / "bench.json"
+    if args.keep_earlier and "results" not in _EARLIER and earlier_json.is_file():
+        _EARLIER["results"] = json.loads(earlier_json.read_text())
+        _EARLIER["records"] = json.loads(args.records.read_text()) if args.records.is_file() else {}
+    earlier = _EARLIER.get("results")
+    out_records = records
+    if earlier is not None and Path(earlier["meta"]["model"]).name == model_key:
+        out = carry_earlier(out, earlier)
+        out_records = carry_earlier_records(records, _EARLIER["records"])
+    elif earlier is not None:
+        out["meta"]["notes"].append(f"--keep-earlier: {earlier_json} is of another model, not kept")
+    write_outputs(out, out_records, args)
+
+
 def grid_start(starts: dict[str, dict[str, float]], results: dict[str, Any], kind: str) -> None:
     """Where `kind`'s full search on its tuning workload starts: the goodput its best configuration
     reached in the grid (an earlier run's, from --start-at, takes precedence)."""
@@ -949,11 +998,8 @@ def carry_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str,
     return out
 
 
-def carry_earlier_records(records: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The records (for the plots) of the cells `carry_earlier` keeps, from the earlier records file."""
-    if not Path(path).is_file():
-        return records
-    earlier = json.loads(Path(path).read_text())
+def carry_earlier_records(records: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """The records (for the plots) of the cells `carry_earlier` keeps, from the earlier records."""
     out = json.loads(json.dumps(records))
     for kind in ("goodput", "interference"):
         for workload, per in earlier.get(kind, {}).items():
@@ -1019,7 +1065,7 @@ async def main_async(args: argparse.Namespace) -> int:
             )
     pin_self(args.loadgen_cpus)
     started_wall, started = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
-    deadline = started + profile.budget_s
+    deadline = started + (profile.budget_s if args.budget_min is None else args.budget_min * 60)
     workdir = PERF / "out"
     workdir.mkdir(parents=True, exist_ok=True)
     factory = PromptFactory.from_model_dir(args.model_dir)
@@ -1211,17 +1257,14 @@ async def main_async(args: argparse.Namespace) -> int:
             except Exception as exc:  # one broken deployment is reported, the others still run
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")
+            if not args.derive_slos:  # a run cut short still leaves what it measured
+                write_partial(results, records, deployments, args, started, model_key)
     finally:
         if triton_server is not None:
             triton_server.stop()
     if args.derive_slos:  # a derivation writes the SLO file only, never a report
         return 0 if derived else 1
 
-    results["deployments"] = {
-        n: {"endpoint": d.endpoint, "cores": d.cores, "note": d.note,
-            "available": d.available, "reason": d.reason}
-        for n, d in deployments.items()
-    }  # fmt: skip
     if profile.name == "full" and triton_url and args.start_triton is not None:
         # the orchestration cost (one stream, its own server) is part of the full report
         log("orchestration cost: perf/orchestration_cost.py --reps 3 ...")
@@ -1230,17 +1273,7 @@ async def main_async(args: argparse.Namespace) -> int:
         )
         if cost.returncode:
             results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")
-    results["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    results["meta"]["elapsed_s"] = time.monotonic() - started
-    earlier_json = args.out_dir / "bench.json"
-    if args.keep_earlier and earlier_json.is_file():
-        earlier = json.loads(earlier_json.read_text())
-        if Path(earlier["meta"]["model"]).name == model_key:
-            results = carry_earlier(results, earlier)
-            records = carry_earlier_records(records, args.records)
-        else:
-            results["meta"]["notes"].append(f"--keep-earlier: {earlier_json} is of another model, not kept")
-    write_outputs(results, records, args)
+    write_partial(results, records, deployments, args, started, model_key, final=True)
     return 0 if results["calibrations"] else 1
 
 
