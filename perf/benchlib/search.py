@@ -4,8 +4,9 @@
 measure attainment there, `record(rate, attainment)`, repeat until `next_rate()` returns None.
 
 1. Bracket: from `start`, multiply by `growth` (2) while the rate passes (up to `max_rate`), divide by
-   it while it fails (down to `min_rate`). A search started near a known goodput (an earlier run's)
-   brackets it in fewer probes with a smaller `growth`.
+   it while it fails (down to `min_rate`, or until attainment stops rising as the rate falls: FLAT).
+   A search started near a known goodput (an earlier run's) brackets it in fewer probes with a
+   smaller `growth`.
 2. Bisect the bracket [highest pass, lowest fail] at its arithmetic midpoint until its relative width
    is at most `rel_tol` or `max_probes` are spent.
 
@@ -28,8 +29,13 @@ NARROW = "narrow"
 PROBES = "probe limit"
 TOP = "no miss up to the highest rate"
 BOTTOM = "no pass down to the lowest rate"
+FLAT = "attainment does not rise at lower rates"
 BUDGET = "time budget"
-STOP_REASONS = (NARROW, PROBES, TOP, BOTTOM, BUDGET)
+STOP_REASONS = (NARROW, PROBES, TOP, BOTTOM, FLAT, BUDGET)
+FLAT_GAIN = 0.05
+"""Going down with every probe missing: when the last of three probes' attainment is less than this
+above the first's, lower rates do not help (the requests already miss served alone, or nearly so), and
+the search stops rather than spend ever longer probes (16 requests at a few hundredths of a request/s)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,10 @@ class RateSearch:
             return TOP
         if best == 0.0 and min(r for r, _ in self.probes) <= cfg.min_rate:
             return BOTTOM
+        if best == 0.0 and len(self.probes) >= 3:
+            first, _, last = (a for _, a in self.probes[-3:])
+            if last - first < FLAT_GAIN:
+                return FLAT
         if len(self.probes) >= cfg.max_probes:
             return PROBES
         return None

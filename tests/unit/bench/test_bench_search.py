@@ -5,7 +5,7 @@ without a bracket gets one from its probes."""
 from __future__ import annotations
 
 import pytest
-from benchlib.search import BOTTOM, NARROW, PROBES, TOP, Bracket, RateSearch, SearchConfig
+from benchlib.search import BOTTOM, FLAT, NARROW, PROBES, TOP, Bracket, RateSearch, SearchConfig
 
 
 def run(config: SearchConfig, attainment) -> RateSearch:
@@ -123,3 +123,16 @@ def test_an_entry_without_a_bracket_gets_one_from_its_probes():
     stored = {"goodput_rps": 2.0, "bracket": {"low": 2.0, "high": 2.05, "width": 0.025}, "probes": []}
     assert Bracket.of(stored) == Bracket(2.0, 2.05)
     assert Bracket.from_dict(Bracket(1.0, None).to_dict()) == Bracket(1.0, None)
+
+
+def test_going_down_the_search_stops_when_attainment_no_longer_rises():
+    # every rate misses; attainment rises 0.56 -> 0.69 -> 0.69 -> 0.75, then 0.69: flat over three probes
+    curve = {1.0: 0.56, 0.5: 0.69, 0.25: 0.69, 0.125: 0.75, 0.0625: 0.69}
+    s = run(SearchConfig(start=1.0, min_rate=0.01, max_probes=20), lambda r: curve[r])
+    assert [r for r, _ in s.probes] == [1.0, 0.5, 0.25, 0.125, 0.0625]
+    assert s.stop_reason == FLAT and s.bracket == Bracket(0.0, 0.0625)
+    # a rise of 5 points or more over three probes keeps it going, down to where it passes
+    rising = {1.0: 0.5, 0.5: 0.6, 0.25: 0.7, 0.125: 0.8, 0.0625: 0.95, 0.09375: 0.85, 0.078125: 0.9}
+    s = run(SearchConfig(start=1.0, min_rate=0.01, max_probes=7), lambda r: rising[r])
+    assert [r for r, _ in s.probes] == [1.0, 0.5, 0.25, 0.125, 0.0625, 0.09375, 0.078125]
+    assert s.best == 0.078125 and s.stop_reason == PROBES
