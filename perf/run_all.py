@@ -1178,7 +1178,12 @@ async def main_async(args: argparse.Namespace) -> int:
         # The SLO reference is measured first; without it, the first available deployment stands in
         # (and the report says so).
         order = sorted(names, key=MEASURING_ORDER.index)
-        if not (deployments.get("colocated") and deployments["colocated"].available):
+        if frozen is not None and "colocated" not in names:
+            results["meta"]["notes"].append(
+                f"{REFERENCE_DEPLOYMENT} is not measured in this run: every workload is judged by its "
+                "frozen SLOs, and the idle figures beside them were measured on the first deployment."
+            )
+        elif not (deployments.get("colocated") and deployments["colocated"].available):
             results["meta"]["notes"].append(
                 f"{REFERENCE_DEPLOYMENT} was not available: the SLOs were calibrated on a stand-in "
                 "(named in the SLO table), so they are not the project's rule values."
