@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -522,6 +523,11 @@ async def tune_grid(
             continue
         entry = {"config": choice.label, "command": "", "goodput_rps": None, "error": "",
                  "measured": _now(), "reused": False}  # fmt: skip
+        if time.monotonic() > deadline:  # not even started: a start alone can take minutes (vLLM)
+            entry["error"] = "skipped: the run's time budget was spent"
+            log(f"{kind} grid, {choice.label}: {entry['error']}")
+            tried.append(entry)
+            continue
         scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
         try:
             with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
@@ -1282,7 +1288,13 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0 if results["calibrations"] else 1
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (a `kill`, a CI timeout) unwinds like Ctrl-C: the servers started here are stopped
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args(argv)
     if args.render_only:
         # Re-render report and plots from the last run's JSON, measuring nothing.

@@ -9,6 +9,7 @@ import contextlib
 import json
 from pathlib import Path
 
+import pytest
 import run_all
 from benchlib import report
 from benchlib.clients import ClientConfig
@@ -178,3 +179,28 @@ def test_a_full_search_starts_where_the_grid_found_the_best() -> None:
     assert earlier == {"codegen": {"vllm": 2.0}}
     run_all.grid_start(starts, {"llamacpp_grid": {"workload": None, "tried": [], "best": "x"}}, "llamacpp")
     assert "llamacpp" not in starts.get("codegen", {})  # a grid of one is not tuned: no figure
+
+
+def test_no_configuration_is_started_once_the_budget_is_spent(tmp_path: Path) -> None:
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def running(args, workdir, notes, choice):
+        started.append(choice.label)
+        yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, "cmd"
+
+    results = {
+        "meta": {"notes": [], "model": "/m/smollm2"},
+        "calibrations": {},
+        "goodput": {},
+        "interference": {},
+    }
+    grid = [run_all.VllmChoice("bfloat16", "0-1"), run_all.VllmChoice("float32", "0-1")]
+    with pytest.raises(RuntimeError, match="no configuration"):
+        asyncio.run(
+            run_all.tune_grid(
+                "vllm", grid, running, _args(tmp_path), tmp_path, run_all.PROFILES["quick"], None, results,
+                0.0, None, cache=GridCache(tmp_path / "grids.json"),
+            )
+        )  # fmt: skip
+    assert started == []
