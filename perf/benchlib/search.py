@@ -35,7 +35,10 @@ STOP_REASONS = (NARROW, PROBES, TOP, BOTTOM, FLAT, BUDGET)
 FLAT_GAIN = 0.05
 """Going down with every probe missing: when the last of three probes' attainment is less than this
 above the first's, lower rates do not help (the requests already miss served alone, or nearly so), and
-the search stops rather than spend ever longer probes (16 requests at a few hundredths of a request/s)."""
+the search stops rather than spend ever longer probes (16 requests at a few hundredths of a request/s).
+The three probes must span a factor of FLAT_SPAN in rate: small steps (a search started near a known
+goodput) are inside the noise of one another."""
+FLAT_SPAN = 2.0
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,8 @@ class RateSearch:
         if best == 0.0 and min(r for r, _ in self.probes) <= cfg.min_rate:
             return BOTTOM
         if best == 0.0 and len(self.probes) >= 3:
-            first, _, last = (a for _, a in self.probes[-3:])
-            if last - first < FLAT_GAIN:
+            (high, first), _, (low, last) = self.probes[-3:]
+            if last - first < FLAT_GAIN and high >= FLAT_SPAN * low:
                 return FLAT
         if len(self.probes) >= cfg.max_probes:
             return PROBES
