@@ -140,8 +140,7 @@ def test_going_down_the_search_stops_when_attainment_no_longer_rises():
 
 def test_small_steps_down_are_not_called_flat():
     # started near a known goodput with x1.15 steps: three misses within 1.3x of each other are noise
-    s = run(
-        SearchConfig(start=0.435, growth=1.15, min_rate=0.01, max_probes=6), lambda r: 1.0 if r < 0.25 else 0.6
-    )
+    config = SearchConfig(start=0.435, growth=1.15, min_rate=0.01, max_probes=6)
+    s = run(config, lambda r: 1.0 if r < 0.25 else 0.6)
     rates = [round(r, 3) for r, _ in s.probes]
     assert rates[:3] == [0.435, 0.378, 0.329] and len(rates) == 6 and s.best > 0
