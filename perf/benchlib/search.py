@@ -36,9 +36,9 @@ FLAT_GAIN = 0.05
 """Going down with every probe missing: when the last of three probes' attainment is less than this
 above the first's, lower rates do not help (the requests already miss served alone, or nearly so), and
 the search stops rather than spend ever longer probes (16 requests at a few hundredths of a request/s).
-The three probes must span a factor of FLAT_SPAN in rate: small steps (a search started near a known
-goodput) are inside the noise of one another."""
-FLAT_SPAN = 2.0
+The three probes must span about 2x in rate (FLAT_SPAN; two x1.4 steps): small steps (a search
+started near a known goodput) are inside the noise of one another."""
+FLAT_SPAN = 1.9
 
 
 @dataclass(frozen=True)
