@@ -529,6 +529,7 @@ async def tune_grid(
             tried.append(entry)
             continue
         scratch = {**results, "goodput": {}, "interference": {}}  # shares the calibrations and notes
+        skipped = False
         try:
             with running(args, workdir, results["meta"]["notes"], choice) as (config, pgid, command):
                 entry["command"] = command
@@ -538,7 +539,8 @@ async def tune_grid(
                 records: dict[str, Any] = {"goodput": {}, "interference": {}}
                 await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
             found = scratch["goodput"].get(workload, {}).get(dep.name)
-            if found is None:  # the search skipped it: the run's time budget was spent
+            skipped = found is None  # the search skipped it: the run's time budget was spent
+            if skipped:
                 entry["error"] = "skipped: the run's time budget was spent"
             else:
                 entry["goodput_rps"] = found["goodput_rps"]
@@ -550,7 +552,7 @@ async def tune_grid(
             f"{kind} grid, {choice.label}: "
             + (f"{measured:.3f} req/s" if measured is not None else entry["error"])
         )
-        if cache is not None and not entry["error"].startswith("skipped"):
+        if cache is not None and not skipped:
             cache.put(
                 GridEntry(
                     kind, choice.label, workload, model, where, entry["measured"], measured,
@@ -920,8 +922,17 @@ def deployment_rows(deployments: dict[str, Deployment]) -> dict[str, dict[str, A
     }  # fmt: skip
 
 
-_EARLIER: dict[str, Any] = {}
-"""The earlier run's results and records (--keep-earlier), read once, before this run writes its own."""
+def earlier_run(args: argparse.Namespace, model_key: str, notes: list[str]) -> tuple[dict, dict] | None:
+    """With --keep-earlier: the earlier run's results and records (read before this run writes its own),
+    or None (with a note) when they are of another model."""
+    earlier_json = args.out_dir / "bench.json"
+    if not (args.keep_earlier and earlier_json.is_file()):
+        return None
+    earlier = json.loads(earlier_json.read_text())
+    if Path(earlier["meta"]["model"]).name != model_key:
+        notes.append(f"--keep-earlier: {earlier_json} is of another model, not kept")
+        return None
+    return earlier, json.loads(args.records.read_text()) if args.records.is_file() else {}
 
 
 def write_partial(
@@ -930,28 +941,19 @@ def write_partial(
     deployments: dict[str, Deployment],
     args: argparse.Namespace,
     started: float,
-    model_key: str,
+    earlier: tuple[dict, dict] | None,
     final: bool = False,
 ) -> None:
     """The report of what is measured so far (after each deployment, and at the end): a run cut short
-    still leaves its figures. With --keep-earlier, the earlier run's other figures are carried."""
+    still leaves its figures. With `earlier` (`earlier_run`), its other figures are carried."""
     out = {**results, "deployments": deployment_rows(deployments)}
     out["meta"] = {**results["meta"], "elapsed_s": time.monotonic() - started}
     out["meta"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if not final:
         out["meta"]["notes"] = [*results["meta"]["notes"], "partial: the run was still going on"]
-    earlier_json = args.out_dir / "bench.json"
-    if args.keep_earlier and "results" not in _EARLIER and earlier_json.is_file():
-        _EARLIER["results"] = json.loads(earlier_json.read_text())
-        _EARLIER["records"] = json.loads(args.records.read_text()) if args.records.is_file() else {}
-    earlier = _EARLIER.get("results")
-    out_records = records
-    if earlier is not None and Path(earlier["meta"]["model"]).name == model_key:
-        out = carry_earlier(out, earlier)
-        out_records = carry_earlier_records(records, _EARLIER["records"])
-    elif earlier is not None:
-        out["meta"]["notes"].append(f"--keep-earlier: {earlier_json} is of another model, not kept")
-    write_outputs(out, out_records, args)
+    if earlier is not None:
+        out, records = carry_earlier(out, earlier[0]), carry_earlier_records(records, earlier[1])
+    write_outputs(out, records, args)
 
 
 def grid_start(starts: dict[str, dict[str, float]], results: dict[str, Any], kind: str) -> None:
@@ -1007,14 +1009,12 @@ def carry_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> dict[str,
 def carry_earlier_records(records: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
     """The records (for the plots) of the cells `carry_earlier` keeps, from the earlier records."""
     out = json.loads(json.dumps(records))
-    for kind in ("goodput", "interference"):
-        for workload, per in earlier.get(kind, {}).items():
-            if kind == "interference":
-                out[kind].setdefault(workload, per)
-                continue
-            mine = out[kind].setdefault(workload, {})
-            for name, rec in (per or {}).items():
-                mine.setdefault(name, rec)
+    for workload, per in earlier.get("goodput", {}).items():
+        mine = out["goodput"].setdefault(workload, {})
+        for name, rec in (per or {}).items():
+            mine.setdefault(name, rec)
+    for name, rec in earlier.get("interference", {}).items():
+        out["interference"].setdefault(name, rec)
     return out
 
 
@@ -1112,6 +1112,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "goodput": {},
         "interference": {},
     }
+    earlier = earlier_run(args, model_key, results["meta"]["notes"])
     try:
         repository = args.start_triton
         if "colocated" in names and not triton_url and repository is not None and not args.derive_slos:
@@ -1269,7 +1270,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")
             if not args.derive_slos:  # a run cut short still leaves what it measured
-                write_partial(results, records, deployments, args, started, model_key)
+                write_partial(results, records, deployments, args, started, earlier)
     finally:
         if triton_server is not None:
             triton_server.stop()
@@ -1284,7 +1285,7 @@ async def main_async(args: argparse.Namespace) -> int:
         )
         if cost.returncode:
             results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")
-    write_partial(results, records, deployments, args, started, model_key, final=True)
+    write_partial(results, records, deployments, args, started, earlier, final=True)
     return 0 if results["calibrations"] else 1
 
 

