@@ -75,6 +75,16 @@ from benchlib.experiment import GoodputResult, RunPlan, pooled_interference, sea
 from benchlib.gridcache import GridCache, GridEntry, machine_key
 from benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
 from benchlib.search import Bracket, SearchConfig
+from benchlib.timeplan import (
+    GOODPUT_WEIGHT,
+    GRID_CONFIG_WEIGHT,
+    INTERFERENCE_WEIGHT,
+    TimePlan,
+    goodput_part,
+    grid_part,
+    interference_part,
+    shares,
+)
 from benchlib.slo import (
     FIXED_SLOS,
     REFERENCE_DEPLOYMENT,
@@ -105,8 +115,9 @@ TRITON_MODELS = {"disagg": "ensemble", "colocated": "ensemble_colocated", "llm":
 PEERS = ("vllm", "llamacpp", "vllm-pd")
 MEASURING_ORDER = ("colocated", "disagg", "llm", "llamacpp", "vllm", "vllm-pd")
 """The SLO reference first, then our deployments, the peers (llama.cpp, quick to start, before vLLM,
-which compiles at every start), and vLLM's own P/D last: when the time budget runs out, what it cuts is
-the deployment with the least to show."""
+which compiles at every start), and vLLM's own P/D last. Every part gets its share of the time left
+(benchlib.timeplan), so a run that is short of time widens the last brackets instead of skipping the
+last deployments."""
 IDLE_REPS = 3
 """Requests served alone, before a deployment's goodput search, to see whether it can meet the SLOs."""
 NOTES = {
@@ -152,7 +163,7 @@ PROFILES = {
         5,
         100,
         4.0,
-        7200,
+        5700,
         growth=1.4,
         interference_seeds=(1, 2, 3),
     ),
@@ -230,7 +241,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-min",
         type=float,
         default=None,
-        help="minutes after which no new probe starts (default: the profile's, 120 for --full)",
+        help="minutes the run's parts share (benchlib.timeplan; default: the profile's, 95 for --full, so "
+        "that make bench, with the orchestration cost and AIPerf after it, ends within 120)",
     )
     parser.add_argument(
         "--no-bandwidth",
@@ -510,10 +522,15 @@ async def tune_grid(
     model = Path(results["meta"].get("model", "")).name
     where = results["meta"].get("machine_key", "")
     tried = list(earlier)
+
+    def known_of(choice: Any) -> GridEntry | None:
+        return cache.lookup(kind, choice.label, workload, model, where) if cache is not None else None
+
+    to_measure = [c for c in grid if not any(e["config"] == c.label for e in tried) and known_of(c) is None]
     for choice in grid:
         if any(e["config"] == choice.label for e in tried):
             continue  # an earlier stage's configuration
-        known = cache.lookup(kind, choice.label, workload, model, where) if cache is not None else None
+        known = known_of(choice)
         if known is not None:
             entry = {"config": choice.label, "command": known.command, "goodput_rps": known.goodput_rps,
                      "bracket": known.bracket, "error": known.error, "measured": known.measured,
@@ -523,7 +540,10 @@ async def tune_grid(
             continue
         entry = {"config": choice.label, "command": "", "goodput_rps": None, "error": "",
                  "measured": _now(), "reused": False}  # fmt: skip
-        if time.monotonic() > deadline:  # not even started: a start alone can take minutes (vLLM)
+        # each configuration still to measure gets an equal share of the grid's time left
+        now = time.monotonic()
+        own = shares(deadline, len(to_measure) - to_measure.index(choice), now)
+        if now > deadline:  # not even started: a start alone can take minutes (vLLM)
             entry["error"] = "skipped: the run's time budget was spent"
             log(f"{kind} grid, {choice.label}: {entry['error']}")
             tried.append(entry)
@@ -537,7 +557,7 @@ async def tune_grid(
                     f"{kind} ({choice.label})", config, args.cores, "", pgid=pgid, available=True
                 )
                 records: dict[str, Any] = {"goodput": {}, "interference": {}}
-                await search(dep, tuning, factory, scratch, records, deadline, ("goodput",), frozen)
+                await search(dep, tuning, factory, scratch, records, TimePlan(own), ("goodput",), frozen)
             found = scratch["goodput"].get(workload, {}).get(dep.name)
             skipped = found is None  # the search skipped it: the run's time budget was spent
             if skipped:
@@ -569,6 +589,46 @@ async def tune_grid(
     if chosen is None:
         raise RuntimeError(f"the {kind} grid's best ({best['config']}) is not among this stage's choices")
     return chosen
+
+
+def time_plan(
+    names: list[str], args: argparse.Namespace, profile: Profile, cache: GridCache, facts: Any, end: float
+) -> TimePlan:
+    """Every part the run will take, in measuring order, weighted (benchlib.timeplan): each grid's
+    configurations that the cache does not answer, then each workload's goodput search and the
+    interference pair of each deployment."""
+    plan = TimePlan(end)
+    model, where, first = (
+        Path(args.model_dir).name,
+        machine_key(facts.model, facts.flags),
+        profile.workloads[0],
+    )
+
+    def to_measure(kind: str, grid: list[Any]) -> int:
+        if len(grid) < 2:
+            return 0  # taken as it is, never searched
+        return sum(cache.lookup(kind, c.label, first, model, where) is None for c in grid)
+
+    tuned = not args.triton_url and args.start_triton is not None and not args.derive_slos
+    grids = {
+        "colocated": [("", colocated_grid(args.colocated_grid))] if tuned else [],
+        "disagg": [("", disagg_grid(args.disagg_grid))] if tuned else [],
+        "llamacpp": [("", llamacpp_grid(args.llamacpp_grid))],
+        "vllm": [("", vllm_tuning_grid(args))],
+    }
+    if not args.vllm_url and args.vllm_chunk_grid.strip():
+        # the second stage's labels depend on the first's best: every budget is counted as unmeasured
+        budgets = [b for b in args.vllm_chunk_grid.split(",") if b.strip()]
+        grids["vllm"].append(("chunks", [None, *budgets]))
+    for name in sorted(names, key=MEASURING_ORDER.index):
+        for stage, grid in grids.get(name, []):
+            count = len(grid) - 1 if stage else to_measure(name, grid)
+            if count:
+                plan.add(grid_part(name, stage), GRID_CONFIG_WEIGHT * count)
+        for workload in profile.workloads:
+            plan.add(goodput_part(name, workload), GOODPUT_WEIGHT)
+        plan.add(interference_part(name), INTERFERENCE_WEIGHT)
+    return plan
 
 
 def _now() -> str:
@@ -737,14 +797,15 @@ async def measure(
     factory: PromptFactory,
     results: dict[str, Any],
     records: dict[str, Any],
-    deadline: float,
+    plan: TimePlan,
     experiments: tuple[str, ...] = ("goodput", "interference"),
     frozen: dict[str, FrozenSlo] | None = None,
     starts: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
     interference pair once per seed of the profile and pool them; fills `results` and `records` in
-    place. With `frozen`, every workload is judged by its frozen SLO (the calibration's idle figures are
+    place. Each search and the interference pair take their deadline from `plan` (its parts
+    `goodput_part` and `interference_part`; a part not planned runs to the plan's end). With `frozen`, every workload is judged by its frozen SLO (the calibration's idle figures are
     still measured and reported). `starts[workload][deployment]`: an earlier run's goodput, where the
     search starts (with a smaller bracketing step) instead of the idle start."""
     if dep.config is None:
@@ -789,6 +850,7 @@ async def measure(
                     f"{cal.idle_tpot_s * 1000:.1f} ms on {reference})"
                 )
         for name in profile.workloads if "goodput" in experiments else ():
+            deadline = plan.start(goodput_part(dep.name, name))
             if time.monotonic() > deadline:
                 results["meta"]["notes"].append(f"{dep.name} {name}: skipped, time budget spent")
                 continue
@@ -817,7 +879,7 @@ async def measure(
             log(f"{dep.name}: {name} goodput {res.best_rate:.3f} req/s ({res.per_core:.3f} per core)")
         if "interference" not in experiments:
             return
-        if time.monotonic() > deadline:
+        if time.monotonic() > plan.start(interference_part(dep.name)):
             results["meta"]["notes"].append(f"{dep.name} interference: skipped, time budget spent")
             return
         if _server_lost(dep, "interference", results):
@@ -1083,6 +1145,8 @@ async def main_async(args: argparse.Namespace) -> int:
     log(f"machine: {facts.describe()}")
     cache = GridCache(args.grid_cache, reuse=args.reuse_grids)
     starts = earlier_goodputs(args.start_at) if args.start_at else {}
+    plan = time_plan(names, args, profile, cache, facts, deadline)
+    log(f"time plan: {len(plan.parts)} parts in {plan.remaining_s() / 60:.0f} min")
 
     triton_server = None
     triton_url = args.triton_url
@@ -1121,7 +1185,7 @@ async def main_async(args: argparse.Namespace) -> int:
             try:
                 best = await tune_grid(
                     "colocated", colocated_grid(args.colocated_grid), colocated_running, args, workdir,
-                    profile, factory, results, deadline, frozen, cache=cache,
+                    profile, factory, results, plan.start(grid_part("colocated")), frozen, cache=cache,
                 )  # fmt: skip
                 scratch = fresh(workdir / "colocated-best")
                 repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
@@ -1132,7 +1196,7 @@ async def main_async(args: argparse.Namespace) -> int:
             try:
                 best = await tune_grid(
                     "disagg", disagg_grid(args.disagg_grid), disagg_running, args, workdir, profile,
-                    factory, results, deadline, frozen, cache=cache,
+                    factory, results, plan.start(grid_part("disagg")), frozen, cache=cache,
                 )  # fmt: skip
                 repository = best.repository(repository, fresh(workdir / "disagg-best"))
                 grid_start(starts, results, "disagg")
@@ -1200,6 +1264,7 @@ async def main_async(args: argparse.Namespace) -> int:
             dep = deployments[name]
             if not dep.available:
                 log(f"{name}: not measured ({dep.reason})")
+                plan.drop(name)  # its time goes to the others
                 continue
             try:
                 if name == "vllm-pd":
@@ -1208,12 +1273,12 @@ async def main_async(args: argparse.Namespace) -> int:
                         results["vllm_pd"] = {"command": command}
                         dep.config, dep.endpoint = config, f"{config.url} (started here)"
                         await measure(
-                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                            dep, profile, factory, results, records, plan, experiments, frozen, starts
                         )
                 elif name == "llamacpp":
                     choice = await tune_grid(
                         "llamacpp", llamacpp_grid(args.llamacpp_grid), llamacpp_running, args, workdir,
-                        profile, factory, results, deadline, frozen, cache=cache,
+                        profile, factory, results, plan.start(grid_part("llamacpp")), frozen, cache=cache,
                     )  # fmt: skip
                     dep.note = f"llama.cpp's server, taskset -c {args.vllm_cpus}, {choice.label}"
                     grid_start(starts, results, "llamacpp")
@@ -1222,17 +1287,18 @@ async def main_async(args: argparse.Namespace) -> int:
                         results["llamacpp_grid"]["command"] = command
                         dep.config, dep.pgid, dep.endpoint = config, pgid, f"{config.url} (started here)"
                         await measure(
-                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                            dep, profile, factory, results, records, plan, experiments, frozen, starts
                         )
                 elif name == "vllm":
                     choice = await tune_grid(
                         "vllm", vllm_tuning_grid(args), vllm_running, args, workdir, profile, factory,
-                        results, deadline, frozen, cache=cache,
+                        results, plan.start(grid_part("vllm")), frozen, cache=cache,
                     )  # fmt: skip
                     if not args.vllm_url and args.vllm_chunk_grid.strip():
                         choice = await tune_grid(
                             "vllm", vllm_chunk_grid(choice, args.vllm_chunk_grid), vllm_running, args,
-                            workdir, profile, factory, results, deadline, frozen, cache=cache, extend=True,
+                            workdir, profile, factory, results, plan.start(grid_part("vllm", "chunks")),
+                            frozen, cache=cache, extend=True,
                         )  # fmt: skip
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
                     grid_start(starts, results, "vllm")
@@ -1247,10 +1313,10 @@ async def main_async(args: argparse.Namespace) -> int:
                                 "started while Triton deployments were)."
                             )
                         await measure(
-                            dep, profile, factory, results, records, deadline, experiments, frozen, starts
+                            dep, profile, factory, results, records, plan, experiments, frozen, starts
                         )
                 elif args.derive_slos:
-                    await measure(dep, profile, factory, results, records, deadline, ())
+                    await measure(dep, profile, factory, results, records, plan, ())
                     cals = {
                         n: _calibration(d) for n, d in results["calibrations"].items() if n in needed
                     }  # SLOs given from outside are never frozen
@@ -1263,12 +1329,11 @@ async def main_async(args: argparse.Namespace) -> int:
                     log(f"froze the SLOs of {model_key} ({', '.join(cals)}) in {args.slo_file}")
                     derived = True
                 else:
-                    await measure(
-                        dep, profile, factory, results, records, deadline, experiments, frozen, starts
-                    )
+                    await measure(dep, profile, factory, results, records, plan, experiments, frozen, starts)
             except Exception as exc:  # one broken deployment is reported, the others still run
                 dep.available, dep.reason = False, f"failed: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"{name}: {dep.reason}")
+                plan.drop(name)
             if not args.derive_slos:  # a run cut short still leaves what it measured
                 write_partial(results, records, deployments, args, started, earlier)
     finally:

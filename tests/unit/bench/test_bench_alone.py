@@ -14,6 +14,7 @@ from benchlib import report
 from benchlib.clients import ClientConfig
 from benchlib.experiment import GoodputResult
 from benchlib.metrics import Slo
+from benchlib.timeplan import TimePlan
 from benchlib.slo import FIXED_SLOS, Calibration, FrozenSlo, base_workload, slo_from_idle
 
 FROZEN = {
@@ -59,7 +60,7 @@ def measure(
     records: dict = {"goodput": {}, "interference": {}}
     profile = dataclasses.replace(run_all.PROFILES["quick"], workloads=workloads)
     dep = run_all.Deployment(name, ClientConfig("openai", "http://127.0.0.1:1", "m"), 2, "", available=True)
-    asyncio.run(run_all.measure(dep, profile, None, results, records, 1e18, ("goodput",), FROZEN))
+    asyncio.run(run_all.measure(dep, profile, None, results, records, TimePlan(1e18), ("goodput",), FROZEN))
     return results, searched
 
 

@@ -1,0 +1,143 @@
+"""The benchmark's time plan: each part gets its weighted share of the time left when it starts, a part
+that ends early leaves its time to the rest, a deployment dropped gives its parts' time back, and a
+grid's configurations share the grid's time; run_all plans the parts the cache does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+import run_all
+from benchlib.clients import ClientConfig
+from benchlib.gridcache import GridCache, GridEntry, machine_key
+from benchlib.machine import Machine
+from benchlib.timeplan import (
+    GOODPUT_WEIGHT,
+    GRID_CONFIG_WEIGHT,
+    INTERFERENCE_WEIGHT,
+    TimePlan,
+    goodput_part,
+    grid_part,
+    interference_part,
+    shares,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_part_gets_its_weighted_share_of_the_time_left() -> None:
+    clock = Clock()
+    plan = TimePlan(100.0, clock=clock)
+    plan.extend([("a/goodput/x", 1.0), ("a/grid", 2.0), ("b/goodput/x", 1.0)])
+    assert plan.start("a/goodput/x") == pytest.approx(25.0)  # 1 of 4
+    clock.now = 10.0  # it ended early: its 15 s go to the rest
+    assert plan.start("a/grid") == pytest.approx(10.0 + 90.0 * 2 / 3)
+    clock.now = 80.0  # the grid overran its share: the last part gets what is left
+    assert plan.start("b/goodput/x") == pytest.approx(100.0)
+    assert plan.parts == {}
+
+
+def test_no_time_left_gives_deadlines_already_passed() -> None:
+    clock = Clock()
+    plan = TimePlan(50.0, clock=clock)
+    plan.extend([("a/goodput/x", 1.0), ("a/interference", 1.0)])
+    clock.now = 70.0
+    assert plan.start("a/goodput/x") == 70.0 and plan.remaining_s() == 0.0
+
+
+def test_a_part_not_planned_runs_to_the_end_and_dropping_a_deployment_frees_its_time() -> None:
+    clock = Clock()
+    plan = TimePlan(90.0, clock=clock)
+    plan.extend([("vllm/grid", 1.0), ("vllm/goodput/x", 1.0), ("vllm-pd/goodput/x", 1.0)])
+    assert plan.start("llm/goodput/x") == 90.0  # not planned: nothing after it needs the time
+    plan.drop("vllm")  # its prefix is the deployment's name and a slash: vllm-pd's parts stay
+    assert list(plan.parts) == ["vllm-pd/goodput/x"]
+    assert plan.start("vllm-pd/goodput/x") == 90.0
+
+
+def test_weights_and_parts_are_checked() -> None:
+    plan = TimePlan(10.0)
+    with pytest.raises(ValueError, match="positive"):
+        plan.add("a/grid", 0)
+    plan.add("a/grid", 1)
+    with pytest.raises(ValueError, match="twice"):
+        plan.add("a/grid", 1)
+    with pytest.raises(ValueError):
+        shares(10.0, 0, 0.0)
+    assert shares(10.0, 4, 2.0) == pytest.approx(4.0) and shares(10.0, 2, 12.0) == 12.0
+
+
+MACHINE = Machine("AMD EPYC", 2, ("avx2",), None, None)
+
+
+def _args(tmp_path: Path, *extra: str):
+    model = tmp_path / "smollm2"
+    model.mkdir(exist_ok=True)
+    (model / "tokenizer.json").write_text("{}")
+    return run_all.parse_args(["--full", "--model-dir", str(model), "--start-triton", str(tmp_path), *extra])
+
+
+def test_the_run_plans_every_deployments_parts_and_only_the_grid_configurations_still_to_measure(
+    tmp_path: Path,
+) -> None:
+    args = _args(tmp_path, "--deployments", "vllm,colocated,llamacpp", "--vllm-chunk-grid", "256,512")
+    where = machine_key(MACHINE.model, MACHINE.flags)
+    cache = GridCache(tmp_path / "grids.json", reuse=True)
+    first = run_all.colocated_grid(args.colocated_grid)[0].label
+    cache.put(GridEntry("colocated", first, "codegen", "smollm2", where, "2026-12-06T00:00:00+00:00", 1.0,
+                        None, "cmd", ""))  # fmt: skip
+    profile = run_all.PROFILES["full"]
+    plan = run_all.time_plan(["vllm", "colocated", "llamacpp"], args, profile, cache, MACHINE, 1e6)
+    workloads = profile.workloads
+    expected = {
+        grid_part("colocated"): GRID_CONFIG_WEIGHT * (len(run_all.colocated_grid(args.colocated_grid)) - 1),
+        **{goodput_part("colocated", w): GOODPUT_WEIGHT for w in workloads},
+        interference_part("colocated"): INTERFERENCE_WEIGHT,
+        grid_part("llamacpp"): GRID_CONFIG_WEIGHT * len(run_all.llamacpp_grid(args.llamacpp_grid)),
+        **{goodput_part("llamacpp", w): GOODPUT_WEIGHT for w in workloads},
+        interference_part("llamacpp"): INTERFERENCE_WEIGHT,
+        grid_part("vllm"): GRID_CONFIG_WEIGHT * len(run_all.vllm_tuning_grid(args)),
+        grid_part("vllm", "chunks"): GRID_CONFIG_WEIGHT * 2,
+        **{goodput_part("vllm", w): GOODPUT_WEIGHT for w in workloads},
+        interference_part("vllm"): INTERFERENCE_WEIGHT,
+    }
+    assert plan.parts == expected
+    assert list(plan.parts)[0] == grid_part("colocated")  # in measuring order
+
+
+def test_a_grids_configurations_share_its_time(tmp_path: Path, monkeypatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(run_all.time, "monotonic", clock)
+    deadlines: list[float] = []
+
+    @contextlib.contextmanager
+    def running(args, workdir, notes, choice):
+        yield ClientConfig("openai", "http://127.0.0.1:1", "m"), None, f"cmd {choice.label}"
+
+    async def search(dep, profile, factory, results, records, plan, experiments, frozen):
+        deadlines.append(plan.start("any part"))
+        clock.now += 10.0  # each configuration takes 10 s of its share
+        results["goodput"].setdefault("codegen", {})[dep.name] = {"goodput_rps": 1.0, "bracket": None}
+
+    grid = [run_all.VllmChoice("bfloat16", "0-1"), run_all.VllmChoice("float32", "0-1"),
+            run_all.VllmChoice("float32", "auto")]  # fmt: skip
+    results = {
+        "meta": {"notes": [], "model": "/m/smollm2", "machine_key": "m"},
+        "calibrations": {}, "goodput": {}, "interference": {},
+    }  # fmt: skip
+    asyncio.run(
+        run_all.tune_grid(
+            "vllm", grid, running, _args(tmp_path), tmp_path, run_all.PROFILES["quick"], None, results,
+            90.0, None, search,
+        )
+    )  # fmt: skip
+    # 90 s for three: 30 s for the first; the second gets half of the 80 left, the third all of 70
+    assert deadlines == pytest.approx([30.0, 10.0 + 40.0, 90.0])
