@@ -75,16 +75,6 @@ from benchlib.experiment import GoodputResult, RunPlan, pooled_interference, sea
 from benchlib.gridcache import GridCache, GridEntry, machine_key
 from benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
 from benchlib.search import Bracket, SearchConfig
-from benchlib.timeplan import (
-    GOODPUT_WEIGHT,
-    GRID_CONFIG_WEIGHT,
-    INTERFERENCE_WEIGHT,
-    TimePlan,
-    goodput_part,
-    grid_part,
-    interference_part,
-    shares,
-)
 from benchlib.slo import (
     FIXED_SLOS,
     REFERENCE_DEPLOYMENT,
@@ -98,6 +88,16 @@ from benchlib.slo import (
     freeze,
     judged_by,
     load_frozen,
+)
+from benchlib.timeplan import (
+    GOODPUT_WEIGHT,
+    GRID_CONFIG_WEIGHT,
+    INTERFERENCE_WEIGHT,
+    TimePlan,
+    goodput_part,
+    grid_part,
+    interference_part,
+    shares,
 )
 from benchlib.workload import WORKLOADS, PromptFactory
 
@@ -805,8 +805,9 @@ async def measure(
     """Calibrate (if this is the first deployment and none was done), search goodput per workload, run the
     interference pair once per seed of the profile and pool them; fills `results` and `records` in
     place. Each search and the interference pair take their deadline from `plan` (its parts
-    `goodput_part` and `interference_part`; a part not planned runs to the plan's end). With `frozen`, every workload is judged by its frozen SLO (the calibration's idle figures are
-    still measured and reported). `starts[workload][deployment]`: an earlier run's goodput, where the
+    `goodput_part` and `interference_part`; a part not planned runs to the plan's end). With `frozen`,
+    every workload is judged by its frozen SLO (the calibration's idle figures are still measured and
+    reported). `starts[workload][deployment]`: an earlier run's goodput, where the
     search starts (with a smaller bracketing step) instead of the idle start."""
     if dep.config is None:
         raise ValueError(f"{dep.name} has no client configuration")

@@ -110,7 +110,7 @@ def test_the_run_plans_every_deployments_parts_and_only_the_grid_configurations_
         interference_part("vllm"): INTERFERENCE_WEIGHT,
     }
     assert plan.parts == expected
-    assert list(plan.parts)[0] == grid_part("colocated")  # in measuring order
+    assert next(iter(plan.parts)) == grid_part("colocated")  # in measuring order
 
 
 def test_a_grids_configurations_share_its_time(tmp_path: Path, monkeypatch) -> None:
