@@ -91,10 +91,11 @@ from benchlib.slo import (
 )
 from benchlib.timeplan import (
     GOODPUT_WEIGHT,
-    GRID_CONFIG_WEIGHT,
     INTERFERENCE_WEIGHT,
+    MIN_CONFIG_S,
     TimePlan,
     goodput_part,
+    grid_config_weight,
     grid_part,
     interference_part,
     shares,
@@ -502,6 +503,7 @@ async def tune_grid(
     search: Callable[..., Awaitable[None]] | None = None,
     cache: GridCache | None = None,
     extend: bool = False,
+    run_end: float | None = None,
 ) -> Any:
     """A deployment at its best: every configuration of `grid` (choices with a `label`) searched for
     goodput on the profile's first workload with the quick plan, each recorded (with its exact command
@@ -511,7 +513,9 @@ async def tune_grid(
     `cache`: a configuration measured earlier in this run, or (with its reuse on) in an earlier run on
     this machine, is taken from it, not measured again; what is measured goes into it.
     `extend`: a later stage of the same grid; the earlier stages' entries are kept, and the best is the
-    best of all (the earlier stages' best must be in `grid` to be returned)."""
+    best of all (the earlier stages' best must be in `grid` to be returned). `deadline`: the grid's
+    share of the run (benchlib.timeplan); `run_end`: the run's end, past which no configuration starts
+    (default: `deadline`)."""
     search = search or measure
     workload = profile.workloads[0]
     earlier = results.get(f"{kind}_grid", {}).get("tried", []) if extend else []
@@ -540,10 +544,12 @@ async def tune_grid(
             continue
         entry = {"config": choice.label, "command": "", "goodput_rps": None, "error": "",
                  "measured": _now(), "reused": False}  # fmt: skip
-        # each configuration still to measure gets an equal share of the grid's time left
+        # each configuration still to measure gets an equal share of the grid's time left, and at
+        # least MIN_CONFIG_S (a server start and a few probes): a configuration is skipped only once
+        # the whole run's time is spent, since a peer cut from its grid is a peer below its best
         now = time.monotonic()
-        own = shares(deadline, len(to_measure) - to_measure.index(choice), now)
-        if now > deadline:  # not even started: a start alone can take minutes (vLLM)
+        own = max(shares(deadline, len(to_measure) - to_measure.index(choice), now), now + MIN_CONFIG_S)
+        if now > (run_end if run_end is not None else deadline):  # a start alone can take minutes
             entry["error"] = "skipped: the run's time budget was spent"
             log(f"{kind} grid, {choice.label}: {entry['error']}")
             tried.append(entry)
@@ -624,7 +630,7 @@ def time_plan(
         for stage, grid in grids.get(name, []):
             count = len(grid) - 1 if stage else to_measure(name, grid)
             if count:
-                plan.add(grid_part(name, stage), GRID_CONFIG_WEIGHT * count)
+                plan.add(grid_part(name, stage), grid_config_weight(name) * count)
         for workload in profile.workloads:
             plan.add(goodput_part(name, workload), GOODPUT_WEIGHT)
         plan.add(interference_part(name), INTERFERENCE_WEIGHT)
@@ -1187,6 +1193,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 best = await tune_grid(
                     "colocated", colocated_grid(args.colocated_grid), colocated_running, args, workdir,
                     profile, factory, results, plan.start(grid_part("colocated")), frozen, cache=cache,
+                    run_end=plan.end,
                 )  # fmt: skip
                 scratch = fresh(workdir / "colocated-best")
                 repository = with_pool_parameters(repository, scratch, "colocated", best.parameters())
@@ -1197,7 +1204,7 @@ async def main_async(args: argparse.Namespace) -> int:
             try:
                 best = await tune_grid(
                     "disagg", disagg_grid(args.disagg_grid), disagg_running, args, workdir, profile,
-                    factory, results, plan.start(grid_part("disagg")), frozen, cache=cache,
+                    factory, results, plan.start(grid_part("disagg")), frozen, cache=cache, run_end=plan.end,
                 )  # fmt: skip
                 repository = best.repository(repository, fresh(workdir / "disagg-best"))
                 grid_start(starts, results, "disagg")
@@ -1279,7 +1286,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 elif name == "llamacpp":
                     choice = await tune_grid(
                         "llamacpp", llamacpp_grid(args.llamacpp_grid), llamacpp_running, args, workdir,
-                        profile, factory, results, plan.start(grid_part("llamacpp")), frozen, cache=cache,
+                        profile, factory, results, plan.start(grid_part("llamacpp")), frozen,
+                        cache=cache, run_end=plan.end,
                     )  # fmt: skip
                     dep.note = f"llama.cpp's server, taskset -c {args.vllm_cpus}, {choice.label}"
                     grid_start(starts, results, "llamacpp")
@@ -1293,13 +1301,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 elif name == "vllm":
                     choice = await tune_grid(
                         "vllm", vllm_tuning_grid(args), vllm_running, args, workdir, profile, factory,
-                        results, plan.start(grid_part("vllm")), frozen, cache=cache,
+                        results, plan.start(grid_part("vllm")), frozen, cache=cache, run_end=plan.end,
                     )  # fmt: skip
                     if not args.vllm_url and args.vllm_chunk_grid.strip():
                         choice = await tune_grid(
                             "vllm", vllm_chunk_grid(choice, args.vllm_chunk_grid), vllm_running, args,
                             workdir, profile, factory, results, plan.start(grid_part("vllm", "chunks")),
-                            frozen, cache=cache, extend=True,
+                            frozen, cache=cache, run_end=plan.end, extend=True,
                         )  # fmt: skip
                     dep.note = f"vLLM CPU 0.32.0, taskset -c {args.vllm_cpus}, {choice.label}"
                     grid_start(starts, results, "vllm")

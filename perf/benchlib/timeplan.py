@@ -22,8 +22,17 @@ GOODPUT_WEIGHT = 1.0
 """One goodput search of a workload on a deployment."""
 INTERFERENCE_WEIGHT = 1.0
 """The interference pair, every seed (a fixed number of requests: it is skipped, never cut)."""
+GRID_CONFIG_WEIGHTS = {"vllm": 1.0}
+"""One configuration of a grid, searched with the quick plan, by deployment: its server start included
+(vLLM compiles at every start, a minute or two on two cores)."""
 GRID_CONFIG_WEIGHT = 0.5
-"""One configuration of a grid, searched with the quick plan (and its own server start)."""
+"""The same, for the deployments not in GRID_CONFIG_WEIGHTS."""
+MIN_CONFIG_S = 120.0
+"""The least time a grid configuration gets, whatever its share: a server start and a few probes."""
+
+
+def grid_config_weight(deployment: str) -> float:
+    return GRID_CONFIG_WEIGHTS.get(deployment, GRID_CONFIG_WEIGHT)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from benchlib.timeplan import (
     INTERFERENCE_WEIGHT,
     TimePlan,
     goodput_part,
+    grid_config_weight,
     grid_part,
     interference_part,
     shares,
@@ -104,8 +105,8 @@ def test_the_run_plans_every_deployments_parts_and_only_the_grid_configurations_
         grid_part("llamacpp"): GRID_CONFIG_WEIGHT * len(run_all.llamacpp_grid(args.llamacpp_grid)),
         **{goodput_part("llamacpp", w): GOODPUT_WEIGHT for w in workloads},
         interference_part("llamacpp"): INTERFERENCE_WEIGHT,
-        grid_part("vllm"): GRID_CONFIG_WEIGHT * len(run_all.vllm_tuning_grid(args)),
-        grid_part("vllm", "chunks"): GRID_CONFIG_WEIGHT * 2,
+        grid_part("vllm"): grid_config_weight("vllm") * len(run_all.vllm_tuning_grid(args)),
+        grid_part("vllm", "chunks"): grid_config_weight("vllm") * 2,
         **{goodput_part("vllm", w): GOODPUT_WEIGHT for w in workloads},
         interference_part("vllm"): INTERFERENCE_WEIGHT,
     }
@@ -113,7 +114,8 @@ def test_the_run_plans_every_deployments_parts_and_only_the_grid_configurations_
     assert next(iter(plan.parts)) == grid_part("colocated")  # in measuring order
 
 
-def test_a_grids_configurations_share_its_time(tmp_path: Path, monkeypatch) -> None:
+def _tune_timed(tmp_path: Path, monkeypatch, deadline: float, run_end: float | None) -> list[float]:
+    """Three vLLM configurations tuned under a fake clock, each taking 10 s: their deadlines."""
     clock = Clock()
     monkeypatch.setattr(run_all.time, "monotonic", clock)
     deadlines: list[float] = []
@@ -136,8 +138,23 @@ def test_a_grids_configurations_share_its_time(tmp_path: Path, monkeypatch) -> N
     asyncio.run(
         run_all.tune_grid(
             "vllm", grid, running, _args(tmp_path), tmp_path, run_all.PROFILES["quick"], None, results,
-            90.0, None, search,
+            deadline, None, search, run_end=run_end,
         )
     )  # fmt: skip
+    return deadlines
+
+
+def test_a_grids_configurations_share_its_time(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(run_all, "MIN_CONFIG_S", 0.0)
     # 90 s for three: 30 s for the first; the second gets half of the 80 left, the third all of 70
-    assert deadlines == pytest.approx([30.0, 10.0 + 40.0, 90.0])
+    assert _tune_timed(tmp_path, monkeypatch, 90.0, None) == pytest.approx([30.0, 10.0 + 40.0, 90.0])
+
+
+def test_a_configuration_gets_its_minimum_and_is_skipped_only_past_the_runs_end(
+    tmp_path, monkeypatch
+) -> None:
+    """A grid whose share is spent still measures its configurations while the run has time: a peer cut
+    from its grid would be a peer below its best. Past the run's end nothing more starts."""
+    monkeypatch.setattr(run_all, "MIN_CONFIG_S", 25.0)
+    assert _tune_timed(tmp_path, monkeypatch, 30.0, 1000.0) == pytest.approx([25.0, 35.0, 45.0])
+    assert _tune_timed(tmp_path, monkeypatch, 30.0, 15.0) == pytest.approx([25.0, 35.0])  # third: skipped
