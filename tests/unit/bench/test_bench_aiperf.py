@@ -132,11 +132,18 @@ def test_rate_and_vllm_come_from_the_bench_results() -> None:
         "goodput": {"codegen": {"disagg": {"goodput_rps": 2.34}}},
         "vllm_grid": {"best": "float32, bind auto"},
     }
-    assert ac.from_bench(bench, "codegen") == (2.3, "float32", "auto", 0)
+    assert ac.from_bench(bench, "codegen") == (2.3, "float32", "auto", 0, "disagg")
     chunked = {**bench, "vllm_grid": {"best": "bfloat16, bind 0-1, 512 batched tokens"}}
-    assert ac.from_bench(chunked, "codegen") == (2.3, "bfloat16", "0-1", 512)
+    assert ac.from_bench(chunked, "codegen") == (2.3, "bfloat16", "0-1", 512, "disagg")
     with pytest.raises(ValueError, match="no disagg goodput"):
         ac.from_bench(bench, "chat")
+    # the disaggregated deployment missed its SLOs at every rate: the best other's goodput is the rate
+    goodputs = {"disagg": 0.0, "colocated": 0.452, "vllm": 0.21}
+    missed = {**bench, "goodput": {"codegen": {n: {"goodput_rps": g} for n, g in goodputs.items()}}}
+    assert ac.from_bench(missed, "codegen") == (0.5, "float32", "auto", 0, "colocated")
+    none = {**bench, "goodput": {"codegen": {"disagg": {"goodput_rps": 0.0}, "vllm": {"goodput_rps": 0.01}}}}
+    with pytest.raises(ValueError, match="no deployment reached"):
+        ac.from_bench(none, "codegen")
 
 
 def test_the_report_section_is_replaced_not_repeated() -> None:
