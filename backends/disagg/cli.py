@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg.engine.errors import EngineError
+from disagg.kv.secret import ENV_VAR as ENV_SECRET
+from disagg.openai.auth import ENV_API_KEY, load_key
 from disagg.openai.config import DEFAULT_PORT, ENV_PORT, parse_port
 from disagg.openai.launcher import FrontendError, FrontendLaunch, FrontendProcess
 from disagg.paths import ensure_model, resolve_model_dir
@@ -29,8 +31,10 @@ from disagg.serverconfig import (
     DEFAULT_EXIT_TIMEOUT_S,
     DEFAULT_REPOSITORY,
     ENV_ADMIN_KEY,
+    LOOPBACK,
     STATE_DIR,
     ServerError,
+    exposure,
     parse_cpus,
     redact,
     server_config,
@@ -175,7 +179,13 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--exit-timeout", type=int, default=DEFAULT_EXIT_TIMEOUT_S, metavar="SECONDS")
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL")
-    parser.add_argument("--address", default="0.0.0.0", help="bind address of HTTP and gRPC")
+    parser.add_argument(
+        "--address",
+        default=LOOPBACK,
+        help=f"bind address of gRPC, HTTP, the metrics and the OpenAI front end (default {LOOPBACK}: "
+        "this machine only; 0.0.0.0 exposes them on every interface). A pool role (--role prefill or "
+        "decode) keeps HTTP on loopback: only gRPC, the pools' link, is exposed",
+    )
     parser.add_argument(
         "--cpus",
         default="",
@@ -195,6 +205,13 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="PORT",
         help=f"port of the OpenAI-compatible front end (default ${ENV_PORT}, else {DEFAULT_PORT}; 0: off)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"a file holding the key the OpenAI front end asks of every /v1/* request (default "
+        f"${ENV_API_KEY}; neither set: no key is asked)",
     )
     parser.add_argument(
         "--spec",
@@ -248,6 +265,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         openai_port = parse_port(
             args.openai_port if args.openai_port is not None else os.environ.get(ENV_PORT)
         )
+        if openai_port:
+            load_key(os.environ, args.api_key_file)  # a bad key fails before anything starts
     except ValueError as exc:
         parser.error(str(exc))
     frontend: FrontendProcess | None = None
@@ -275,14 +294,16 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 exit_timeout_s=args.exit_timeout,
                 log_verbose=args.log_verbose,
                 address=args.address,
+                # Triton's HTTP endpoint has no TLS: a pool between hosts is reached over gRPC only
+                **({"http_address": LOOPBACK} if args.role in ("prefill", "decode") else {}),
                 cpus=parse_cpus(args.cpus),
             )
         except (ValueError, ServerError, OSError) as exc:
             return fail(exc)
         print(
             f"disagg serve: HTTP {config.http_url}, gRPC {config.grpc_url}, metrics {config.metrics_url}; "
-            f"admin APIs need header {ADMIN_HEADER!r} (key in {STATE_DIR / ADMIN_KEY_FILE} or "
-            f"${ENV_ADMIN_KEY})",
+            f"{exposure(config)}; admin APIs need header {ADMIN_HEADER!r} (key in "
+            f"{STATE_DIR / ADMIN_KEY_FILE} or ${ENV_ADMIN_KEY})",
             file=sys.stderr,
             flush=True,
         )
@@ -329,9 +350,16 @@ def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str) -> Front
         triton_url=grpc_url,
         model_dir=resolve_model_dir(),
         drain_s=float(args.exit_timeout),
+        api_key_file=args.api_key_file,
     )
-    frontend = FrontendProcess(launch, env_drop=(ENV_ADMIN_KEY,)).start()
-    print(f"disagg serve: OpenAI-compatible API {frontend.url}", file=sys.stderr, flush=True)
+    # the front end needs neither the admin key nor the deployment secret that signs KV hand-offs
+    frontend = FrontendProcess(launch, env_drop=(ENV_ADMIN_KEY, ENV_SECRET)).start()
+    keyed = load_key(os.environ, args.api_key_file) is not None
+    guard = (
+        "every /v1/* request needs its key" if keyed
+        else f"open to whoever reaches it (set ${ENV_API_KEY} or --api-key-file to ask a key)"
+    )  # fmt: skip
+    print(f"disagg serve: OpenAI-compatible API {frontend.url}, {guard}", file=sys.stderr, flush=True)
     return frontend
 
 

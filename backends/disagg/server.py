@@ -33,6 +33,7 @@ from disagg.control import ModelControl
 from disagg.kv.stale import DEFAULT_DIRECTORY as KV_DIRECTORY
 from disagg.kv.stale import DEFAULT_PREFIX as KV_PREFIX
 from disagg.kv.stale import clean_stale_regions
+from disagg.launch import scrubber
 from disagg.procfs import PROC, read_stat
 from disagg.serverconfig import (
     ADMIN_HEADER,
@@ -43,6 +44,7 @@ from disagg.serverconfig import (
     ENV_METRICS_PORT,
     GRPC_ADMIN_HEADER,
     RESTRICTED_APIS,
+    SECRET_OPTIONS,
     ServerConfig,
     ServerError,
     build_command,
@@ -182,9 +184,19 @@ class TritonServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             output = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
+            # the admin key in its argv is masked before its main runs: `ps` never shows it
+            env = scrubber.environment(
+                build_environment(files, model_dir=self.config.model_dir, http_url=self.config.http_url),
+                SECRET_OPTIONS,
+            )
+        except scrubber.ScrubberError as exc:
+            if output is not None:
+                output.close()
+            raise ServerError(str(exc)) from exc
+        try:
             self._process = subprocess.Popen(
                 build_command(self.config, files),
-                env=build_environment(files, model_dir=self.config.model_dir, http_url=self.config.http_url),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT if output is not None else None,

@@ -30,11 +30,14 @@ from typing import Any
 
 from disagg.tritonbin import TritonFiles
 
+LOOPBACK = "127.0.0.1"
+"""Every port is bound here unless an address is given: exposing a server is a decision."""
 ENV_HTTP_PORT = "HTTP_PORT"
 ENV_GRPC_PORT = "GRPC_PORT"
 ENV_METRICS_PORT = "METRICS_PORT"
 ENV_METRICS_ADDRESS = "METRICS_ADDRESS"
 ENV_ADMIN_KEY = "DISAGG_ADMIN_KEY"
+ENV_API_KEY = "DISAGG_API_KEY"  # disagg.openai.auth's: dropped from tritonserver's environment
 ENV_SERVER_HTTP = "DISAGG_SERVER_HTTP"
 """Set for the server's processes: host:port of its own HTTP endpoint (the orchestrators read model
 readiness there, see ``disagg.triton.readiness``)."""
@@ -44,6 +47,9 @@ ADMIN_HEADER = "disagg-admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 """gRPC metadata key for the same: Triton 2.51 prefixes the configured key with `triton-grpc-protocol-`."""
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+SECRET_OPTIONS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
+"""The options of tritonserver's argv that carry the admin key: masked in its /proc/PID/cmdline before
+its main runs (disagg.launch.scrubber)."""
 """Control-plane APIs behind the admin key: load/unload, client shared memory, and the two that make the
 server write files or change its logging."""
 
@@ -106,8 +112,10 @@ class ServerConfig:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    address: str = "0.0.0.0"
-    metrics_address: str = "0.0.0.0"
+    address: str = LOOPBACK
+    """gRPC's bind address, and HTTP's and the metrics' unless they are given: loopback unless asked."""
+    http_address: str = ""
+    metrics_address: str = ""
     exit_timeout_s: int = DEFAULT_EXIT_TIMEOUT_S
     log_verbose: int = 0
     shm_prefix: str = field(default_factory=_new_shm_prefix)
@@ -135,6 +143,10 @@ class ServerConfig:
         if len(set(ports)) != 3:
             raise ValueError("http_port, grpc_port and metrics_port must differ")
         _check_address("address", self.address)
+        for name in ("http_address", "metrics_address"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, self.address)  # frozen: set once, while built
+        _check_address("http_address", self.http_address)
         _check_address("metrics_address", self.metrics_address)
         timeout = self.exit_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= 3600:
@@ -189,7 +201,7 @@ class ServerConfig:
     @property
     def http_url(self) -> str:
         """`host:port` of the HTTP endpoint, for `tritonclient.http`."""
-        return f"{self.client_host(self.address)}:{self.http_port}"
+        return f"{self.client_host(self.http_address)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -294,8 +306,20 @@ def server_config(
     return ServerConfig.from_mapping(values)
 
 
+def exposure(config: ServerConfig) -> str:
+    """Who can reach the server, as its banner says it, with how to change it."""
+    bound = {config.address, config.http_address, config.metrics_address}
+    if all(ipaddress.ip_address(a).is_loopback for a in bound):
+        return "bound to loopback only (--address 0.0.0.0, or make serve HOST=0.0.0.0, exposes it)"
+    return (
+        f"bound to gRPC {config.address}, HTTP {config.http_address}, metrics {config.metrics_address} "
+        "(other machines reach every address that is not loopback)"
+    )
+
+
 def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
-    """The `tritonserver` argv for `config` (it contains the admin key: never log it unredacted)."""
+    """The `tritonserver` argv for `config`. It contains the admin key, in the SECRET_OPTIONS: start it
+    with disagg.launch.scrubber's environment, and never log it unredacted."""
     restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={config.admin_key}"
     return [
         str(files.server),
@@ -307,12 +331,11 @@ def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
         "--strict-readiness=true",
         "--exit-on-error=true",
         f"--exit-timeout-secs={config.exit_timeout_s}",
-        f"--http-address={config.address}",
+        f"--http-address={config.http_address}",
         f"--http-port={config.http_port}",
         f"--grpc-address={config.address}",
         f"--grpc-port={config.grpc_port}",
-        f"--http-restricted-api={restricted}",
-        f"--grpc-restricted-protocol={restricted}",
+        *(f"{option}{restricted}" for option in SECRET_OPTIONS),
         # a frontend's remote pool client pings every 2 s to find a partitioned server (triton.remote)
         "--grpc-keepalive-permit-without-calls=true",
         "--grpc-http2-min-recv-ping-interval-without-data=1000",
@@ -339,6 +362,7 @@ def build_environment(
     (host:port of the server's own HTTP endpoint) when one is given."""
     env = dict(os.environ if base is None else base)
     env.pop(ENV_ADMIN_KEY, None)
+    env.pop(ENV_API_KEY, None)  # the OpenAI front end's, never Triton's
     if http_url is not None:
         env[ENV_SERVER_HTTP] = http_url
     if model_dir is not None:

@@ -308,6 +308,22 @@ def test_a_stream_ended_by_a_stop_word_leaves_no_call_open(
     assert wait_until(lambda: calls_open(server, "llm") == 0, 5, "no call to a pool left open")
 
 
+@pytest.mark.parametrize("model", ["ensemble", "llm", "ensemble_colocated"])
+def test_an_empty_answer_is_an_answer(server: TritonServer, expected: dict[str, str], model: str) -> None:
+    """A stop word that is the answer's first characters leaves nothing to say: unary `generate` still
+    gets its one response, with an empty text and finish reason "stop" (a final response with flags
+    alone was no response at all, and Triton failed the request)."""
+    first = expected["Hello world"][:3]
+    assert first.strip(), expected
+    body = {"text_input": "Hello world", "max_tokens": 16, "stop_words": first,
+            "exclude_input_in_output": True, "return_finish_reason": True}  # fmt: skip
+    status, reply = generate(server, model, body)
+    assert status == 200, reply
+    assert (reply["text_output"], reply["finish_reason"]) == ("", "stop")
+    events = generate_stream(server, model, body)
+    assert "".join(event.get("text_output", "") for event in events) == "", events
+
+
 def idle_now(server: TritonServer, baseline: dict[tuple[str, str], float]) -> bool:
     gauges = pool_gauges(server)
     return all(gauges.get(key) == value for key, value in baseline.items())

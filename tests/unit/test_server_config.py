@@ -28,7 +28,13 @@ from disagg.server import (
     remove_shm_regions,
     server_config,
 )
-from disagg.serverconfig import ENV_SERVER_HTTP, parse_cpus
+from disagg.serverconfig import (
+    ENV_SERVER_HTTP,
+    LOOPBACK,
+    SECRET_OPTIONS,
+    exposure,
+    parse_cpus,
+)
 from disagg.tritonbin import TritonFiles, TritonFilesError, prepare_backend_directory, project_backend_source
 
 KEY = "k" * 32
@@ -138,7 +144,8 @@ def test_command_line(files: TritonFiles) -> None:
         http_port=9000,
         grpc_port=9001,
         metrics_port=9002,
-        address="127.0.0.1",
+        address="127.0.0.3",
+        http_address="127.0.0.1",
         metrics_address="127.0.0.2",
         exit_timeout_s=7,
         log_verbose=1,
@@ -158,7 +165,7 @@ def test_command_line(files: TritonFiles) -> None:
         "--exit-timeout-secs=7",
         "--http-address=127.0.0.1",
         "--http-port=9000",
-        "--grpc-address=127.0.0.1",
+        "--grpc-address=127.0.0.3",
         "--grpc-port=9001",
         f"--http-restricted-api={restricted}",
         f"--grpc-restricted-protocol={restricted}",
@@ -172,6 +179,29 @@ def test_command_line(files: TritonFiles) -> None:
         "--log-verbose=1",
         "--log-info=false",
     ]
+
+
+def test_the_admin_key_is_only_in_options_the_scrubber_masks(files: TritonFiles) -> None:
+    """tritonserver takes the key only in its argv: every argument holding it must be one that
+    disagg.launch.scrubber masks in /proc/PID/cmdline before the server's main runs (a new option
+    carrying it would show in `ps`)."""
+    holding = [arg for arg in build_command(make_config(), files) if KEY in arg]
+    assert len(holding) == len(SECRET_OPTIONS)
+    assert all(arg.startswith(SECRET_OPTIONS) for arg in holding), holding
+
+
+def test_every_port_is_bound_to_loopback_unless_an_address_is_given(tmp_path: Path) -> None:
+    config = server_config(tmp_path, state_dir=tmp_path, env={})
+    assert {config.address, config.http_address, config.metrics_address} == {LOOPBACK}
+    assert "loopback only" in exposure(config)
+    exposed = server_config(tmp_path, state_dir=tmp_path, env={}, address="0.0.0.0")
+    assert {exposed.address, exposed.http_address, exposed.metrics_address} == {"0.0.0.0"}
+    assert "other machines" in exposure(exposed)
+    pool = server_config(tmp_path, state_dir=tmp_path, env={}, address="0.0.0.0", http_address=LOOPBACK)
+    assert (pool.address, pool.http_address) == ("0.0.0.0", LOOPBACK)
+    assert pool.http_url == f"{LOOPBACK}:8000" and pool.grpc_url == "127.0.0.1:8001"
+    metrics = server_config(tmp_path, state_dir=tmp_path, env={"METRICS_ADDRESS": "0.0.0.0"})
+    assert (metrics.address, metrics.metrics_address) == (LOOPBACK, "0.0.0.0")
 
 
 def test_each_config_gets_its_own_shm_prefix() -> None:

@@ -27,13 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +36,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from disagg.compiler import SHARED_FLAGS, cache_dir, compile_shared
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "bf16.c"
 TEAM = Path(__file__).resolve().parent / "kernels" / "team.c"  # the thread team they share
 TILE = 64  # outputs per tile of the gemm layout; kernels/bf16.c's COLS
 CODE_TILE = 16  # outputs per tile of block codes (disagg.engine.blockcode.TILE); kernels/bf16.c's QCOLS
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11", "-pthread")
+FLAGS = SHARED_FLAGS
 
 Gemm = Callable[..., torch.Tensor]
 
@@ -68,11 +65,6 @@ def use_threads(count: int) -> int:
         raise ValueError("a thread count is at least 0")
     previous, _threads = _threads, count
     return previous
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get("DISAGG_KERNEL_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "triton-disagg" / "kernels"
 
 
 @functools.cache
@@ -96,37 +88,13 @@ def cpu_has_amx() -> bool:
 
 def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
     """Compile a kernel source (``kernels/bf16.c`` unless told) unless a build of this very source
-    exists; returns the library's path.
-
-    Raises RuntimeError naming what failed (no compiler, compiler error). Safe to call from several
-    processes at once: each compiles to a temporary name and renames it into place."""
+    exists; returns the library's path (disagg.compiler: RuntimeError naming what failed)."""
     directory = directory or cache_dir()
     linked: list[str] = []
     if source_path != TEAM:  # every kernel library runs its parts on the one team library
         team = build(directory, TEAM)
         linked = [str(team), f"-Wl,-rpath,{team.parent}"]
-    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    source = source_path.read_bytes()
-    digest = hashlib.sha256(source + headers + " ".join((*FLAGS, *linked)).encode()).hexdigest()[:16]
-    target = directory / f"{source_path.stem}-{digest}.so"
-    if target.is_file():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        partial = Path(scratch) / target.name
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(source_path), *linked],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"compiling {source_path.name} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-    return target
+    return compile_shared(source_path, directory, FLAGS, linked)
 
 
 def load(

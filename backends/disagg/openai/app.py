@@ -1,11 +1,12 @@
 """The aiohttp application of the OpenAI front end.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health`` (200 when ``llm`` is ready, else 503). Every error is an OpenAI
-error body (``errors``). A stream's first piece is awaited before its 200 is sent, so that a request
-``llm`` refuses gets its own status; later failures arrive as an ``error`` event. The application runs
-with aiohttp's handler cancellation on: a client that disconnects cancels its handler, which cancels
-its gRPC stream (``client``), which stops the request on both pools.
+``GET /v1/models/{id}``, ``GET /health`` (200 when ``llm`` is ready, else 503), ``GET /metrics`` (the
+front end's own counters). With an API key configured, every ``/v1/*`` route needs it (``auth``).
+Every error is an OpenAI error body (``errors``). A stream's first piece is awaited before its 200 is
+sent, so that a request ``llm`` refuses gets its own status; later failures arrive as an ``error``
+event. The application runs with aiohttp's handler cancellation on: a client that disconnects cancels
+its handler, which cancels its gRPC stream (``client``), which stops the request on both pools.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from disagg.openai import auth
 from disagg.openai.chat import ChatTemplate
 from disagg.openai.client import LlmClient, Piece
 from disagg.openai.config import FrontendConfig
@@ -34,6 +37,8 @@ CONFIG = web.AppKey("config", FrontendConfig)
 CLIENT = web.AppKey("client", LlmClient)
 TEMPLATE: web.AppKey[ChatTemplate | None] = web.AppKey("template")
 STARTED = web.AppKey("started", int)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+REFUSALS = web.AppKey("refusals", auth.Refusals)
 
 _json = partial(json.dumps, ensure_ascii=False)
 
@@ -41,7 +46,11 @@ _json = partial(json.dumps, ensure_ascii=False)
 def create_app(config: FrontendConfig, client: LlmClient | None = None) -> web.Application:
     """The application for ``config``; ``client`` defaults to one on ``config.triton_url`` (closed with
     the application). Raises ValueError when the model's chat template cannot be read."""
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    registry = CollectorRegistry()
+    refusals = auth.Refusals(registry)
+    middlewares = [_errors] + ([auth.middleware(config.api_key, refusals)] if config.api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[REGISTRY], app[REFUSALS] = registry, refusals
     app[CONFIG] = config
     app[CLIENT] = client or LlmClient(config.triton_url)
     app[TEMPLATE] = ChatTemplate.find(config.model_dir, config.chat_template)
@@ -51,6 +60,7 @@ def create_app(config: FrontendConfig, client: LlmClient | None = None) -> web.A
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.on_cleanup.append(_close_client)
     return app
 
@@ -60,7 +70,9 @@ async def _close_client(app: web.Application) -> None:
 
 
 def _error(exc: ApiError) -> web.Response:
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return web.json_response(exc.body(), status=exc.status, dumps=_json, headers=headers)
 
 
@@ -96,6 +108,11 @@ async def health(request: web.Request) -> web.Response:
     if await request.app[CLIENT].ready():
         return web.json_response({"status": "ok"})
     raise ApiError(503, "Triton or its 'llm' model is not ready", SERVER_ERROR, None, "service_unavailable")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

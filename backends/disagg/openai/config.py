@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PORT = 9000
@@ -14,7 +14,8 @@ class FrontendConfig:
     """``triton_url``: Triton's gRPC ``host:port``; ``model_id``: the name clients send as ``model``
     (the checkpoint folder's name); ``model_dir``: where the chat template is read; ``chat_template``:
     a template file used instead of the model's own; ``default_max_tokens``: when a request names none;
-    ``drain_s``: on shutdown, how long requests in flight may go on before they are cancelled."""
+    ``drain_s``: on shutdown, how long requests in flight may go on before they are cancelled;
+    ``api_key``: the key every ``/v1/*`` request must bear (``disagg.openai.auth``), None: open."""
 
     triton_url: str
     model_id: str
@@ -22,6 +23,7 @@ class FrontendConfig:
     chat_template: Path | None = None
     default_max_tokens: int = 256
     drain_s: float = 5.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         host, _, port = self.triton_url.rpartition(":")
@@ -38,6 +40,8 @@ class FrontendConfig:
             raise ValueError("default_max_tokens must be an integer >= 1")
         if not 0 <= self.drain_s <= 3600:
             raise ValueError("drain_s must be in [0, 3600]")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
 
 
 def parse_port(text: str | None, default: int = DEFAULT_PORT) -> int:

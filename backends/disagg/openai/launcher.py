@@ -51,6 +51,8 @@ class FrontendLaunch:
     model_dir: Path
     drain_s: float = 5.0
     chat_template: Path | None = None
+    api_key_file: Path | None = None
+    """Where the child reads its API key (else from ``$DISAGG_API_KEY``, inherited)."""
 
 
 class FrontendProcess:
@@ -95,6 +97,8 @@ class FrontendProcess:
         ]
         if launch.chat_template is not None:
             argv += ["--chat-template", str(launch.chat_template)]
+        if launch.api_key_file is not None:
+            argv += ["--api-key-file", str(launch.api_key_file)]
         try:  # a process group of its own (killpg), in the caller's session: see disagg.server
             self._process = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, pass_fds=(sock.fileno(),), process_group=0

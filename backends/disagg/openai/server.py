@@ -1,6 +1,6 @@
 """``disagg openai``: the OpenAI front end in the foreground, until SIGINT, SIGTERM or SIGHUP.
 
-    disagg openai --triton-url 127.0.0.1:8001 [--host 0.0.0.0] [--port 9000] [--model DIR]
+    disagg openai --triton-url 127.0.0.1:8001 [--host 127.0.0.1] [--port 9000] [--model DIR]
 
 Standalone (a frontend host in front of Triton elsewhere) or as the child that ``disagg serve`` starts
 (``--listen-fd``: a socket it bound, so that a busy port fails before Triton starts; ``--watch-parent``:
@@ -23,12 +23,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from disagg.openai import auth
 from disagg.openai.app import create_app
 from disagg.openai.chat import ChatTemplate
 from disagg.openai.config import ENV_PORT, FrontendConfig, parse_port
 from disagg.openai.launcher import listen
 from disagg.paths import resolve_model_dir
 from disagg.procfs import read_stat
+from disagg.serverconfig import LOOPBACK
 
 log = logging.getLogger("disagg.openai")
 PARENT_POLL_S = 0.5
@@ -37,7 +39,9 @@ PARENT_POLL_S = 0.5
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg openai", description=__doc__.split("\n\n")[0])
     parser.add_argument("--triton-url", required=True, help="Triton's gRPC host:port")
-    parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    parser.add_argument(
+        "--host", default=LOOPBACK, help=f"bind address (default {LOOPBACK}; 0.0.0.0: every interface)"
+    )
     parser.add_argument("--port", default=None, help=f"port (default ${ENV_PORT}, else 9000)")
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--watch-parent", action="store_true", help=argparse.SUPPRESS)
@@ -46,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", type=Path, default=None, help="a template file to use instead")
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--drain-s", type=float, default=5.0)
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"a file holding the key every /v1/* request must bear (default ${auth.ENV_API_KEY}; "
+        "neither set: no key is asked)",
+    )
     return parser
 
 
@@ -58,6 +69,7 @@ def config_from(args: argparse.Namespace) -> FrontendConfig:
         chat_template=args.chat_template,
         default_max_tokens=args.default_max_tokens,
         drain_s=args.drain_s,
+        api_key=auth.load_key(os.environ, args.api_key_file),
     )
 
 
@@ -94,7 +106,8 @@ async def _serve(sock: socket.socket, config: FrontendConfig, parent: int | None
     await runner.setup()
     site = web.SockSite(runner, sock, shutdown_timeout=config.drain_s, backlog=512)
     await site.start()
-    log.info("serving %s on %s (Triton gRPC %s)", config.model_id, site.name, config.triton_url)
+    guard = "API key required" if config.api_key else f"no API key (${auth.ENV_API_KEY} or --api-key-file)"
+    log.info("serving %s on %s, %s (Triton gRPC %s)", config.model_id, site.name, guard, config.triton_url)
     watch = asyncio.create_task(_watch_parent(parent, stop)) if parent is not None else None
     try:
         await stop.wait()

@@ -58,13 +58,18 @@ class TritonResponder:
         self.extra_outputs: frozenset[str] = frozenset()
         self.prompt_tokens = 0
         self.error_codes = False  # text_api.ERROR_CODE_INPUT: error messages start with their code
+        self.answered = False  # a response with tensors was sent
 
     def send(self, text: str, final: bool, tokens: int = 0, finish_reason: str | None = None) -> None:
+        """One piece of the answer. A final piece with nothing to say is sent as flags alone, unless
+        nothing was sent before it: an empty answer (the end token first) is still one response with
+        an empty text, since HTTP `generate` and the ensemble need exactly one for a whole answer."""
         pb = self._pb
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if final and not text and not self.extra_outputs:
+        if final and not text and not self.extra_outputs and self.answered:
             self._sender.send(flags=flags)
             return
+        self.answered = True
         tensors = [glue.bytes_tensor(pb, OUTPUT_NAME, text.encode("utf-8"), shape=(1, 1))]
         tensors += self._extras(tokens, finish_reason if final else None)
         self._sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)

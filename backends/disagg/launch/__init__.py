@@ -1,0 +1,1 @@
+"""Launching helpers of the server process (torch-free)."""
