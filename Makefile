@@ -65,8 +65,9 @@ bench-engine: test-models $(VLLM_VENV)/.installed
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
+# Every port on loopback unless HOST= names an address (HOST=0.0.0.0: every interface).
 serve: model
-	$(VENV)/bin/disagg serve $(SERVE_ARGS)
+	$(VENV)/bin/disagg serve $(if $(HOST),--address $(HOST)) $(SERVE_ARGS)
 
 # vLLM's CPU build, the peer the benchmarks compare against, in a venv of its own.
 $(VLLM_VENV)/.installed:

@@ -29,8 +29,10 @@ from triton_support import (
     REPO_ROOT,
     LeakProbe,
     TritonFactory,
+    descendants,
     free_ports,
     http_json,
+    listening_addresses,
     live_children,
     scrape_metrics,
     wait_until,
@@ -39,6 +41,7 @@ from triton_support import (
 from disagg.engine.tokenizer import Tokenizer
 from disagg.openai.launcher import FrontendLaunch, FrontendProcess
 from disagg.server import TritonServer
+from disagg.serverconfig import STATE_DIR, load_or_create_admin_key
 from disagg_tools import tiny_model
 from disagg_tools.repository import Layout
 from disagg_tools.repository import write as write_repository
@@ -123,10 +126,12 @@ def test_openai_chat_renders_the_models_template_and_names_paris(
     assert reply.usage.prompt_tokens == len(Tokenizer(smollm2_dir).encode(QUESTION))
 
 
-def _call(url: str, body: dict | None = None) -> tuple[int, Any] | None:
+def _call(
+    url: str, body: dict | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any] | None:
     """(status, reply) of a GET (or a POST of `body`), None while nothing answers."""
     try:
-        return http_json(url, body, timeout_s=60)
+        return http_json(url, body, headers=headers, timeout_s=60)
     except OSError:
         return None
 
@@ -153,7 +158,8 @@ def foreign_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def make_serve(model_dir: Path, ports: list[int]) -> subprocess.Popen[str]:
+def make_serve(model_dir: Path, ports: list[int], **extra: str) -> subprocess.Popen[str]:
+    """`make serve` as a newcomer runs it (no address given), on free ports; `extra`: more environment."""
     env = {
         **os.environ,
         "MODEL_DIR": str(model_dir),
@@ -161,8 +167,10 @@ def make_serve(model_dir: Path, ports: list[int]) -> subprocess.Popen[str]:
         "GRPC_PORT": str(ports[1]),
         "METRICS_PORT": str(ports[2]),
         "OPENAI_PORT": str(ports[3]),
-        "SERVE_ARGS": "--address 127.0.0.1 --exit-timeout 5",
+        "SERVE_ARGS": "--exit-timeout 5",
+        **extra,
     }
+    env.pop("HOST", None)
     return subprocess.Popen(
         ["make", "--no-print-directory", "serve"],
         cwd=REPO_ROOT,
@@ -198,7 +206,7 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
     )
     expected = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
     ports = free_ports(4)
-    serve = make_serve(foreign_checkpoint, ports)
+    serve = make_serve(foreign_checkpoint, ports, DISAGG_API_KEY=API_KEY)
     try:
         url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
         body = {"text_input": "Hello world", "max_tokens": 12, "exclude_input_in_output": True}
@@ -218,7 +226,15 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
         completion = {"model": "my-model", "prompt": "Hello world", "max_tokens": 12, "temperature": 0}
         url = f"http://127.0.0.1:{ports[3]}/v1/completions"
         status, reply = wait_until(lambda: _call(url, completion), 30, "the OpenAI front end answering")
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key", reply  # DISAGG_API_KEY set
+        keyed = {"Authorization": f"Bearer {API_KEY}"}
+        status, reply = _call(url, completion, headers=keyed)
         assert status == 200 and reply["choices"][0]["text"] == expected, reply
+        # a newcomer's server listens on loopback only, and shows no secret to other local users
+        processes = descendants(serve.pid)
+        assert {address.rsplit(":", 1)[0] for address in listening_addresses(processes)} == {"127.0.0.1"}
+        assert {str(p) for p in ports} <= {a.rsplit(":", 1)[1] for a in listening_addresses(processes)}
+        assert_no_secret_shown(processes, admin_key=load_or_create_admin_key(REPO_ROOT / STATE_DIR))
     finally:
         # SIGTERM to `disagg serve` (make's child), as Ctrl-C or a process manager would send it;
         # make then exits with its status.
@@ -226,8 +242,35 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
             os.kill(pid, signal.SIGTERM)
         output, _ = serve.communicate(timeout=90)
     assert serve.returncode == 0, output[-3000:]
+    admin_key = load_or_create_admin_key(REPO_ROOT / STATE_DIR)
+    assert API_KEY not in output and admin_key not in output  # nor in its log
     assert snapshot(foreign_checkpoint) == before
     assert sorted(p.name for p in foreign_checkpoint.parent.iterdir()) == ["my-model"]
+
+
+API_KEY = "sk-newcomer-" + "7" * 24
+
+
+def assert_no_secret_shown(processes: frozenset[int], admin_key: str) -> None:
+    """No command line (world-readable) holds the admin key or the API key; no environment holds the
+    admin key, and only the front end's and its parent's hold the API key (the front end needs it)."""
+    names = {}
+    for pid in processes:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        names[pid] = cmdline.split(b"\0")[:3]
+        shown = cmdline.decode(errors="replace")
+        assert admin_key not in shown and API_KEY not in shown, f"pid {pid} shows a key: {names[pid]}"
+        assert admin_key.encode() not in environ, f"pid {pid} has the admin key in its environment"
+        is_frontend = b"disagg.openai" in cmdline
+        is_serve = b"serve" in cmdline and b"tritonserver" not in cmdline
+        if not (is_frontend or is_serve):
+            assert API_KEY.encode() not in environ, f"pid {pid} has the API key: {names[pid]}"
+    tritons = [pid for pid, argv in names.items() if argv and argv[0].endswith(b"tritonserver")]
+    assert tritons, f"no tritonserver among {names}"
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ Plain functions and classes (no fixtures), so tests and other helpers can import
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import queue
@@ -15,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -87,6 +89,53 @@ def live_children(pid: int) -> frozenset[int]:
             if info is not None and info[1] == pid and info[0] != "Z":
                 children.add(int(entry.name))
     return frozenset(children)
+
+
+def descendants(pid: int) -> frozenset[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        children = live_children(frontier.pop()) - found
+        found |= children
+        frontier.extend(children)
+    return frozenset(found)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _hex_address(text: str) -> str:
+    """An address of /proc/net/tcp{,6} (little-endian words of hex) in its usual form."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{ipaddress.ip_address(words)}:{int(port, 16)}"
+
+
+def listening_addresses(pids: Iterable[int]) -> set[str]:
+    """`address:port` of every TCP socket in LISTEN state held open by one of `pids`."""
+    inodes = set().union(*(_socket_inodes(pid) for pid in pids))
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    out.add(_hex_address(fields[1]))
+    return out
 
 
 def live_group_members(pgid: int) -> frozenset[int]:
