@@ -216,20 +216,41 @@ def wants_error_code(values: Mapping[str, np.ndarray | None]) -> bool:
     return value is not None and value.dtype.kind == "b" and value.size == 1 and bool(value.reshape(-1)[0])
 
 
+def _raw_size(raw: Any) -> int:
+    """Bytes of one element of a BYTES tensor, without decoding it."""
+    if isinstance(raw, (bytes, bytearray, np.bytes_)):
+        return len(raw)
+    if isinstance(raw, str):
+        return len(raw)  # characters: a lower bound of its UTF-8 bytes, checked again once encoded
+    return 0  # not BYTES: _text refuses it
+
+
+def _bounded_list(name: str, value: np.ndarray, max_items: int, max_item_bytes: int) -> np.ndarray:
+    """The elements of a list input, once its count (from the tensor's shape) and each element's size
+    are within bounds: checked before anything is decoded, so that a request carrying megabytes of
+    words costs a refusal, not their decoding."""
+    if value.size > max_items:
+        raise invalid(f"input '{name}' holds more than {max_items} words ({value.size})")
+    flat = value.reshape(-1)
+    if any(_raw_size(raw) > max_item_bytes for raw in flat):
+        raise invalid(f"input '{name}' has a word longer than {max_item_bytes} bytes")
+    return flat
+
+
 def _stop_words(value: np.ndarray | None) -> tuple[str, ...]:
     if value is None:
         return ()
-    words = [_text("stop_words", raw) for raw in value.reshape(-1)]
+    flat = _bounded_list("stop_words", value, MAX_STOP_WORDS, MAX_STOP_WORD_BYTES)
+    words = [_text("stop_words", raw) for raw in flat]
     words = [w for w in words if w]
-    if len(words) > MAX_STOP_WORDS:
-        raise invalid(f"input 'stop_words' holds more than {MAX_STOP_WORDS} words")
     if any(len(w.encode()) > MAX_STOP_WORD_BYTES for w in words):
         raise invalid(f"input 'stop_words' has a word longer than {MAX_STOP_WORD_BYTES} bytes")
     return tuple(words)
 
 
 def _refuse_unless_neutral(spec: InputSpec, value: np.ndarray) -> None:
-    for raw in value.reshape(-1):
-        item = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-        if item != spec.neutral and not (isinstance(item, str) and not item):
+    textual = spec.triton_type == "TYPE_STRING"
+    for raw in _bounded_list(spec.name, value, MAX_STOP_WORDS, MAX_STOP_WORD_BYTES):
+        item = _text(spec.name, raw) if textual else raw
+        if item != spec.neutral and not (textual and not item):
             raise invalid(f"input '{spec.name}' is not supported by this server (only {spec.neutral!r})")
