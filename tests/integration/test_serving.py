@@ -38,7 +38,10 @@ from serving_support import (
 )
 from triton_support import GrpcStream, LeakProbe, TritonFactory, live_group_members, shm_entries, wait_until
 
+from disagg.kv.secret import load_secret
 from disagg.server import TritonServer
+from disagg.serving.auth import TokenSigner
+from disagg.triton import wire
 
 MAX_TOKENS = 12
 PROMPTS = ("Hello world", "naïve café — 日本語 🙂")
@@ -515,6 +518,38 @@ def test_a6_forged_descriptor_to_decode_refused_before_work(server: TritonServer
     message = refused(server, "decode", {**body, "disagg_auth": FORGED_TOKEN}, "internal")
     assert "shm" not in message and "/dev" not in message
     assert idle_now(server, baseline), "nothing imported, no block taken"
+
+
+def test_a6_under_a_valid_pool_token_a_forged_descriptor_is_refused_by_its_checks(
+    server: TritonServer,
+) -> None:
+    """A token minted for this very call (the test reads the deployment secret, as a pool host does):
+    the call passes the token check, so the descriptor checks are what refuse it, before any memory
+    is mapped or block taken."""
+    baseline = idle(server)
+    state = {"prompt_token_ids": [1, 42, 305], "output_token_ids": [7], "params": {"max_tokens": 4}}
+    body = {"state": json.dumps(state), "descriptor": "eyJ2IjoxfQ.forged", "handle": "h-3"}
+    token = TokenSigner(load_secret()).mint(wire.call_subject("h-3", None))
+    message = refused(server, "decode", {**body, "disagg_auth": token}, "descriptor")
+    assert "internal" not in message and "shm" not in message and "/dev" not in message, message
+    assert idle_now(server, baseline), "nothing imported, no block taken"
+
+
+def test_a_pool_token_replayed_for_another_job_is_refused_and_counted(server: TritonServer) -> None:
+    """A token captured from one pool call (minted for handle h-4) and sent with another job (h-5)
+    starts nothing: the pool refuses it and counts it as a mismatch."""
+    baseline = idle(server)
+    token = TokenSigner(load_secret()).mint(wire.call_subject("h-4", None))
+    before = metric_sum(server, "disagg_pool_auth_refusals_total", reason="mismatch")
+    job = {**POOL_JOB, "handle": "h-5", "disagg_auth": token}
+    refused(server, "prefill", job, "this model is internal")
+
+    def counted() -> float | None:
+        value = metric_sum(server, "disagg_pool_auth_refusals_total", reason="mismatch")
+        return value if value > before else None
+
+    assert wait_until(counted, 10, "the refusal counted") == before + 1
+    assert idle_now(server, baseline)
 
 
 # ---- 6. SIGTERM with streams in flight (last: it stops the module's server) -----------------------

@@ -188,7 +188,7 @@ def test_sigterm_with_an_unclaimed_kv_lease_exits_without_waiting_for_it(
     with a token minted from the deployment secret, and never calling decode."""
     server = triton_factory.start(REPOSITORY, exit_timeout_s=10)
     triton_factory.release(server)
-    token = TokenSigner(load_secret()).mint()
+    token = TokenSigner(load_secret()).mint(wire.call_subject("unclaimed-1", None))
     job = {
         "input_ids": np.array([1, 42, 305, 7, 9], dtype=np.int32),
         "sampling": np.array([json.dumps({"max_tokens": 8}).encode()], dtype=np.object_),

@@ -104,7 +104,8 @@ class TritonPools:
         self.stubs.stop()
         self.graveyard.release_all()
 
-    async def _call(self, pool: str, inputs: list[Any]) -> Iterator[Any]:
+    async def _call(self, pool: str, inputs: list[Any], subject: bytes) -> Iterator[Any]:
+        """Send one call to `pool`, with a token bound to `subject` (``wire.call_subject``)."""
         pb = self._pb
         model = self.models[pool]
         request = pb.InferenceRequest(
@@ -112,7 +113,7 @@ class TritonPools:
             model_version=pinned_version(model),  # the request's pin (serving.routing), else -1
             inputs=inputs,
             requested_output_names=["event", "descriptor"] if pool == "prefill" else ["event"],
-            parameters={PARAMETER: self._signer.mint()},
+            parameters={PARAMETER: self._signer.mint(subject)},
             # the events are BYTES, read with numpy here: a KIND_GPU pool's answer in CPU memory
             preferred_memory=pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0),
         )
@@ -202,10 +203,10 @@ class TritonPools:
                 inputs.append(glue.bytes_tensor(pb, name, value))
         return inputs
 
-    async def _events(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
+    async def _events(self, pool: str, handle: str, inputs: list[Any]) -> AsyncIterator[Token | Prefilled]:
         # aclosing: an early exit closes the inner generator now, not whenever it is collected
         epoch = self._epochs.get(pool, 0)
-        call = await self._accepted(pool, inputs, epoch)
+        call = await self._accepted(pool, inputs, wire.call_subject(handle, None), epoch)
         async with contextlib.aclosing(self._responses(call, pool, epoch)) as responses:
             async for response in responses:
                 raw = self._tensor(response, "event")
@@ -222,7 +223,7 @@ class TritonPools:
             handle, input_ids=list(request.prompt_token_ids), sampling=wire.encode_sampling(request.params)
         )
         result = None
-        async with contextlib.aclosing(self._events("prefill", inputs)) as events:
+        async with contextlib.aclosing(self._events("prefill", handle, inputs)) as events:
             async for event in events:
                 result = event
         if result is None:  # the call ended without its answer: the instance died under it
@@ -231,8 +232,8 @@ class TritonPools:
             raise ServingError(INTERNAL, "prefill pool answered out of protocol")
         return result
 
-    async def _tokens(self, pool: str, inputs: list[Any]) -> AsyncIterator[Token]:
-        async with contextlib.aclosing(self._events(pool, inputs)) as events:
+    async def _tokens(self, pool: str, handle: str, inputs: list[Any]) -> AsyncIterator[Token]:
+        async with contextlib.aclosing(self._events(pool, handle, inputs)) as events:
             async for event in events:
                 if isinstance(event, Token):
                     yield event
@@ -242,13 +243,13 @@ class TritonPools:
     ) -> AsyncIterator[Token]:
         """The decode leg on ``pool`` (the decode pool, or the hot prompts' pool)."""
         inputs = self._job_inputs(handle, state=wire.encode_state(state), descriptor=descriptor)
-        return self._tokens(pool, inputs)
+        return self._tokens(pool, handle, inputs)
 
     def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]:
         """Both phases on ``pool``: the colocated pool, or the prefill pool's local decode. The request
         travels as a sequence state, so a resumed one's generated tokens go with it."""
         state = SequenceState(request.prompt_token_ids, request.generated_token_ids, request.params)
-        return self._tokens(pool, self._job_inputs(handle, state=wire.encode_state(state)))
+        return self._tokens(pool, handle, self._job_inputs(handle, state=wire.encode_state(state)))
 
     def _drain_accepted(self, sending: asyncio.Future[Iterator[Any]], control: bool) -> None:
         """A call its caller stopped waiting for before it was accepted: once it is, read it to its
@@ -257,14 +258,16 @@ class TritonPools:
             executor = self._control_executor if control else self._executor
             executor.submit(_drain, sending.result(), self._bury)
 
-    async def _accepted(self, pool: str, inputs: list[Any], epoch: int | None = None) -> Iterator[Any]:
+    async def _accepted(
+        self, pool: str, inputs: list[Any], subject: bytes, epoch: int | None = None
+    ) -> Iterator[Any]:
         """Make a call and wait until it is accepted; with ``epoch`` (a job's call) the wait is watched
         like the call's responses, since one sent to an instance as it dies may never be accepted.
 
         A caller that gives up first (a cancel while queued, a ping's timeout, the pool lost) leaves
         the call, once it is accepted, to be read to its end in the background; a job's call from a
         pool lost meanwhile that is not accepted yet is given up."""
-        sending = asyncio.ensure_future(self._call(pool, inputs))
+        sending = asyncio.ensure_future(self._call(pool, inputs, subject))
         try:
             if epoch is None:
                 return await asyncio.shield(sending)
@@ -277,9 +280,10 @@ class TritonPools:
 
     async def _control(self, pool: str, control: Control) -> bytes | None:
         """Send a control request; the event of its answer, if it had one."""
-        inputs = [glue.bytes_tensor(self._pb, "control", wire.encode_control(control))]
+        encoded = wire.encode_control(control)
+        inputs = [glue.bytes_tensor(self._pb, "control", encoded)]
         event = None
-        call = await self._accepted(pool, inputs)
+        call = await self._accepted(pool, inputs, wire.call_subject(None, encoded))
         async with contextlib.aclosing(self._responses(call, control=True)) as responses:
             async for response in responses:
                 event = self._tensor(response, "event") or event

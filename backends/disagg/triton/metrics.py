@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from disagg.serving.auth import REFUSALS
 from disagg.serving.errors import ServingError
 from disagg.serving.hotness import GroupRate
 from disagg.serving.orchestrator import HOT_ROUTES, Outcome
@@ -136,6 +137,11 @@ DESCRIPTIONS = {
     "disagg_engine_steps_total": (
         "COUNTER",
         "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",
+    ),
+    "disagg_pool_auth_refusals_total": (
+        "COUNTER",
+        "Pool calls refused for their internal token, by reason: malformed (or none), mismatch (forged, "
+        "or signed for another job or control message), expired",
     ),
     "disagg_engine_busy_seconds_total": (
         "COUNTER",
@@ -486,6 +492,10 @@ class PoolReporter:
         self.transfer = fam.histogram("disagg_kv_transfer_seconds", labels, TIME_BUCKETS)
         self.steps = fam.metric("disagg_engine_steps_total", labels)
         self.busy = fam.metric("disagg_engine_busy_seconds_total", labels)
+        self.refusals = {
+            reason: fam.metric("disagg_pool_auth_refusals_total", {**labels, "reason": reason})
+            for reason in REFUSALS
+        }
         self.info = fam.gauge("disagg_engine_info", {**labels, **loop.engine.describe()})
         self.info.set(1)
         self._seen = {
@@ -503,6 +513,10 @@ class PoolReporter:
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
+
+    def refused(self, reason: str) -> None:
+        """A call refused for its token (a reason of ``disagg.serving.auth.REFUSALS``)."""
+        self.refusals[reason].increment(1)
 
     def start(self) -> PoolReporter:
         self.publish()

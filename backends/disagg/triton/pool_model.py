@@ -95,9 +95,15 @@ class PoolModel:
 
     def _handle(self, request: Any, sender: Any) -> None:
         pb = self._pb
-        self._signer.check(glue.request_parameters(request).get(PARAMETER))
         values = glue.input_arrays(pb, request, wire.POOL_INPUTS)
         control = glue.first_bytes(values["control"])
+        # the token admits this one call: its job's handle, or its control message
+        subject = wire.call_subject(glue.first_bytes(values["handle"]), control)
+        token = glue.request_parameters(request).get(PARAMETER)
+        refusal = self._signer.refusal(token, subject)
+        if refusal is not None:
+            self.reporter.refused(refusal)
+            self._signer.check(token, subject)  # raises the refusal's error
         if control is not None:
             load = self._control(wire.decode_control(control))
             final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -193,7 +193,10 @@ class RemotePools:
         request = {
             "model_name": self.models[pool],
             "inputs": [_tensor(name, value) for name, value in values.items()],
-            "parameters": {PARAMETER: self._signer.mint(), "triton_enable_empty_final_response": True},
+            "parameters": {
+                PARAMETER: self._signer.mint(wire.call_subject(values.get("handle"), values.get("control"))),
+                "triton_enable_empty_final_response": True,
+            },
         }
         done = asyncio.Event()
 

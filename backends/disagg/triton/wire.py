@@ -91,6 +91,16 @@ def decode_state(raw: bytes) -> SequenceState:
         raise invalid("malformed sequence state") from None
 
 
+def call_subject(handle: str | bytes | None, control: str | bytes | None) -> bytes:
+    """What a pool call is about, as its token is bound to it (``disagg.serving.auth``): the control
+    message itself, else the job's handle; both sides compute it from the call's own inputs."""
+    if control is not None:
+        return b"control|" + (control.encode() if isinstance(control, str) else control)
+    if handle is not None:
+        return b"job|" + (handle.encode() if isinstance(handle, str) else handle)
+    return b"none|"
+
+
 def decode_handle(raw: bytes | None) -> str:
     if raw is None or not 0 < len(raw) <= MAX_HANDLE:
         raise invalid("missing or oversized request handle")

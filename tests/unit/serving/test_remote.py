@@ -250,8 +250,14 @@ def _check_request(stream: _Stream, model: str, timeout_s: float) -> None:
     parameters = stream.request["parameters"]
     assert set(parameters) == {PARAMETER, "triton_enable_empty_final_response"}
     assert parameters["triton_enable_empty_final_response"] is True
-    TokenSigner(SECRET).check(parameters[PARAMETER])
+    subject = wire.call_subject(_first(stream.inputs.get("handle")), _first(stream.inputs.get("control")))
+    TokenSigner(SECRET).check(parameters[PARAMETER], subject)  # bound to this call's job or control
+    assert TokenSigner(SECRET).refusal(parameters[PARAMETER], subject + b"x") == "mismatch"
     assert stream.stream_timeout == timeout_s
+
+
+def _first(array: np.ndarray | None) -> bytes | None:
+    return None if array is None else bytes(array.reshape(-1)[0])
 
 
 FIRST = Token(1, False)
