@@ -36,7 +36,15 @@ from serving_support import (
     read_stream,
     text_inputs,
 )
-from triton_support import GrpcStream, LeakProbe, TritonFactory, live_group_members, shm_entries, wait_until
+from triton_support import (
+    GrpcStream,
+    LeakProbe,
+    TritonFactory,
+    http_json,
+    live_group_members,
+    shm_entries,
+    wait_until,
+)
 
 from disagg.kv.secret import load_secret
 from disagg.server import TritonServer
@@ -555,6 +563,28 @@ def test_a_pool_token_replayed_for_another_job_is_refused_and_counted(server: Tr
 # ---- 6. SIGTERM with streams in flight (last: it stops the module's server) -----------------------
 
 
+def late_request_outcome(server: TritonServer) -> str:
+    """What a new `llm` request sent once draining has started gets: "served", "refused" (an error
+    response) or "unreachable" (the server no longer accepts connections). Sent once the server says
+    it is no longer ready, so that it cannot arrive before the signal was handled."""
+
+    def not_ready() -> bool:
+        try:
+            status, _ = http_json(f"http://{server.config.http_url}/v2/health/ready", timeout_s=5)
+        except OSError:
+            return True  # gone already
+        return status != 200
+
+    wait_until(not_ready, 10, "the server no longer ready after SIGTERM")
+    try:
+        with GrpcStream(server.config.grpc_url) as stream:
+            stream.send("llm", text_inputs("Hello world", 4, stream=True))
+            result = read_stream(stream, timeout_s=30)
+    except Exception:  # any failure to reach the server is a refusal here
+        return "unreachable"
+    return "refused" if result.error is not None or not result.final else "served"
+
+
 def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
     triton_factory: TritonFactory, server: TritonServer, expected: dict[str, str]
 ) -> None:
@@ -584,6 +614,7 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
             reader.start()
         signalled = time.monotonic()
         server.signal(signal.SIGTERM)  # to the process group, as `make serve` does on Ctrl-C / SIGTERM
+        late = late_request_outcome(server)
         status = server.wait(server.config.exit_timeout_s + 20)
         exited_after = time.monotonic() - signalled
         for reader in readers:
@@ -596,7 +627,10 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
     assert exited_after < server.config.exit_timeout_s, "the exit timeout forced the exit"
     for result in results:
         assert result is not None, "a stream was left hanging"
-        # drained: each stream in flight at the signal either finished or ended with an error
-        assert result.final or result.error is not None
+        # drained: each stream in flight at the signal ends with its final response, not an error
+        assert result.final and result.error is None, result
+    texts = {"".join(result.pieces) for result in results}
+    assert len(texts) == 1 and "" not in texts, texts  # each whole: the same greedy answer, not cut
+    assert late != "served", "a request sent after SIGTERM was served"
     wait_until(lambda: not live_group_members(server.pid), 10, "no process of the server left")
     assert not shm_entries(server.config.shm_prefix)
