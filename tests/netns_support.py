@@ -18,11 +18,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+
+import tritonclient.grpc as grpcclient
 
 READY_S = 120.0
 
@@ -126,11 +127,15 @@ class Host:
     config: SimpleNamespace
 
     def ready(self) -> bool:
+        """Readiness over gRPC: a pool role keeps its HTTP endpoint on loopback (only gRPC, the pools'
+        link, is exposed), so only the frontend's HTTP is reachable from outside its namespace."""
         try:
-            url = f"http://{self.config.http_url}/v2/health/ready"
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
-        except OSError:
+            client = grpcclient.InferenceServerClient(self.config.grpc_url)
+            try:
+                return bool(client.is_server_ready(client_timeout=2))
+            finally:
+                client.close()
+        except Exception:  # unreachable, refused, or not answering yet
             return False
 
     def kill(self) -> None:
