@@ -75,6 +75,17 @@ def _cores(spec: Spec, role: str) -> int:
     return len(getattr(spec.pools, role).cores)
 
 
+def _probe(role: str, state: str) -> dict[str, Any]:
+    """A probe of Triton's /v2/health/<state>. A pool role keeps its HTTP endpoint on loopback (only
+    gRPC, the pools' link, is exposed), so its probe runs inside the container against 127.0.0.1."""
+    path = f"/v2/health/{state}"
+    if role == "frontend":
+        return {"httpGet": {"path": path, "port": "http"}}
+    url = f"http://127.0.0.1:{PORTS['http']}{path}"
+    check = f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"
+    return {"exec": {"command": ["python3", "-c", check]}, "timeoutSeconds": 3}
+
+
 def _deployment(spec: Spec, role: str, name: str, namespace: str, image: str) -> dict[str, Any]:
     args = ["serve", "--spec", f"{SPEC_MOUNT}/spec.yaml", "--role", role, "--address", "0.0.0.0"]
     args += ["--openai-port", "0", "--exit-timeout", str(EXIT_TIMEOUT_S[role])]
@@ -97,12 +108,8 @@ def _deployment(spec: Spec, role: str, name: str, namespace: str, image: str) ->
             {"name": "UCX_TLS", "value": "tcp"},  # drop it on an RDMA fabric: UCX picks rc
         ],
         "ports": [{"name": port, "containerPort": number} for port, number in PORTS.items()],
-        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {
-            "httpGet": {"path": "/v2/health/live", "port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-        },
+        "readinessProbe": {**_probe(role, "ready"), "periodSeconds": 5},
+        "livenessProbe": {**_probe(role, "live"), "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": cpus}, "limits": {"cpu": cpus}},
         "volumeMounts": [
             {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},

@@ -204,6 +204,12 @@ def test_the_role_deployments_run_the_topology_the_multihost_test_runs() -> None
         env = {e["name"]: e for e in container["env"]}
         assert env["DISAGG_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "triton-disagg-secrets"
         assert not any("secret" in a.lower() or "key=" in a for a in args)
+        # a pool role keeps HTTP on loopback: its probes run in the container, the frontend's over HTTP
+        for probe in (container["readinessProbe"], container["livenessProbe"]):
+            if role == "frontend":
+                assert probe["httpGet"]["port"] == "http", probe
+            else:
+                assert "http://127.0.0.1:8000/v2/health/" in " ".join(probe["exec"]["command"]), probe
     assert set(roles) == {"frontend", "prefill", "decode"}
     assert spec.remote is not None
     for pool in ("prefill", "decode"):
