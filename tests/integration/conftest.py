@@ -76,7 +76,8 @@ def client_runtimes() -> None:
 @pytest.fixture(autouse=True)
 def leak_probe() -> Iterator[LeakProbe]:
     """Baseline before each test; afterwards /dev/shm entries, fds, threads and child processes of this
-    process must return to it (polled with a deadline, never slept on)."""
+    process, and the KV blocks every running server's pools hold for requests, must return to it
+    (polled with a deadline, never slept on)."""
     probe = LeakProbe()
     yield probe
     probe.check(timeout_s=15.0)

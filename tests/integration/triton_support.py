@@ -177,15 +177,37 @@ def fd_target(fd: int) -> str:
         return "(closed)"
 
 
+RUNNING_SERVERS: list[TritonServer] = []
+"""Servers the factories started and have not stopped: the leak probe reads their pools' KV blocks."""
+
+
+def kv_blocks_held() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """KV blocks each pool instance of each running server holds for requests (used less those the
+    prefix cache keeps), by (metrics URL, series labels). A server that does not answer is left out."""
+    held = {}
+    RUNNING_SERVERS[:] = [server for server in RUNNING_SERVERS if server.returncode is None]
+    for server in RUNNING_SERVERS:
+        try:
+            samples = scrape_metrics(server.config.metrics_url)
+        except OSError:
+            continue
+        cached = metric_series(samples, "disagg_prefix_cache_blocks")
+        for labels, used in metric_series(samples, "disagg_kv_blocks_used").items():
+            held[(server.config.metrics_url, labels)] = used - cached.get(labels, 0.0)
+    return held
+
+
 @dataclass(frozen=True)
 class LeakSnapshot:
-    """Process-level resources that a test must give back: /dev/shm entries (see `SHM_PREFIXES`), this
-    process's open fds, its Python threads and its child processes."""
+    """Resources that a test must give back: /dev/shm entries (see `SHM_PREFIXES`), this process's open
+    fds, its Python threads and its child processes, and the KV blocks the running servers' pools hold
+    for requests."""
 
     shm: frozenset[str]
     fds: frozenset[int]
     threads: frozenset[int]
     children: frozenset[int]
+    kv_blocks: dict[tuple[str, frozenset[tuple[str, str]]], float]
 
     @classmethod
     def take(cls) -> LeakSnapshot:
@@ -194,6 +216,7 @@ class LeakSnapshot:
             fds=open_fds(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
             children=live_children(os.getpid()),
+            kv_blocks=kv_blocks_held(),
         )
 
     def leaks_since(self, before: LeakSnapshot) -> dict[str, list[Any]]:
@@ -205,6 +228,12 @@ class LeakSnapshot:
                 t.name for t in threading.enumerate() if t.ident in self.threads - before.threads
             ),
             "children": sorted(self.children - before.children),
+            # a pool instance holding more blocks than before the test (one present both times)
+            "kv_blocks": sorted(
+                f"{url} {dict(labels)}: {before.kv_blocks[(url, labels)]:g} -> {held:g}"
+                for (url, labels), held in self.kv_blocks.items()
+                if held > before.kv_blocks.get((url, labels), held)
+            ),
         }
         return {kind: items for kind, items in found.items() if items}
 
@@ -455,6 +484,7 @@ class TritonFactory:
             self.servers.remove(server)
             self.failed.append(server)
             raise
+        RUNNING_SERVERS.append(server)
         return server
 
     def release(self, server: TritonServer) -> None:
