@@ -380,7 +380,7 @@ def test_a_call_to_an_overloaded_pool_outlives_its_unanswered_probes(monkeypatch
         slow = asyncio.ensure_future(_read(pools.decode("slow", STATE, b"d")))
         lost = asyncio.ensure_future(_read(pools.decode("lost", STATE, b"d")))
         await _until(lambda: len(held) == 2)
-        await asyncio.sleep(0.2)  # ten probe timeouts
+        await _until(lambda: len(pings) >= 10)  # ten probes sent and left unanswered
         assert not slow.done() and not lost.done()
         TritonSink(pools._pb, held[0], descriptor_output=False).emit(Token(1, True, "length"), True)
         assert await slow == [1], "answered at last, and the answer reached its caller"
@@ -403,12 +403,19 @@ def test_a_call_to_a_pool_whose_stub_died_ends_at_its_next_check(monkeypatch: py
     monkeypatch.setattr(bls, "CHECK_S", 0.01)
     pools, held, _ = _unanswering_pools()
     dead: set[str] = set()
-    monkeypatch.setattr(pools.stubs, "dead", lambda pool: pool in dead)
+    checks: list[str] = []
+
+    def is_dead(pool: str) -> bool:
+        checks.append(pool)
+        return pool in dead
+
+    monkeypatch.setattr(pools.stubs, "dead", is_dead)
 
     async def run() -> None:
         waiting = asyncio.ensure_future(_read(pools.decode("h", STATE, b"d")))
         await _until(lambda: len(held) == 1)
-        await asyncio.sleep(0.05)  # several checks: alive, so it waits
+        seen = len(checks)
+        await _until(lambda: len(checks) >= seen + 3)  # several checks: alive, so it waits
         assert not waiting.done()
         dead.add("decode")
         with pytest.raises(ServingError, match=STUB_DEAD) as failed:
