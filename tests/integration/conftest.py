@@ -21,11 +21,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from triton_support import LeakProbe, TritonFactory, open_fds, start_smoke, wait_until
+from triton_support import TRITON_ABORTS, LeakProbe, TritonFactory, open_fds, start_smoke, wait_until
 
 from disagg.server import TritonServer
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Count the runs in which Triton 2.51 itself aborted under a killed stub (its defect, not this
+    project's; the tests then check the restart instead of the migration)."""
+    if TRITON_ABORTS:
+        terminalreporter.write_line(
+            f"tritonserver aborted under a killed stub (Triton 2.51 lock_exception) in {len(TRITON_ABORTS)} "
+            f"test(s): {', '.join(TRITON_ABORTS)}; each checked the restart instead"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

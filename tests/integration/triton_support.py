@@ -177,6 +177,10 @@ def fd_target(fd: int) -> str:
         return "(closed)"
 
 
+TRITON_ABORTS: list[str] = []
+"""Tests in which tritonserver itself aborted (Triton 2.51's lock_exception under a killed stub): the
+run's summary reports how many."""
+
 RUNNING_SERVERS: list[TritonServer] = []
 """Servers the factories started and have not stopped: the leak probe reads their pools' KV blocks."""
 
