@@ -21,6 +21,7 @@ H200 with both pools on its one GPU (``perf/gpu_serve_check.py``); never on two 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterable
@@ -99,6 +100,7 @@ class Layout:
     # "decode" (that pool alone)
     role: str = "all"
     remote_pools: str = ""  # the frontend's POOL=SERVERS;... (disagg.serving.endpoints)
+    remote_tls: str = ""  # the frontend's TLS folder for the remote pools (disagg.tls); "": plain gRPC
     slo_ttft_s: float | None = None  # the entry points' SLOs (None: the orchestrator's defaults)
     slo_tpot_s: float | None = None
 
@@ -136,6 +138,8 @@ class Layout:
             raise ValueError("a frontend needs remote_pools naming its prefill and decode servers")
         if remote and self.role != "frontend":
             raise ValueError("remote_pools is the frontend's (role frontend)")
+        if self.remote_tls and not remote:
+            raise ValueError("remote_tls goes with remote_pools (the frontend's)")
         if set(remote) - {"prefill", "decode", "colocated"}:
             raise ValueError("remote_pools may name the prefill, decode and colocated pools")
         if self.transport not in ("", "shm", "nixl"):
@@ -340,7 +344,12 @@ def _remote_params(layout: Layout, mode: str) -> dict[str, str]:
     """An entry point's pools on other servers (a frontend's): those its mode uses."""
     used = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
     remote = {p: spec for p, spec in parse_remote_pools(layout.remote_pools).items() if p in used}
-    return {"remote_pools": ";".join(f"{p}={spec}" for p, spec in remote.items())} if remote else {}
+    if not remote:
+        return {}
+    params = {"remote_pools": ";".join(f"{p}={spec}" for p, spec in remote.items())}
+    if layout.remote_tls:
+        params["remote_tls"] = layout.remote_tls
+    return params
 
 
 def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
@@ -663,8 +672,11 @@ def _from_spec(
     from disagg_tools.spec import load_spec
 
     spec = load_spec(spec_path)
+    base = Path(spec_path).resolve().parent
     layout = spec.layout(role)
-    return layout, spec.versions(Path(spec_path).resolve().parent), (spec.model.serving,)
+    if role == "frontend":  # it dials the pools: over TLS when the spec's remote section asks
+        layout = dataclasses.replace(layout, remote_tls=spec.tls_folder(base))
+    return layout, spec.versions(base), (spec.model.serving,)
 
 
 def _layout(args: argparse.Namespace) -> Layout:

@@ -238,6 +238,9 @@ class Remote:
 
     prefill: str
     decode: str
+    tls: str = ""
+    """A folder (relative to the spec's) of ca.pem, cert.pem and key.pem, one per host (disagg.tls):
+    the pools serve gRPC over mutual TLS and the frontend dials them so; "": plain gRPC."""
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode"):
@@ -327,6 +330,13 @@ class Spec:
             decode_instances=d.instances,
             colocated_instances=c.instances,
         )
+
+    def tls_folder(self, base: Path) -> str:
+        """The remote section's TLS folder, absolute (a relative one from ``base``, the spec's folder);
+        "" for plain gRPC."""
+        if self.remote is None or not self.remote.tls:
+            return ""
+        return str((base / self.remote.tls).resolve())
 
     def versions(self, base: Path | None = None) -> tuple[ModelVersion, ...]:
         """The pools' versions; a relative checkpoint path is taken from ``base`` (the spec's folder)."""

@@ -39,6 +39,7 @@ from disagg.serverconfig import (
     redact,
     server_config,
 )
+from disagg.tls import GrpcTls
 
 SPEC_REPOSITORY = "spec-repository"  # under STATE_DIR: what `disagg serve --spec` serves
 
@@ -240,6 +241,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-restarts must be >= 0")
     if args.remote_pools and (args.role != "frontend" or args.spec is not None):
         parser.error("--remote-pools goes with --role frontend (a spec says them in its remote section)")
+    grpc_tls: Path | None = None
     if args.spec is not None:
         if args.model_repository != DEFAULT_REPOSITORY:
             parser.error("--spec names the repository to serve; drop --model-repository")
@@ -248,6 +250,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         folder = STATE_DIR / (SPEC_REPOSITORY if args.role is None else f"{SPEC_REPOSITORY}-{args.role}")
         try:
             args.model_repository = write_owned(args.spec, folder, args.role or "all")
+            grpc_tls = pool_tls(args.spec, args.role)
         except ValueError as exc:
             print(f"disagg serve: {exc}", file=sys.stderr)
             return 2
@@ -296,6 +299,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 address=args.address,
                 # Triton's HTTP endpoint has no TLS: a pool between hosts is reached over gRPC only
                 **({"http_address": LOOPBACK} if args.role in ("prefill", "decode") else {}),
+                **({"grpc_tls": grpc_tls} if grpc_tls is not None else {}),
                 cpus=parse_cpus(args.cpus),
             )
         except (ValueError, ServerError, OSError) as exc:
@@ -340,6 +344,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signum, handler)
     server.stop(grace_s=5)  # already exited: only kills leftover stubs and removes their shared memory
     return 128 - status if status < 0 else status
+
+
+def pool_tls(spec_path: Path, role: str | None) -> Path | None:
+    """The TLS folder a pool role serves gRPC with (the spec's ``remote.tls``), None for plain gRPC or
+    another role; ValueError when the spec is not valid or the folder lacks a file."""
+    from disagg_tools.spec import load_spec
+
+    if role not in ("prefill", "decode"):
+        return None
+    folder = load_spec(spec_path).tls_folder(Path(spec_path).resolve().parent)
+    return GrpcTls(Path(folder)).folder if folder else None
 
 
 def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str) -> FrontendProcess:

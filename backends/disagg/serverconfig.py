@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from disagg.tls import GrpcTls
 from disagg.tritonbin import TritonFiles
 
 LOOPBACK = "127.0.0.1"
@@ -125,6 +126,8 @@ class ServerConfig:
     cpus: tuple[int, ...] = ()
     # The checkpoint the models load (their MODEL_DIR); None: the launching environment's, if any.
     model_dir: Path | None = None
+    # A folder of ca.pem, cert.pem and key.pem (disagg.tls): gRPC over mutual TLS; None: plain gRPC.
+    grpc_tls: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("model_repository", "backend_directory"):
@@ -135,6 +138,8 @@ class ServerConfig:
             not isinstance(self.model_dir, Path) or not self.model_dir.is_absolute()
         ):
             raise ValueError("model_dir must be an absolute path or None")
+        if self.grpc_tls is not None:
+            GrpcTls(self.grpc_tls)  # ValueError naming a missing file
         if not isinstance(self.admin_key, str) or not _KEY_RE.fullmatch(self.admin_key):
             raise ValueError("admin_key must be 16-256 characters of [A-Za-z0-9_-]")
         ports = (self.http_port, self.grpc_port, self.metrics_port)
@@ -179,7 +184,7 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"unknown server config keys: {', '.join(unknown)}")
         kwargs = dict(values)
-        for name in ("model_repository", "backend_directory", "model_dir"):
+        for name in ("model_repository", "backend_directory", "model_dir", "grpc_tls"):
             if isinstance(kwargs.get(name), str):
                 kwargs[name] = Path(kwargs[name])
         if isinstance(kwargs.get("extra_args"), list):
@@ -345,6 +350,7 @@ def build_command(config: ServerConfig, files: TritonFiles) -> list[str]:
         f"--metrics-address={config.metrics_address}",
         f"--metrics-port={config.metrics_port}",
         f"--log-verbose={config.log_verbose}",
+        *(GrpcTls(config.grpc_tls).server_args() if config.grpc_tls is not None else ()),
         *config.extra_args,
     ]
 

@@ -58,6 +58,7 @@ from disagg.serving.messages import PoolLoad, Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
 from disagg.serving.throttle import Throttle, ThrottleConfig
+from disagg.tls import grpc_tls
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,9 @@ class OrchestratorConfig:
     """Pools served by other Triton servers, reached over gRPC (``disagg.triton.remote``):
     ``POOL=SERVERS[;POOL=SERVERS]``, SERVERS being ``HOST:PORT,...`` or ``dns:NAME:PORT`` (see
     ``disagg.serving.endpoints``); "": every pool is a model of this server."""
+    remote_tls: str = ""
+    """A folder of ``ca.pem``, ``cert.pem`` and ``key.pem`` (``disagg.tls``): the remote pools are
+    dialed over mutual TLS; "": plain gRPC."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -258,6 +262,9 @@ class OrchestratorConfig:
             self._throttle(1e6)  # the adaptive settings are checked when unused too
         if not isinstance(self.hot_decode_model, str):
             raise ValueError("hot_decode_model must be a model name or empty")
+        if self.remote_tls and not self.remote_pools:
+            raise ValueError("remote_tls goes with remote_pools (the pools it dials over TLS)")
+        grpc_tls(self.remote_tls)  # a folder without its three files fails here, at load
         unknown = set(self.remote) - set(self.pool_models)
         if unknown:
             raise ValueError(f"remote_pools names pools this entry point has not: {sorted(unknown)}")

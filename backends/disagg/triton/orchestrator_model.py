@@ -7,6 +7,7 @@ its event loop, so many requests are in flight at once on one instance.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from disagg.serving.text_api import (
     wants_error_code,
 )
 from disagg.serving.watcher import PoolWatcher
+from disagg.tls import grpc_tls
 from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
@@ -44,7 +46,7 @@ from disagg.triton.graveyard import Graveyard
 from disagg.triton.metrics import OrchestratorMetrics, VersionMetrics
 from disagg.triton.pools import Pools
 from disagg.triton.readiness import ServerReadiness
-from disagg.triton.remote import RemotePools
+from disagg.triton.remote import RemotePools, new_client
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,9 @@ class OrchestratorModel:
         remote = None
         if self.config.remote:  # pools of other servers, over gRPC
             timeout = self.config.request_timeout_s
-            remote = RemotePools(signer, self.config.remote, self.config.pool_models, timeout)
+            tls = grpc_tls(self.config.remote_tls)
+            dial = functools.partial(new_client, tls=tls)  # mutual TLS when the spec asks for it
+            remote = RemotePools(signer, self.config.remote, self.config.pool_models, timeout, dial)
         self.pools = Pools(local, remote)
         instance = args["model_instance_name"]
         deployed = deployed_pools(self.config, args.get("model_repository", ""))

@@ -45,6 +45,7 @@ from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.endpoints import Endpoint, Endpoints, Resolve, resolve_host
 from disagg.serving.errors import DEADLINE, INTERNAL, UNAVAILABLE, ServingError
 from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.tls import GrpcTls
 from disagg.triton import glue, wire
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,12 @@ CHANNEL_ARGS = [  # tritonclient's own defaults, with keepalive and a short reco
 ]
 
 
-def new_client(url: str) -> Any:
+def new_client(url: str, tls: GrpcTls | None = None) -> Any:
     """A ``tritonclient.grpc.aio`` client on ``url`` with keepalive pings (see the module docstring)
     and a reconnection backoff capped at ``MAX_RECONNECT_MS``: gRPC's default grows to 120 s, so a
-    server listed long before it started would be found that late."""
-    return grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
+    server listed long before it started would be found that late. With ``tls``, over mutual TLS."""
+    options = tls.client_options() if tls is not None else {}
+    return grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS, **options)
 
 
 def _tensor(name: str, value: Any) -> Any:
