@@ -34,6 +34,8 @@ def netns_unavailable() -> str | None:
         return "needs root"
     if shutil.which("ip") is None:
         return "needs iproute2 (ip)"
+    if shutil.which("openssl") is None:
+        return "needs openssl (the pools' TLS certificates)"
     probe = subprocess.run(["ip", "netns", "add", "kvprobe"], capture_output=True)
     if probe.returncode != 0:
         return "ip netns is not permitted here"
@@ -125,12 +127,14 @@ class Host:
     process: subprocess.Popen[bytes]
     log: Path
     config: SimpleNamespace
+    tls: Path | None = None
+    """The TLS folder its gRPC asks client certificates of (a pool host of a spec with remote.tls)."""
 
     def ready(self) -> bool:
         """Readiness over gRPC: a pool role keeps its HTTP endpoint on loopback (only gRPC, the pools'
         link, is exposed), so only the frontend's HTTP is reachable from outside its namespace."""
         try:
-            client = grpcclient.InferenceServerClient(self.config.grpc_url)
+            client = grpcclient.InferenceServerClient(self.config.grpc_url, **tls_options(self.tls))
             try:
                 return bool(client.is_server_ready(client_timeout=2))
             finally:
@@ -164,7 +168,42 @@ class Host:
             return self.process.wait(10)
 
 
-def start_host(topology: Topology, i: int, workdir: Path, secret: str, *args: str, port: int = 8000) -> Host:
+def tls_options(folder: Path | None) -> dict[str, object]:
+    """tritonclient.grpc's options for a server that asks a client certificate (disagg.tls)."""
+    if folder is None:
+        return {}
+    return {"ssl": True, "root_certificates": str(folder / "ca.pem"), "private_key": str(folder / "key.pem"),
+            "certificate_chain": str(folder / "cert.pem")}  # fmt: skip
+
+
+def make_tls(folder: Path, addresses: Sequence[str]) -> Path:
+    """A throwaway CA and one certificate it signed for every host (`addresses` as IP names, for
+    serving and as a client): `folder` then holds ca.pem, cert.pem and key.pem (disagg.tls)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ",".join(f"IP:{a}" for a in (*addresses, "127.0.0.1"))
+    (folder / "ext.cnf").write_text(f"subjectAltName={names}\nextendedKeyUsage=serverAuth,clientAuth\n")
+    for command in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+         "-days", "1", "-subj", "/CN=disagg-test-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "key.pem", "-out", "host.csr",
+         "-subj", "/CN=disagg-host"],
+        ["x509", "-req", "-in", "host.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "cert.pem", "-days", "1", "-extfile", "ext.cnf"],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *command], cwd=folder, capture_output=True, check=True)
+    (folder / "ca.key").unlink()  # the CA signs nothing more
+    return folder
+
+
+def start_host(
+    topology: Topology,
+    i: int,
+    workdir: Path,
+    secret: str,
+    *args: str,
+    port: int = 8000,
+    tls: Path | None = None,
+) -> Host:
     folder = workdir / f"{topology.hosts[i]}-{port}"
     folder.mkdir(parents=True, exist_ok=True)
     env = {
@@ -191,7 +230,7 @@ def start_host(topology: Topology, i: int, workdir: Path, secret: str, *args: st
         grpc_url=f"{address}:{port + 1}",
         metrics_url=f"http://{address}:{port + 2}/metrics",
     )
-    return Host(address, process, log, urls)
+    return Host(address, process, log, urls, tls)
 
 
 def wait_ready(*hosts: Host) -> None:

@@ -1,7 +1,7 @@
 """Three hosts on one machine: a frontend, a prefill and a decode server, each a `disagg serve --spec
 SPEC --role ROLE` (the form the Kubernetes manifests run) in its own network namespace, joined by a
 bridge; real TCP between them, the KV over NIXL / UCX (TCP only) on the veth links, the pools reached
-from the frontend over gRPC (`disagg.triton.remote`).
+from the frontend over gRPC with mutual TLS (`disagg.triton.remote`, `disagg.tls`; a throwaway CA).
 
 Skipped where network namespaces cannot be made (needs root and `ip netns`)."""
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from netns_support import Host, Topology, netns_unavailable, start_host, wait_ready
+import tritonclient.grpc as grpcclient
+from netns_support import Host, Topology, make_tls, netns_unavailable, start_host, tls_options, wait_ready
 from serving_support import cancel_after, engine_texts, metric_samples, pool_gauges, read_stream, text_inputs
 from triton_support import GrpcStream, LeakProbe, wait_until
 
@@ -50,10 +51,13 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         decode = topology.address(DECODE)
         spec = workdir / "spec.yaml"
         # the decode host's second gRPC port: a server started there at run time (the last test)
+        # the pools' gRPC over mutual TLS: one throwaway CA, one certificate every host shows
+        tls = make_tls(workdir / "tls", [topology.address(i) for i in (FRONTEND, PREFILL, DECODE)])
         spec.write_text(
             f"remote:\n  prefill: {topology.address(PREFILL)}:8001\n  decode: {decode}:8001,{decode}:8005\n"
+            "  tls: tls\n"
         )
-        pools = [start_host(topology, i, workdir, secret, "--spec", str(spec), "--role", role)
+        pools = [start_host(topology, i, workdir, secret, "--spec", str(spec), "--role", role, tls=tls)
                  for i, role in ((PREFILL, "prefill"), (DECODE, "decode"))]  # fmt: skip
         started += pools
         frontend = start_host(topology, FRONTEND, workdir, secret, "--spec", str(spec), "--role", "frontend")
@@ -105,6 +109,26 @@ def test_greedy_text_through_the_frontend_equals_the_engine(
     for prompt in PROMPTS:
         text = stream(hosts.frontend, model, prompt)
         assert text == expected[prompt], (model, prompt)
+
+
+def test_the_pools_grpc_asks_a_certificate_of_its_ca(hosts: Deployment) -> None:
+    """The pools' gRPC runs over mutual TLS (the spec's remote.tls): a plain client, and a TLS client
+    without a certificate, get nothing from a pool host; one with the deployment's certificate does,
+    and every request of this module crossed those links."""
+    url = hosts.prefill.config.grpc_url
+    tls = tls_options(hosts.prefill.tls)
+    for options in ({}, {**tls, "private_key": None, "certificate_chain": None}):
+        client = grpcclient.InferenceServerClient(url, **options)
+        try:
+            with pytest.raises(Exception):  # noqa: B017 - refused: unavailable or handshake failure
+                client.is_server_ready(client_timeout=5)
+        finally:
+            client.close()
+    client = grpcclient.InferenceServerClient(url, **tls)
+    try:
+        assert client.is_server_ready(client_timeout=5)
+    finally:
+        client.close()
 
 
 def test_the_frontend_shows_its_remote_servers_by_state(hosts: Deployment) -> None:
@@ -274,8 +298,9 @@ def test_the_decode_server_killed_then_a_second_one_added_at_run_time(hosts: Dep
 
     spec = str(hosts.workdir / "spec.yaml")
     second = start_host(
-        hosts.topology, DECODE, hosts.workdir, hosts.secret, "--spec", spec, "--role", "decode", port=8004
-    )
+        hosts.topology, DECODE, hosts.workdir, hosts.secret, "--spec", spec, "--role", "decode", port=8004,
+        tls=hosts.decode.tls,
+    )  # fmt: skip
     try:
         wait_ready(second)
 
