@@ -234,6 +234,34 @@ def cancel_after(url: str, model: str, max_tokens: int, pieces: int) -> dict[str
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+_DEADLINE_CLIENT = (
+    CLIENT_SCRIPT_PREAMBLE
+    + """
+url, model, max_tokens, deadline_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+events = queue.Queue()
+client = grpcclient.InferenceServerClient(url)
+client.start_stream(callback=lambda result, error: events.put(error), stream_timeout=deadline_s)
+client.async_stream_infer(model, long_request(max_tokens))
+pieces, error = 0, None
+while error is None:
+    error = events.get(timeout=120)
+    pieces += error is None
+client.stop_stream()
+client.close()
+print(json.dumps({"pieces": pieces, "error": str(error)}))
+"""
+)
+
+
+def stream_with_deadline(url: str, model: str, max_tokens: int, deadline_s: float) -> dict[str, Any]:
+    """Stream from ``url`` (gRPC, in a separate process: see ``cancel_after``) with a client deadline
+    of `deadline_s` on the stream: the pieces that came and the error that ended it."""
+    args = [sys.executable, "-c", _DEADLINE_CLIENT, url, model, str(max_tokens), str(deadline_s)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # ---- metrics ---------------------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$", re.M)

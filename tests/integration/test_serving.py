@@ -34,6 +34,7 @@ from serving_support import (
     metric_sum,
     pool_gauges,
     read_stream,
+    stream_with_deadline,
     text_inputs,
 )
 from triton_support import (
@@ -295,6 +296,21 @@ def test_cancelled_llm_stream_stops_decode_and_frees_both_pools(server: TritonSe
         "cancel counted",
     )
     wait_until(lambda: calls_open(server, "llm") == 0, 5, "no call to a pool left open")
+
+
+def test_c5_a_client_deadline_cancels_the_work_and_the_next_request_is_served(
+    server: TritonServer, expected: dict[str, str]
+) -> None:
+    """RELIABILITY C5: a stream whose client deadline (2 s) passes mid-generation ends DEADLINE_EXCEEDED
+    at the client; the server sees the cancel and stops its work (both pools back to their baseline,
+    far sooner than the 1500 tokens would take); the next request is served whole."""
+    baseline = idle(server)
+    result = stream_with_deadline(server.config.grpc_url, "llm", 1500, deadline_s=2.0)
+    assert result["pieces"] > 0 and "deadline" in result["error"].lower(), result
+    wait_until(lambda: idle_now(server, baseline), 10, "both pools back to their baseline")
+    wait_until(lambda: calls_open(server, "llm") == 0, 5, "no call to a pool left open")
+    status, reply = generate(server, "llm", {"text_input": "Hello world", "max_tokens": MAX_TOKENS})
+    assert status == 200 and reply["text_output"] == "Hello world" + expected["Hello world"], reply
 
 
 def calls_open(server: TritonServer, model: str) -> float | None:
