@@ -228,8 +228,14 @@ def cancel_after(url: str, model: str, max_tokens: int, pieces: int) -> dict[str
     """Stream from ``url`` (gRPC) in a separate process and cancel after `pieces` pieces. A separate
     process, because tritonclient keeps a thread alive after a cancelled stream, which the leak probe
     would count."""
-    args = [sys.executable, "-c", _CANCELLING_CLIENT, url, model, str(max_tokens), str(pieces)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    return _client_in_child(_CANCELLING_CLIENT, url, model, str(max_tokens), str(pieces))
+
+
+def _client_in_child(script: str, *args: str, timeout_s: float = 180) -> dict[str, Any]:
+    """Run a client script in a child interpreter; the JSON of its last line."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -256,10 +262,7 @@ print(json.dumps({"pieces": pieces, "error": str(error)}))
 def stream_with_deadline(url: str, model: str, max_tokens: int, deadline_s: float) -> dict[str, Any]:
     """Stream from ``url`` (gRPC, in a separate process: see ``cancel_after``) with a client deadline
     of `deadline_s` on the stream: the pieces that came and the error that ended it."""
-    args = [sys.executable, "-c", _DEADLINE_CLIENT, url, model, str(max_tokens), str(deadline_s)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _client_in_child(_DEADLINE_CLIENT, url, model, str(max_tokens), str(deadline_s))
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
