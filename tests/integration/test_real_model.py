@@ -24,7 +24,7 @@ from typing import Any
 
 import openai
 import pytest
-from serving_support import REPOSITORY, generate, grpc_stream, text_inputs
+from serving_support import REPOSITORY, engine_greedy, generate, grpc_stream, text_inputs
 from triton_support import (
     REPO_ROOT,
     LeakProbe,
@@ -74,6 +74,27 @@ def test_http_generate_names_paris(server: TritonServer, model: str) -> None:
     assert status == 200, reply
     assert "Paris" in reply["text_output"], reply
     assert "<|im_end|>" not in reply["text_output"]  # stopped at the end token, not printed
+
+
+EMPTY_ANSWER = "Tell me about the harbour at dawn."
+"""A prompt SmolLM2 answers with its end token first (in fp32 and in bf16): an empty answer."""
+
+
+@pytest.mark.parametrize("model", ["ensemble", "llm", "ensemble_colocated"])
+@pytest.mark.usefixtures("own_regions_ignored")
+def test_an_answer_that_is_the_end_token_alone_comes_back_empty(
+    server: TritonServer, smollm2_dir: Path, model: str
+) -> None:
+    """RELIABILITY A7: the model's end token first. Unary `generate` gets its one response, with an
+    empty text and finish reason "stop" (it failed with "generate expects model to produce exactly 1
+    response" when the final response carried flags alone)."""
+    oracle = engine_greedy([EMPTY_ANSWER], 8, model_dir=smollm2_dir)[EMPTY_ANSWER]
+    assert (oracle.text, oracle.finish_reason, len(oracle.token_ids)) == ("", "stop", 1), oracle
+    body = {"text_input": EMPTY_ANSWER, "max_tokens": 8, "exclude_input_in_output": True,
+            "return_finish_reason": True}  # fmt: skip
+    status, reply = generate(server, model, body)
+    assert status == 200, reply
+    assert (reply["text_output"], reply["finish_reason"]) == ("", "stop"), reply
 
 
 @pytest.mark.usefixtures("own_regions_ignored")
