@@ -90,11 +90,12 @@ def test_an_answer_that_is_the_end_token_alone_comes_back_empty(
     response" when the final response carried flags alone)."""
     oracle = engine_greedy([EMPTY_ANSWER], 8, model_dir=smollm2_dir)[EMPTY_ANSWER]
     assert (oracle.text, oracle.finish_reason, len(oracle.token_ids)) == ("", "stop", 1), oracle
-    body = {"text_input": EMPTY_ANSWER, "max_tokens": 8, "exclude_input_in_output": True,
-            "return_finish_reason": True}  # fmt: skip
+    body = {"text_input": EMPTY_ANSWER, "max_tokens": 8, "exclude_input_in_output": True}
+    if model == "llm":  # the ensembles carry the TensorRT-LLM tensors, without finish_reason
+        body["return_finish_reason"] = True
     status, reply = generate(server, model, body)
     assert status == 200, reply
-    assert (reply["text_output"], reply["finish_reason"]) == ("", "stop"), reply
+    assert reply["text_output"] == "" and reply.get("finish_reason", "stop") == "stop", reply
 
 
 @pytest.mark.usefixtures("own_regions_ignored")
