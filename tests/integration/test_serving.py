@@ -47,9 +47,12 @@ from triton_support import (
     wait_until,
 )
 
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import SequenceState
 from disagg.kv.secret import load_secret
 from disagg.server import TritonServer
-from disagg.serving.auth import TokenSigner
+from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.messages import Failed
 from disagg.triton import wire
 
 MAX_TOKENS = 12
@@ -555,13 +558,24 @@ def test_a6_under_a_valid_pool_token_a_forged_descriptor_is_refused_by_its_check
     server: TritonServer,
 ) -> None:
     """A token minted for this very call (the test reads the deployment secret, as a pool host does):
-    the call passes the token check, so the descriptor checks are what refuse it, before any memory
-    is mapped or block taken."""
+    the call passes the token check and is accepted, so the descriptor checks are what refuse it, with
+    a failure event naming the descriptor, before any memory is mapped or block taken."""
     baseline = idle(server)
-    state = {"prompt_token_ids": [1, 42, 305], "output_token_ids": [7], "params": {"max_tokens": 4}}
-    body = {"state": json.dumps(state), "descriptor": "eyJ2IjoxfQ.forged", "handle": "h-3"}
+    state = wire.encode_state(SequenceState((1, 42, 305), (7,), SamplingParams(max_tokens=4)))
+    job = {
+        "state": np.array([state.encode()], dtype=np.object_),
+        "descriptor": np.array([b"eyJ2IjoxfQ.forged"], dtype=np.object_),
+        "handle": np.array([b"h-3"], dtype=np.object_),
+    }
     token = TokenSigner(load_secret()).mint(wire.call_subject("h-3", None))
-    message = refused(server, "decode", {**body, "disagg_auth": token}, "descriptor")
+    with GrpcStream(server.config.grpc_url) as stream:
+        stream.send("decode", job, parameters={PARAMETER: token})
+        events = list(stream.until_final(30))
+    assert all(event.error is None for event in events), events  # past the token check: accepted
+    answers = [e.result.as_numpy("event") for e in events if e.result.as_numpy("event") is not None]
+    (failed,) = [wire.decode_event(raw.reshape(-1)[0], None) for raw in answers]
+    assert isinstance(failed, Failed) and "descriptor" in failed.error.message, failed
+    message = failed.error.message
     assert "internal" not in message and "shm" not in message and "/dev" not in message, message
     assert idle_now(server, baseline), "nothing imported, no block taken"
 
