@@ -268,8 +268,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         openai_port = parse_port(
             args.openai_port if args.openai_port is not None else os.environ.get(ENV_PORT)
         )
-        if openai_port:
-            load_key(os.environ, args.api_key_file)  # a bad key fails before anything starts
+        # read once, before anything starts: a bad key fails here
+        keyed = bool(openai_port) and load_key(os.environ, args.api_key_file) is not None
     except ValueError as exc:
         parser.error(str(exc))
     frontend: FrontendProcess | None = None
@@ -320,7 +320,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 return fail(exc)
             if openai_port and frontend is None:  # once: it outlives Triton restarts
                 try:
-                    frontend = _start_frontend(args, openai_port, config.grpc_url)
+                    frontend = _start_frontend(args, openai_port, config.grpc_url, keyed)
                 except FrontendError as exc:
                     server.stop(grace_s=5)
                     return fail(exc)
@@ -357,8 +357,9 @@ def pool_tls(spec_path: Path, role: str | None) -> Path | None:
     return GrpcTls(Path(folder)).folder if folder else None
 
 
-def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str) -> FrontendProcess:
-    """The OpenAI front end beside a Triton whose gRPC endpoint is ``grpc_url`` (FrontendError: none)."""
+def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str, keyed: bool) -> FrontendProcess:
+    """The OpenAI front end beside a Triton whose gRPC endpoint is ``grpc_url`` (FrontendError: none);
+    ``keyed``: an API key is set (the front end reads it itself)."""
     launch = FrontendLaunch(
         address=args.address,
         port=port,
@@ -369,7 +370,6 @@ def _start_frontend(args: argparse.Namespace, port: int, grpc_url: str) -> Front
     )
     # the front end needs neither the admin key nor the deployment secret that signs KV hand-offs
     frontend = FrontendProcess(launch, env_drop=(ENV_ADMIN_KEY, ENV_SECRET)).start()
-    keyed = load_key(os.environ, args.api_key_file) is not None
     guard = (
         "every /v1/* request needs its key" if keyed
         else f"open to whoever reaches it (set ${ENV_API_KEY} or --api-key-file to ask a key)"

@@ -48,11 +48,11 @@ ADMIN_HEADER = "disagg-admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
 """gRPC metadata key for the same: Triton 2.51 prefixes the configured key with `triton-grpc-protocol-`."""
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+"""Control-plane APIs behind the admin key: load/unload, client shared memory, and the two that make the
+server write files or change its logging."""
 SECRET_OPTIONS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 """The options of tritonserver's argv that carry the admin key: masked in its /proc/PID/cmdline before
 its main runs (disagg.launch.scrubber)."""
-"""Control-plane APIs behind the admin key: load/unload, client shared memory, and the two that make the
-server write files or change its logging."""
 
 STATE_DIR = Path(".triton")
 ADMIN_KEY_FILE = "admin-key"

@@ -17,7 +17,7 @@ import hmac
 import time
 from collections.abc import Callable
 
-from disagg.serving.errors import invalid
+from disagg.serving.errors import ServingError, invalid
 
 PARAMETER = "disagg_auth"
 DEFAULT_TTL_S = 60.0
@@ -61,7 +61,13 @@ class TokenSigner:
     def check(self, token: object, subject: bytes) -> None:
         """Raise ServingError(INVALID_ARG) unless ``token`` is a valid, unexpired token for `subject`."""
         reason = self.refusal(token, subject)
-        if reason == EXPIRED:
-            raise invalid("internal token expired")
         if reason is not None:
-            raise invalid("this model is internal: requests must come through the orchestrator")
+            raise refused(reason)
+
+
+def refused(reason: str) -> ServingError:
+    """The error a call refused for `reason` (one of REFUSALS) gets: INVALID_ARG, naming no detail of
+    the token beyond its expiry."""
+    if reason == EXPIRED:
+        return invalid("internal token expired")
+    return invalid("this model is internal: requests must come through the orchestrator")

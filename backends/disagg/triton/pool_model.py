@@ -8,7 +8,7 @@ from typing import Any
 
 from disagg.affinity import pin_process
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.auth import PARAMETER, TokenSigner
+from disagg.serving.auth import PARAMETER, TokenSigner, refused
 from disagg.serving.errors import UNAVAILABLE, ServingError, classify
 from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
@@ -103,7 +103,7 @@ class PoolModel:
         refusal = self._signer.refusal(token, subject)
         if refusal is not None:
             self.reporter.refused(refusal)
-            self._signer.check(token, subject)  # raises the refusal's error
+            raise refused(refusal)
         if control is not None:
             load = self._control(wire.decode_control(control))
             final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -24,18 +24,11 @@ from benchlib.timeplan import (
     interference_part,
     shares,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from kv_support import Clock
 
 
 def test_each_part_gets_its_weighted_share_of_the_time_left() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     plan = TimePlan(100.0, clock=clock)
     plan.extend([("a/goodput/x", 1.0), ("a/grid", 2.0), ("b/goodput/x", 1.0)])
     assert plan.start("a/goodput/x") == pytest.approx(25.0)  # 1 of 4
@@ -47,7 +40,7 @@ def test_each_part_gets_its_weighted_share_of_the_time_left() -> None:
 
 
 def test_no_time_left_gives_deadlines_already_passed() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     plan = TimePlan(50.0, clock=clock)
     plan.extend([("a/goodput/x", 1.0), ("a/interference", 1.0)])
     clock.now = 70.0
@@ -55,7 +48,7 @@ def test_no_time_left_gives_deadlines_already_passed() -> None:
 
 
 def test_a_part_not_planned_runs_to_the_end_and_dropping_a_deployment_frees_its_time() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     plan = TimePlan(90.0, clock=clock)
     plan.extend([("vllm/grid", 1.0), ("vllm/goodput/x", 1.0), ("vllm-pd/goodput/x", 1.0)])
     assert plan.start("llm/goodput/x") == 90.0  # not planned: nothing after it needs the time
@@ -116,7 +109,7 @@ def test_the_run_plans_every_deployments_parts_and_only_the_grid_configurations_
 
 def _tune_timed(tmp_path: Path, monkeypatch, deadline: float, run_end: float | None) -> list[float]:
     """Three vLLM configurations tuned under a fake clock, each taking 10 s: their deadlines."""
-    clock = Clock()
+    clock = Clock(0.0)
     monkeypatch.setattr(run_all.time, "monotonic", clock)
     deadlines: list[float] = []
 

@@ -4,6 +4,7 @@ for, and no other; forged, malformed and expired tokens are refused with their r
 from __future__ import annotations
 
 import pytest
+from kv_support import Clock
 
 from disagg.serving.auth import EXPIRED, MALFORMED, MISMATCH, TokenSigner
 from disagg.serving.errors import INVALID_ARG, ServingError
@@ -11,14 +12,6 @@ from disagg.serving.messages import AbortLease, Stop
 from disagg.triton import wire
 
 SECRET = b"s" * 32
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_token_admits_only_the_call_it_was_minted_for() -> None:
