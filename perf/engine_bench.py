@@ -24,7 +24,9 @@ Each ``--model`` gets its own table (the tiny model and SmolLM2-135M-Instruct by
 bench-engine``), followed by what bounds the decode step of the pools' configuration on this CPU (bf16
 with its kernels where oneDNN runs bf16, else fp32 as the pools run it): the time to read the weights
 once, in the layout that step reads, at these cores' measured read-only bandwidth, and the output
-head's share of the step.
+head's share of the step; and the rate of its prefill's projections (``benchlib/gemmrate.py``: 2 x the
+prompt's tokens x the layers' projection weights, plus 2 x the output head's for the last row, over
+the prefill's time) beside ``F.linear``'s on one thread on the same GEMMs in the same dtype.
 
 Writes engine_bench.json and engine_bench.md into --out-dir (default perf/results/; `make
 bench-engine` uses perf/results/engine_1core and perf/results/engine_2core).
@@ -47,9 +49,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib.gemmrate import prompt_flops, reference_seconds
 from benchlib.timing import median_time
 from safetensors.torch import load_file, save_file
 
+from disagg.engine.checkpoint import ModelConfig
 from disagg.engine.device import onednn_bf16
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
@@ -314,6 +318,7 @@ def run(
             peer.close()
     limit = limits(runners[-1].engine, reps)  # the pools' configuration on this CPU: our last runner
     limit["runner"] = runners[-1].name
+    pools_cfg, pools_dtype = runners[-1].engine.model_config, runners[-1].dtype
     runners.clear()
     gc.collect()
     scratch.cleanup()
@@ -334,9 +339,11 @@ def run(
             and r["batch"] == row["batch"]
         ]
         row["vs_vllm"] = row["tokens_per_s"] / peer[0]["tokens_per_s"] if peer else None
+    prefill = next(r for r in rows if r["phase"] == "prefill" and r["runner"] == limit["runner"])
     return dict(
         model=str(model_dir),
         limits=limit,
+        prompt_gemm=prompt_gemm(pools_cfg, pools_dtype, prefill, reps),
         cores=list(cores),
         threads=len(cores),
         reps=reps,
@@ -395,6 +402,33 @@ def limits(engine: Engine, reps: int) -> dict:
     )
 
 
+def prompt_gemm(cfg: ModelConfig, dtype: str, prefill: dict, reps: int) -> dict:
+    """The projection rate of a measured prefill (``prefill``: its row) beside a reference's, on these
+    cores in this run (``benchlib/gemmrate.py``).
+
+    - ``gflop``: 2 x the prompt's tokens x the layers' q, k, v, o, gate, up and down weights, plus 2 x
+      the output head's (the last row only);
+    - ``gflop_s``: gflop over the prefill's median time (attention, norms and the rest included);
+    - ``reference_gflop_s``: gflop over the time ``F.linear`` takes for the same GEMMs in ``dtype`` on
+      one thread (one layer's shapes on the prompt's rows, called once per layer, and the head on one
+      row), the median of ``reps``;
+    - ``vs_reference``: gflop_s / reference_gflop_s.
+    """
+    flops = prompt_flops(cfg, prefill["tokens"])
+    reference_s = reference_seconds(cfg, prefill["tokens"], getattr(torch, dtype), reps)
+    rate, reference = flops / prefill["seconds"] / 1e9, flops / reference_s / 1e9
+    return dict(
+        runner=prefill["runner"],
+        dtype=dtype,
+        tokens=prefill["tokens"],
+        gflop=flops / 1e9,
+        gflop_s=rate,
+        reference_gflop_s=reference,
+        reference_threads=1,
+        vs_reference=rate / reference,
+    )
+
+
 def _ms_per_call(row: dict) -> float:
     """Milliseconds per engine call: one prefill, or one decode step (batch tokens each)."""
     calls = 1 if row["phase"] == "prefill" else row["tokens"] // row["batch"]
@@ -444,6 +478,19 @@ def section(result: dict) -> str:
         f"read-only bandwidth ({lim['read_gb_s']:.1f} GB/s; a copy moves {lim['copy_gb_s']:.1f} GB/s), "
         f"so the step takes {step_ms / lim['floor_ms']:.2f}x the weight-streaming bound; "
         f"the output head alone takes {lim['head_ms']:.1f} ms ({lim['head_ms'] / step_ms:.0%} of the step).",
+    ]
+    gemm = result["prompt_gemm"]
+    lines += [
+        "",
+        f"The projections of `{gemm['runner']}`'s prefill ({gemm['tokens']} tokens): 2 x tokens x the "
+        "layers' q, k, v, o, gate, up and down weights, plus 2 x the output head's on the last row, over "
+        "the whole prefill's time; beside `F.linear` on one thread on the same GEMMs in the same dtype "
+        "(one layer's shapes, called once per layer, and the head on one row), timed in this run.",
+        "",
+        "| runner | dtype | GFLOP | GFLOP/s | F.linear 1-thread GFLOP/s | × F.linear |",
+        "|---|---|---:|---:|---:|---:|",
+        f"| {gemm['runner']} | {gemm['dtype']} | {gemm['gflop']:.2f} | {gemm['gflop_s']:.1f} "
+        f"| {gemm['reference_gflop_s']:.1f} | {gemm['vs_reference']:.2f} |",
     ]
     return "\n".join(lines) + "\n"
 

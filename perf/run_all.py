@@ -65,6 +65,7 @@ from benchlib.deploy import (
     VllmConfig,
     VllmServer,
     free_port,
+    pool_parameter,
     start_triton,
     vllm_command_line,
     wait_for_health,
@@ -696,23 +697,54 @@ def colocated_grid(text: str) -> list[ColocatedChoice]:
 class DisaggChoice:
     """One configuration of our disaggregated deployment: conditional disaggregation off (0), or the
     longest prompt the decode pool prefills itself, in chunks between its decode steps, while the
-    prefill pool is backlogged (`disagg repository --conditional-prefill-tokens`)."""
+    prefill pool is backlogged (`disagg repository --conditional-prefill-tokens`); and whether the
+    decode pool lends its cores to the prefill pool (`--prefill-borrow`), keeping a step plus the
+    time lent after it within `lend_tpot_ms` a token while prompts wait (`--decode-lend-tpot`)."""
 
     conditional_tokens: int
     chunk_tokens: int = 128
+    lend_tpot_ms: int | None = None  # None: no loans
 
     @property
     def label(self) -> str:
         if not self.conditional_tokens:
-            return "conditional disaggregation off"
-        return (
-            f"conditional disaggregation, prompts up to {self.conditional_tokens} tokens on the decode "
-            f"pool in chunks of {self.chunk_tokens}"
+            text = "conditional disaggregation off"
+        else:
+            text = (
+                f"conditional disaggregation, prompts up to {self.conditional_tokens} tokens on the decode "
+                f"pool in chunks of {self.chunk_tokens}"
+            )
+        if self.lend_tpot_ms is not None:
+            text += f", decode lends its core (step + loan <= {self.lend_tpot_ms} ms a token)"
+        return text
+
+    @property
+    def key(self) -> str:
+        """A folder name for this configuration."""
+        lend = "" if self.lend_tpot_ms is None else f"+lend{self.lend_tpot_ms}"
+        return f"{self.conditional_tokens}{lend}"
+
+    @property
+    def command(self) -> str:
+        text = (
+            f"disagg repository --conditional-prefill-tokens {self.conditional_tokens}"
+            f" --conditional-chunk-tokens {self.chunk_tokens}"
         )
+        if self.lend_tpot_ms is not None:
+            text += f" --prefill-borrow DECODE_CORES --decode-lend-tpot {self.lend_tpot_ms / 1000:g}"
+        return text
 
     def repository(self, repository: Path, scratch: Path) -> Path:
-        """`repository` with this configuration: itself when off, else a copy under `scratch` whose
-        decode pool and disaggregated orchestrators carry the parameters `disagg repository` writes."""
+        """`repository` with this configuration: itself when it is the repository's own, else a copy
+        under `scratch` whose pools and disaggregated orchestrators carry the parameters `disagg
+        repository` writes."""
+        if not self.conditional_tokens and self.lend_tpot_ms is None:
+            return repository
+        if self.lend_tpot_ms is not None:
+            cores = pool_parameter(repository, "decode", "cores")
+            repository = with_pool_parameters(repository, scratch / "borrow", "prefill", {"borrow": cores})
+            lend = {"lend": cores, "lend_tpot_s": f"{self.lend_tpot_ms / 1000:g}"}
+            repository = with_pool_parameters(repository, scratch / "lend", "decode", lend)
         if not self.conditional_tokens:
             return repository
         pool = {
@@ -726,14 +758,24 @@ class DisaggChoice:
 
 
 def disagg_grid(text: str) -> list[DisaggChoice]:
-    """`--disagg-grid`: conditional disaggregation's prompt limits, comma-separated, 0 for off."""
-    try:
-        limits = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        limits = [-1]
-    if not limits or any(not 0 <= n <= 65536 for n in limits):
+    """`--disagg-grid`: conditional disaggregation's prompt limits, comma-separated, 0 for off, each
+    with `+lendMS` where the decode pool lends its cores within MS milliseconds a token."""
+    choices = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        limit, plus, lend = part.partition("+lend")
+        try:
+            choice = DisaggChoice(int(limit), lend_tpot_ms=int(lend) if plus else None)
+        except ValueError:
+            choice = None
+        lend_ok = choice is not None and (choice.lend_tpot_ms is None or 1 <= choice.lend_tpot_ms <= 10000)
+        if choice is None or not lend_ok or not 0 <= choice.conditional_tokens <= 65536:
+            raise SystemExit(
+                f"--disagg-grid: {part!r} is not a prompt token limit with an optional +lendMS, e.g. 0+lend30"
+            )
+        choices.append(choice)
+    if not choices:
         raise SystemExit(f"--disagg-grid: {text!r} is not a list of prompt token limits (e.g. 0,512)")
-    return [DisaggChoice(n) for n in limits]
+    return choices
 
 
 def fresh(folder: Path) -> Path:
@@ -778,13 +820,9 @@ def disagg_running(
     args: argparse.Namespace, workdir: Path, notes: list[str], choice: DisaggChoice
 ) -> Iterator[tuple[ClientConfig, int | None, str]]:
     """Triton on the repository with `choice`."""
-    scratch = fresh(workdir / "disagg-grid" / str(choice.conditional_tokens))
+    scratch = fresh(workdir / "disagg-grid" / choice.key)
     repository = choice.repository(args.start_triton, scratch)
-    command = (
-        f"disagg repository --conditional-prefill-tokens {choice.conditional_tokens}"
-        f" --conditional-chunk-tokens {choice.chunk_tokens}"
-    )
-    with grid_server(args, scratch, repository, "disagg", choice.label, command) as running:
+    with grid_server(args, scratch, repository, "disagg", choice.label, choice.command) as running:
         yield running
 
 

@@ -35,10 +35,12 @@ from typing import Any, Literal
 
 from disagg.config import ConfigError, build
 from disagg.serving.endpoints import parse_remote_pools
+from disagg.serving.orchestrator import OrchestratorConfig
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
 from disagg_tools.repository import Layout, ModelVersion
 
+DEFAULT_TPOT_SLO_S = OrchestratorConfig.slo_tpot_s  # the entry points' TPOT SLO when the spec sets none
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
 
 
@@ -71,6 +73,8 @@ class PrefillPool:
     dtype: Dtype = ""  # "": the spec's dtype
     nice: int = 10  # yields its shared core to the token relay
     local_decode: bool = True  # the fallback ladder's "local" rung
+    # the decode pool's cores it borrows while they are lent (disagg.engine.loan); []: none
+    borrow: tuple[int, ...] = ()
     autoscale: Autoscale = field(default_factory=Autoscale)
 
     def __post_init__(self) -> None:
@@ -90,10 +94,15 @@ class DecodePool:
     # starting from batch_start (0: the engine's max_batch_size)
     batch_tpot_slo_s: float = 0.0
     batch_start: int = 0
+    # while prompts wait, a step plus the time its cores lent to prefill take at most this per token
+    # (seconds; null: half the entry points' TPOT SLO, 0: lent while idle only)
+    lend_tpot_s: float | None = None
     autoscale: Autoscale = field(default_factory=Autoscale)
 
     def __post_init__(self) -> None:
         _check_pool(self)
+        if self.lend_tpot_s is not None and not self.lend_tpot_s >= 0:
+            raise ValueError("lend_tpot_s: must be a number of seconds >= 0, or null")
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,10 @@ class Pools:
         shared = sorted(set(p.gpus) & set(d.gpus))
         if shared:
             raise ValueError(f"decode.gpus: overlaps prefill.gpus (GPU {shared[0]})")
+        _check_ids(p.borrow, "prefill.borrow", "core")
+        for core in p.borrow:
+            if core not in d.cores:
+                raise ValueError(f"prefill.borrow: core {core} is not the decode pool's {list(d.cores)}")
 
 
 @dataclass(frozen=True)
@@ -323,6 +336,8 @@ class Spec:
             conditional_chunk_tokens=d.conditional_chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
             decode_batch_start=d.batch_start,
+            prefill_borrow=_cores(p.borrow),
+            decode_lend_tpot_s=self.lend_tpot_s(),
             prefill_gpus=_cores(p.gpus),
             decode_gpus=_cores(d.gpus),
             colocated_gpus=_cores(c.gpus),
@@ -330,6 +345,13 @@ class Spec:
             decode_instances=d.instances,
             colocated_instances=c.instances,
         )
+
+    def lend_tpot_s(self) -> float:
+        """The decode pool's per-token budget while it lends its cores (``pools.decode.lend_tpot_s``;
+        null: half the entry points' TPOT SLO, or of the orchestrator's default)."""
+        if self.pools.decode.lend_tpot_s is not None:
+            return self.pools.decode.lend_tpot_s
+        return 0.5 * (self.entry_points.slo.tpot_s or DEFAULT_TPOT_SLO_S)
 
     def tls_folder(self, base: Path) -> str:
         """The remote section's TLS folder, absolute (a relative one from ``base``, the spec's folder);

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 
-def pin_process(cores: tuple[int, ...]) -> int:
-    """Pin every thread of this process, those already running included, to ``cores``.
+def pin_process(cores: tuple[int, ...], skip: tuple[int, ...] = ()) -> int:
+    """Pin every thread of this process, those already running included, to ``cores``; the threads
+    of ``skip`` keep theirs (a prefill pool's borrowed helpers, on the decode pool's cores).
 
     ``sched_setaffinity(0, ...)`` moves only the calling thread (and threads it starts later): a
     Triton stub has threads of its own by the time a model initializes, and those would keep
@@ -15,6 +16,8 @@ def pin_process(cores: tuple[int, ...]) -> int:
     """
     moved = 0
     for tid in os.listdir("/proc/self/task"):
+        if int(tid) in skip:
+            continue
         try:
             os.sched_setaffinity(int(tid), set(cores))
         except ProcessLookupError:

@@ -332,6 +332,13 @@ def with_orchestrator_parameters(
     return _with_parameters(repository, scratch, params, lambda name, text: wanted in text)
 
 
+def pool_parameter(repository: Path, pool: str, name: str) -> str:
+    """The value of parameter `name` in model `pool`'s config.pbtxt ("" when it has none)."""
+    text = (Path(repository) / pool / "config.pbtxt").read_text()
+    found = re.search(rf'\{{ key: "{re.escape(name)}", value: \{{ string_value: "([^"]*)" \}} \}}', text)
+    return found.group(1) if found else ""
+
+
 def with_pool_parameters(repository: Path, scratch: Path, pool: str, params: dict[str, str]) -> Path:
     """A copy of `repository` (under `scratch`) whose model `pool` carries `params`, replacing a
     parameter of the same name (its engine and scheduling settings: cores, max_prefill_tokens, ...)."""

@@ -118,6 +118,24 @@ def load(
     return loaded
 
 
+# kernels/team.c's loan functions, each returning an int64 (``loan_state`` a uint32)
+LOAN_SIGNATURES: dict[str, list[type]] = {
+    "loan_segment_bytes": [],
+    "team_borrow": [ctypes.c_void_p, ctypes.c_int64],
+    "team_borrowed_tid": [ctypes.c_int64],
+    "team_borrowed_idle": [ctypes.c_int64],
+    "team_borrowed": [],
+    "team_borrow_segment": [ctypes.c_int64, ctypes.c_void_p],
+    "loan_want": [ctypes.c_void_p, ctypes.c_int64],
+    "loan_lend": [ctypes.c_void_p],
+    "loan_reclaim": [ctypes.c_void_p, ctypes.c_int64],
+    "loan_abandoned": [ctypes.c_void_p],
+    "team_unborrow": [ctypes.c_int64],
+    "loan_await": [ctypes.c_void_p, ctypes.c_int64],
+    "loan_state": [ctypes.c_void_p],
+}
+
+
 @functools.cache
 def team() -> ctypes.CDLL | None:
     """The thread team every kernel library is linked with (``kernels/team.c``), or None where it
@@ -127,7 +145,12 @@ def team() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         log.warning("kernel thread team unavailable: %s", exc)
         return None
-    loaded.team_helpers.restype = ctypes.c_int64
+    size = ctypes.c_int64
+    loaded.team_helpers.restype = size
+    for name, args in LOAN_SIGNATURES.items():  # loans of another pool's core (disagg.engine.loan)
+        getattr(loaded, name).argtypes = args
+        getattr(loaded, name).restype = size
+    loaded.loan_state.restype = ctypes.c_uint32
     return loaded
 
 

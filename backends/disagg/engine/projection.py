@@ -63,11 +63,14 @@ class Projection:
         wide: bool = False,
         split: bool = True,
         source: torch.Tensor | None = None,
+        amx: bool | None = None,
     ) -> None:
         """``wide``: the kernel's outputs in fp32, unrounded (an output head's logits). ``split``: keep
         a second path for prompt rows where one is faster for them (off for a projection that only
         ever sees a few rows, such as the output head: one row per prompt). ``source``: the fp32
-        values a bf16 ``weight`` was rounded from (the checkpoint's), where block codes may be found."""
+        values a bf16 ``weight`` was rounded from (the checkpoint's), where block codes may be found.
+        ``amx``: whether to route prompt rows as on a CPU with AMX (None: whether this CPU has it,
+        ``kernel.cpu_has_amx``)."""
         self.bias = bias
         self.wide = wide
         on_cpu = weight.device.type == "cpu"
@@ -81,7 +84,7 @@ class Projection:
         elif gemm is not None and source is not None and blockcode.bf16_gemm() is not None:
             found = blockcode.recover(source)
             self.blocks = blockcode.quads(found) if found is not None and found.bits == 4 else None
-        amx_prompts = split and kernel.cpu_has_amx()
+        amx_prompts = split and (kernel.cpu_has_amx() if amx is None else amx)
         # the bf16 kernel's layout: every row, or the prompt rows beside codes (without AMX)
         keep_native = gemm is not None and (self.blocks is None or (split and not amx_prompts))
         self.native = kernel.pack(weight) if keep_native else None

@@ -8,10 +8,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from disagg.config import ConfigError, build
+from disagg.engine import kernel
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
+from disagg.engine.loan import Borrower, Lender, Loans
 from disagg.kv.transport import Transport, TransportConfig, create_transport
 from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
+from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
 from disagg.serving.loop import EngineLoop
 
@@ -61,6 +64,13 @@ class PoolConfig:
     batch_start: int = 0
     batch_min: int = 1
     batch_interval_s: float = 1.0
+    # Core loans (disagg.engine.loan), on one server: a prefill pool borrows these cores of the decode
+    # pool while it lends them; the decode pool lends these of its cores while it is idle and, while
+    # prompts wait, after each step for what is left of lend_tpot_s (its step plus the time lent, per
+    # token; 0: it lends while idle only)
+    borrow: tuple[int, ...] = ()
+    lend: tuple[int, ...] = ()
+    lend_tpot_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -79,6 +89,24 @@ class PoolConfig:
             raise ValueError("batch_tpot_slo_s (the batch tuner) is a decode pool's setting")
         if self.batch_start > self.engine.max_batch_size:
             raise ValueError(f"batch_start must be at most max_batch_size ({self.engine.max_batch_size})")
+        self._check_loans()
+
+    def _check_loans(self) -> None:
+        own = set(self.engine.cores or ())
+        if self.borrow and self.role is not Role.PREFILL:
+            raise ValueError("borrow is a prefill pool's setting (it borrows the decode pool's cores)")
+        if (self.lend or self.lend_tpot_s) and self.role is not Role.DECODE:
+            raise ValueError("lend and lend_tpot_s are a decode pool's settings")
+        if (self.borrow or self.lend) and self.engine.device != "cpu":
+            raise ValueError("core loans are for CPU pools")
+        for core in self.borrow:
+            if core in own:
+                raise ValueError(f"borrow: core {core} is this pool's own")
+        for core in self.lend:
+            if core not in own:
+                raise ValueError(f"lend: core {core} is not this pool's (cores {sorted(own)})")
+        if not self.lend_tpot_s >= 0:
+            raise ValueError("lend_tpot_s must be a number of seconds >= 0")
 
     def tuning(self) -> TunerConfig:
         return TunerConfig(
@@ -128,10 +156,24 @@ def transport_options(config: PoolConfig) -> dict[str, Any]:
     return {"cuda": CudaIpcConfig(device=device if ":" in device else f"{device}:0")}
 
 
-def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Transport | None]:
+def loans(config: PoolConfig, name: str) -> Loans | None:
+    """The pool's side of its core loans (``disagg.engine.loan``), or None; LoanError (a ValueError)
+    naming a core that cannot be borrowed or lent here. A borrowing pool's kernels split their work
+    over its own cores and the borrowed ones."""
+    if config.borrow:
+        borrower = Borrower(config.prefix, config.borrow)
+        kernel.use_threads(len(config.engine.cores or ()) + len(config.borrow))
+        return borrower
+    if config.lend:
+        return Lender(config.prefix, config.lend, name, Pacing(config.lend_tpot_s))
+    return None
+
+
+def build_instance(config: PoolConfig, secret: bytes, name: str = "") -> tuple[EngineLoop, Transport | None]:
     """Create the engine (its KV memory from the transport for prefill), the transport, the loop.
 
-    The caller starts the loop and, on shutdown, stops it and closes the transport.
+    ``name``: the pool's (its model's), for the loans' metrics. The caller starts the loop and, on
+    shutdown, stops it and closes the transport.
     """
     if config.nice:
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
@@ -156,7 +198,8 @@ def build_instance(config: PoolConfig, secret: bytes) -> tuple[EngineLoop, Trans
         scheduler = create_scheduler(config.role, engine.limits, config.scheduling())
         tuning = config.tuning()
         tuner = BatchTuner(tuning, engine.limits.max_batch_size) if tuning.enabled else None
-        loop = EngineLoop(engine, scheduler, transport, tuner=tuner)
+        lent = loans(config, name or config.role.value)
+        loop = EngineLoop(engine, scheduler, transport, tuner=tuner, loans=lent)
     except BaseException:
         if transport is not None:
             transport.close()

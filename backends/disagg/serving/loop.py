@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg.engine.backend import EngineBackend
+from disagg.engine.loan import Loans, LoanStats
 from disagg.kv.errors import KVError
 from disagg.scheduling import Scheduler
 from disagg.scheduling.plan import Emission
@@ -69,6 +70,16 @@ class LoopStats:
     kv_incompatible: int = 0  # KV imports refused as another model version's (engine.fingerprint)
     batch_limit: int = 0  # sequences the decode batch may hold now (the batch tuner's limit)
     batch_decisions: tuple[tuple[str, str, int], ...] = ()  # the tuner's (action, reason, count)
+    loans: tuple[LoanStats, ...] = ()  # cores lent or borrowed (disagg.engine.loan)
+
+    @property
+    def owned_busy_s(self) -> float:
+        """Engine seconds as this pool's own cores would have spent them: the time borrowed helpers
+        computed on another pool's cores is added back, so that a pool's measured speed (which
+        admission by capacity and the autoscaler read) never counts borrowed throughput as its own."""
+        if self.role != "prefill":
+            return self.engine_busy_s
+        return self.engine_busy_s + sum(loan.borrowed_s for loan in self.loans)
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
@@ -79,7 +90,7 @@ class LoopStats:
             self.blocks_used,
             self.blocks_free,
             self.prompt_tokens_done,
-            self.engine_busy_s,
+            self.owned_busy_s,
             self.engine_steps,
         )
 
@@ -94,6 +105,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         clock: Callable[[], float] = time.time,
         tuner: BatchTuner | None = None,
+        loans: Loans | None = None,
     ) -> None:
         self.role = scheduler.role
         if self.role.needs_transport and transport is None:
@@ -108,6 +120,7 @@ class EngineLoop:
         self.tuner = tuner  # sets the scheduler's batch limit from what each interval measured
         if tuner is not None:
             scheduler.batch_limit = tuner.limit
+        self.loans = loans or Loans()  # cores this pool lends or borrows (disagg.engine.loan)
         self._renewals = Renewals()  # imports waiting for decode blocks, and their leases
         self.iterations = 0  # loop iterations so far (tests: an idle or stalled loop waits)
         self._cond = threading.Condition()
@@ -210,6 +223,7 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self.dispatcher.close(timeout_s)  # after the loop's last final responses
+        self.loans.close()  # a part in flight ends first; the team's caller takes the rest
         if not self._thread.is_alive():
             self.engine.close()
 
@@ -225,6 +239,7 @@ class EngineLoop:
                     # nothing to do until a message comes (a job, a release, a stop) or idle_wait_s
                     # passes (renewals are due by the clock): never spin on an empty plan
                     if not self._inbox and (stalled or self.scheduler.idle):
+                        self.loans.idle()
                         self._cond.wait(self.idle_wait_s)
                     inbox, self._inbox = list(self._inbox), deque()
                 for message in inbox:
@@ -237,11 +252,16 @@ class EngineLoop:
                 self._renew_waiting()
                 batch = self.scheduler.num_running + len(plan.imports) if plan.decode else 0
                 busy = self.runner.busy_s
-                emissions = self.scheduler.postprocess(self.runner.run(plan)) if not plan.empty else []
+                emissions = []
+                if not plan.empty:
+                    self.loans.step()
+                    emissions = self.scheduler.postprocess(self.runner.run(plan))
                 self._tune(batch, self.runner.busy_s - busy)
                 self._snapshot = self._measure()
                 for emission in emissions:
                     self._send(emission)
+                if not plan.empty:
+                    self.loans.stepped()  # after the tokens went out: a lender may pause here
                 if self._draining:
                     with self._cond:
                         self._cond.notify_all()
@@ -253,6 +273,7 @@ class EngineLoop:
                 raise
             return
         self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool is shutting down"))
+        self.loans.idle()
 
     def _take(self, message: Message) -> None:
         if isinstance(message, Submit):
@@ -358,4 +379,5 @@ class EngineLoop:
             )
             if self.tuner is not None
             else (),
+            loans=self.loans.stats(),
         )

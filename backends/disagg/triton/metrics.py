@@ -22,6 +22,7 @@ from disagg.serving.throttle import DECISIONS as HOT_RATE_DECISIONS
 
 if TYPE_CHECKING:
     # Types only: both import torch, and the text models that use this module must not.
+    from disagg.engine.loan import LoanStats
     from disagg.kv.transport import Transport
     from disagg.serving.loop import EngineLoop
 
@@ -134,6 +135,16 @@ DESCRIPTIONS = {
         "COUNTER",
         "Decode batch tuner decisions per interval, by action (grow, shrink, hold) and reason",
     ),
+    "disagg_borrowed_core_seconds_total": (
+        "COUNTER",
+        "Seconds a prefill pool's borrowed helpers computed on a core the decode pool lent it",
+    ),
+    "disagg_lent_core_seconds_total": ("COUNTER", "Seconds a decode pool had a core of its own lent"),
+    "disagg_loan_reclaim_waits_total": (
+        "COUNTER",
+        "Times a decode pool taking a lent core back waited for the borrowed part in flight",
+    ),
+    "disagg_loan_reclaim_wait_seconds_total": ("COUNTER", "Seconds those reclaims waited"),
     "disagg_engine_steps_total": (
         "COUNTER",
         "Engine calls of a pool instance: prompts prefilled (prefill), batch steps (decode, colocated)",
@@ -483,6 +494,7 @@ class PoolReporter:
         self._labels = labels
         self.limit = fam.gauge("disagg_decode_batch_limit", labels) if role == "decode" else None
         self.decisions: dict[tuple[str, str], SerialMetric] = {}
+        self.loans: dict[str, SerialMetric] = {}  # core loans' counters, by their key in _seen
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.exported = fam.metric("disagg_kv_exported_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
@@ -567,7 +579,7 @@ class PoolReporter:
         if self.active is not None:
             self.active.set(stats.active_sequences)
         self._add(self.steps, "steps", stats.engine_steps)
-        self._add(self.busy, "busy", stats.engine_busy_s)
+        self._add(self.busy, "busy", stats.owned_busy_s)  # borrowed help counted as own time
         self.cached.set(stats.blocks_cached)
         self._add(self.hits, "hits", stats.prefix_hits)
         self._add(self.misses, "misses", stats.prefix_misses)
@@ -584,6 +596,8 @@ class PoolReporter:
                 )
                 self._seen[key] = 0.0
             self._add(self.decisions[action, reason], key, count)
+        for loan in stats.loans:
+            self._publish_loan(loan)
         if self._transport is None:
             return
         snap = self._transport.stats.snapshot()
@@ -594,6 +608,28 @@ class PoolReporter:
         self._add(self.renewals, "renewals", snap.lease_renewals)
         while self._loop.transfer_times:
             self.transfer.observe(self._loop.transfer_times.popleft())
+
+    def _publish_loan(self, loan: LoanStats) -> None:
+        """A borrower's borrowed core-seconds; a lender's lent seconds and reclaims that waited."""
+        if not loan.lender:
+            return  # no lender has come yet: nothing was lent
+        core = str(loan.core)
+        if self._loop.role.value == "prefill":
+            labels = {**self._labels, "borrower": self._labels["model"], "lender": loan.lender, "core": core}
+            series = {"disagg_borrowed_core_seconds_total": loan.borrowed_s}
+        else:
+            labels = {**self._labels, "lender": loan.lender, "core": core}
+            series = {
+                "disagg_lent_core_seconds_total": loan.lent_s,
+                "disagg_loan_reclaim_waits_total": float(loan.waits),
+                "disagg_loan_reclaim_wait_seconds_total": loan.wait_s,
+            }
+        for name, total in series.items():
+            key = f"loans/{name}/{loan.lender}/{core}"
+            if key not in self.loans:
+                self.loans[key] = self._fam.metric(name, labels)
+                self._seen[key] = 0.0
+            self._add(self.loans[key], key, total)
 
     def _add(self, counter: SerialMetric, key: str, total: float) -> None:
         delta = total - self._seen[key]

@@ -66,7 +66,7 @@ class PoolModel:
         self.version = int(args.get("model_version", 1) or 1)
         manifest = version_manifest(args)
         self.config = pool_config(params, args, manifest)
-        self.loop, self.transport = build_instance(self.config, secret)
+        self.loop, self.transport = build_instance(self.config, secret, args["model_name"])
         if manifest.probe is not None:  # before it serves: a wrong checkpoint fails its load
             try:
                 tokenizer = Tokenizer(self.config.engine.model_dir)
@@ -75,7 +75,7 @@ class PoolModel:
                 self._release()
                 raise
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
-            pin_process(self.config.engine.cores)
+            pin_process(self.config.engine.cores, skip=self.loop.loans.threads())
         self.loop.start()
         self.reporter = PoolReporter(
             pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport, self.version

@@ -109,6 +109,30 @@ def test_with_amx_prompt_rows_go_to_onednn_and_decode_rows_to_the_kernel(monkeyp
     assert logits.dtype == torch.float32 and torch.equal(logits, kernel.gemm()(x, head.native, None, True))
 
 
+@needs_kernel
+@pytest.mark.parametrize("amx", [True, False])
+def test_an_injected_amx_decides_where_prompt_rows_go(monkeypatch, amx: bool) -> None:
+    """``amx`` given, the CPU is not asked: with it prompt rows go to oneDNN and decode rows to the
+    kernel (both layouts held), without it every row goes to the kernel (its layout alone)."""
+    monkeypatch.setattr(kernel, "cpu_has_amx", lambda: pytest.fail("the CPU was asked despite amx"))
+    weight, bias = torch.randn(128, 64).bfloat16(), torch.randn(128).bfloat16()
+    projection = Projection(weight, bias, pack=True, native=True, amx=amx)
+    assert projection.native is not None
+    x = torch.randn(7, 64).bfloat16()
+    every_row = kernel.gemm()(x, projection.native, bias)
+    split = projection(x, 3)
+    assert torch.equal(split[:3], kernel.gemm()(x[:3], projection.native, bias))  # decode rows
+    assert torch.equal(projection(x), every_row)  # all decode rows: the kernel either way
+    if amx:
+        assert projection.packed and projection.nbytes == 2 * 128 * 64 * 2
+        assert torch.equal(split[3:], F.linear(x[3:], weight, bias))  # prompt rows: oneDNN's bits
+        assert torch.equal(projection(x, 0), F.linear(x, weight, bias))
+    else:
+        assert projection.weight is None and not projection.packed and projection.nbytes == 128 * 64 * 2
+        assert torch.equal(split[3:], kernel.gemm()(x[3:], projection.native, bias))  # the kernel too
+        assert torch.equal(projection(x, 0), every_row)
+
+
 def test_without_the_kernel_projections_fall_back_to_onednn(monkeypatch) -> None:
     weight = torch.randn(16, 64).bfloat16()
     monkeypatch.setattr(kernel, "gemm", lambda: None)
