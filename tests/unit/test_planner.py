@@ -263,3 +263,34 @@ def test_the_plan_routes_at_random_by_default():
     assert default == oblivious
     assert oblivious["colocated 2x1 cores"] < aware["colocated 2x1 cores"], (oblivious, aware)
     assert oblivious["disaggregated 1P:1D"] == aware["disaggregated 1P:1D"], "one instance a pool: no choice"
+
+
+def test_an_elastic_pair_prefills_on_both_cores_while_decode_is_idle_and_paces_decode_otherwise():
+    """Elastic: decode idle, the prompt runs at the loan's full speed-up; decoding with a step of 0.01 s
+    under a budget of 0.04 s, three quarters of the core is lent (factor 1 + 0.6 x 0.75), and every
+    decode step while a prompt waits lasts the budget."""
+    profile = constant(prefill_s=0.2, step_s=0.01)
+    elastic = Deployment(prefill=(profile,), decode=(profile,), lend_tpot_s=0.04, loan_speedup=1.6)
+    first, second = simulate(elastic, [Job(0.0, 100, 10), Job(0.13, 100, 2)])
+    assert first.first_token == pytest.approx(0.2 / 1.6)
+    assert second.first_token == pytest.approx(0.13 + 0.2 / (1 + 0.6 * 0.75))
+    # the first's 9 decode steps from 0.125: one alone (0.01), four paced while the second prefills
+    # (0.04 each, to 0.295), then four of 0.01
+    assert first.last_token == pytest.approx(0.125 + 0.01 + 4 * 0.04 + 4 * 0.01)
+    static_first, static_second = simulate(
+        Deployment(prefill=(profile,), decode=(profile,)), [Job(0.0, 100, 10), Job(0.13, 100, 2)]
+    )
+    assert static_second.first_token == pytest.approx(0.4)  # after the first, 0.2 s each on one core
+    assert static_first.tpot == pytest.approx(0.01)
+
+
+def test_the_plan_offers_the_elastic_pair_on_two_cores_with_both_profiles():
+    one, two = constant(prefill_s=0.3, step_s=0.01), constant(prefill_s=0.2, step_s=0.008)
+    names = [name for name, _, _ in placements(2, {1: one, 2: two}, lend_tpot_s=0.03)]
+    assert "disaggregated 1P:1D, decode lends its core (30 ms a token)" in names
+    (elastic,) = [d for name, d, _ in placements(2, {1: one, 2: two}, lend_tpot_s=0.03) if "lends" in name]
+    assert elastic.loan_speedup == pytest.approx(1.5)
+    assert not [n for n, _, _ in placements(2, {1: one, 2: two}) if "lends" in n]  # not asked for
+    assert not [n for n, _, _ in placements(3, {1: one, 2: two}, lend_tpot_s=0.03) if "lends" in n]
+    with pytest.raises(ValueError, match="one prefill and one decode"):
+        Deployment(prefill=(one, one), decode=(one,), lend_tpot_s=0.03)

@@ -185,3 +185,53 @@ def test_a_spec_with_remote_pools_is_served_by_role():
         spec.layout()
     with pytest.raises(ValueError, match="need the spec's remote section"):
         parse_spec({}).layout("frontend")
+
+
+def test_core_loans_reach_both_pools_with_the_decode_budget(tmp_path):
+    """`pools.prefill.borrow` names decode cores the prefill pool borrows; the decode pool lends them
+    within `lend_tpot_s`, by default half the entry points' TPOT SLO."""
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({"pools": {"prefill": {"borrow": [1]}}}))
+    assert repository_main(["--spec", str(spec_file), "--out", str(tmp_path / "repo")]) == 0
+
+    def params(pool: str) -> dict[str, str]:
+        text = (tmp_path / "repo" / pool / "config.pbtxt").read_text()
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+
+    prefill, decode = params("prefill"), params("decode")
+    assert prefill["borrow"] == "1" and "lend" not in prefill
+    assert decode["lend"] == "1" and decode["lend_tpot_s"] == "0.05"  # half the default TPOT SLO, 0.1 s
+    assert "borrow" not in params("colocated") and "lend" not in params("colocated")
+    config = pool_config({**decode, "model_dir": "/nonexistent"}, {"model_instance_name": "decode_0"})
+    assert (config.lend, config.lend_tpot_s) == ((1,), 0.05)
+    config = pool_config({**prefill, "model_dir": "/nonexistent"}, {"model_instance_name": "prefill_0"})
+    assert config.borrow == (1,)
+    budget = parse_spec({"entry_points": {"slo": {"tpot_s": 0.06}}, "pools": {"prefill": {"borrow": [1]}}})
+    assert budget.layout().decode_lend_tpot_s == pytest.approx(0.03)
+    given = parse_spec({"pools": {"prefill": {"borrow": [1]}, "decode": {"lend_tpot_s": 0.02}}})
+    assert given.layout().decode_lend_tpot_s == 0.02
+    assert parse_spec({}).layout().prefill_borrow == ""  # no loans unless asked
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"pools": {"prefill": {"borrow": [2]}}}, r"^pools\.prefill\.borrow: core 2 is not the decode"),
+        ({"pools": {"prefill": {"borrow": [1, 1]}}}, r"^pools\.prefill\.borrow: must list distinct core"),
+        ({"pools": {"decode": {"lend_tpot_s": -1}}}, r"^pools\.decode\.lend_tpot_s: must be a number"),
+    ],
+)
+def test_a_core_that_cannot_be_borrowed_is_refused_by_name(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_spec(spec)
+
+
+def test_loans_are_between_one_prefill_and_one_decode_instance_on_cpu():
+    from disagg_tools.repository import Layout
+
+    with pytest.raises(ValueError, match="prefill_borrow: core loans are between one prefill"):
+        Layout(prefill_borrow="1", decode_instances=2)
+    with pytest.raises(ValueError, match="prefill_borrow: core 1 is also the hot decode pool's"):
+        Layout(prefill_borrow="1", hot_decode_cores="1")
+    with pytest.raises(ValueError, match="prefill_borrow: core 3 is not in decode_cores"):
+        Layout(prefill_borrow="3")

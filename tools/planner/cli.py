@@ -170,6 +170,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         help="how requests meet a pool's instances: random (Triton's own assignment, load-oblivious: "
         "the default) or least_loaded (a router that knows each instance's queue)",
     )
+    parser.add_argument(
+        "--lend-tpot",
+        type=float,
+        default=None,
+        help="on 2 cores with 1- and 2-core profiles, also the elastic pair whose decode instance lends its "
+        "core to prefill within this TPOT budget, seconds (pools.decode.lend_tpot_s; e.g. half --tpot)",
+    )
     parser.add_argument("--requests", type=int, default=300, help="simulated requests per rate")
     parser.add_argument("--top", type=int, default=None, help="print only the best N placements")
     args = parser.parse_args(argv)
@@ -200,6 +207,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         relay_s_per_token=args.relay_ms_per_token / 1e3,
         prefill_relay_s_per_token=args.prefill_relay_ms_per_token / 1e3,
         routing=args.routing,
+        lend_tpot_s=args.lend_tpot,
     )
     _table(results, "cores", "per core")
     return 0

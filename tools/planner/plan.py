@@ -73,16 +73,35 @@ def goodput(
     return low, best
 
 
+LOAN_PROMPT_TOKENS = 300  # the prompt length a loan's speed-up is read at from the profiles
+
+
+def loan_speedup(profiles: Mapping[int, Profile]) -> float | None:
+    """A prompt's speed on its core and a whole lent one over its speed alone: the 2-core profile's
+    over the 1-core's (None without both)."""
+    one, two = profiles.get(1), profiles.get(2)
+    if one is None or two is None:
+        return None
+    alone, both = one.prefill_s([LOAN_PROMPT_TOKENS]), two.prefill_s([LOAN_PROMPT_TOKENS])
+    return max(1.0, alone / both) if both > 0 else None
+
+
 def placements(
-    cores: int, profiles: Mapping[int, Profile], chunk_tokens: int = 0
+    cores: int, profiles: Mapping[int, Profile], chunk_tokens: int = 0, lend_tpot_s: float | None = None
 ) -> list[tuple[str, Deployment, int]]:
-    """(name, deployment, cores used) of every placement the profiles allow on ``cores`` cores."""
+    """(name, deployment, cores used) of every placement the profiles allow on ``cores`` cores; with
+    ``lend_tpot_s``, on two cores, also the elastic pair (the decode instance lends its core)."""
     out: list[tuple[str, Deployment, int]] = []
     one = profiles.get(1)
     if one is not None:
         for p in range(1, cores):
             d = cores - p
             out.append((f"disaggregated {p}P:{d}D", Deployment(prefill=(one,) * p, decode=(one,) * d), cores))
+    speedup = loan_speedup(profiles)
+    if one is not None and cores == 2 and lend_tpot_s is not None and speedup is not None:
+        elastic = Deployment(prefill=(one,), decode=(one,), lend_tpot_s=lend_tpot_s, loan_speedup=speedup)
+        name = f"disaggregated 1P:1D, decode lends its core ({lend_tpot_s * 1000:g} ms a token)"
+        out.append((name, elastic, cores))
     for k, profile in sorted(profiles.items()):
         n = cores // k
         if n < 1:
@@ -106,14 +125,16 @@ def plan(
     relay_s_per_token: float = 0.0,
     prefill_relay_s_per_token: float = 0.0,
     routing: str = "random",
+    lend_tpot_s: float | None = None,
 ) -> list[Prediction]:
     """Every placement's predicted goodput, best per core first. ``relay_s_per_token``: what serving
     adds to each decode step per token it produces, for every placement; ``prefill_relay_s_per_token``:
     the entry points' CPU per token streamed, taken from the disaggregated prefill instances whose
     cores they share (both measured by ``perf/relay_cost.py``). ``routing``: how requests meet a pool's
-    instances (``simulator.Deployment.routing``; random: Triton's own, load-oblivious assignment)."""
+    instances (``simulator.Deployment.routing``; random: Triton's own, load-oblivious assignment).
+    ``lend_tpot_s``: also the elastic pair, whose decode instance lends its core within it."""
     found = []
-    for name, deployment, used in placements(cores, profiles, chunk_tokens):
+    for name, deployment, used in placements(cores, profiles, chunk_tokens, lend_tpot_s):
         if deployment.prefill:
             deployment = replace(
                 deployment,

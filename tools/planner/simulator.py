@@ -17,6 +17,15 @@ relay of each token takes from the pool's cores, measured apart (``perf/relay_co
 entry points share the disaggregated prefill instances' core, a prefill step also lasts
 ``prefill_relay_s_per_token`` longer per token streamed while it ran.
 
+Elastic (``lend_tpot_s`` set; one prefill and one decode instance): the decode instance lends its
+core to prefill (``disagg.engine.loan``). While it is idle the core is lent whole; while prompts wait,
+each decode step is followed by a loan of what is left of ``lend_tpot_s`` (``disagg.scheduling.pacing``),
+so the step lasts ``max(step, lend_tpot_s)``. A prefill step runs at its profile's speed times
+``1 + (loan_speedup - 1) x f``, where ``loan_speedup`` is the prompt's speed on a whole lent core
+beside its own (the 2-core profile's over the 1-core's) and ``f`` the share of the decode core lent
+when the step starts (1 idle, ``lend / (step + lend)`` decoding): an approximation, since the share
+moves during the step.
+
 Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
 (the orchestrator's cost apart from the relay, CPU contention between pools sharing a core).
 """
@@ -82,6 +91,11 @@ class Deployment:
     """Disaggregated: the entry points' CPU per token streamed, taken from the prefill instances (they
     share its core): a prefill step lasts this much longer per token the decode instances produced
     while it ran. 0: the relay takes nothing from prefill."""
+    lend_tpot_s: float | None = None
+    """Elastic: the decode instance lends its core to the prefill instance, within this many seconds
+    a token while prompts wait (None: static pools)."""
+    loan_speedup: float = 1.0
+    """Elastic: a prompt's speed with a whole lent core beside its own, over its speed alone."""
     routing: str = "least_loaded"
     """How a request (and, disaggregated, its hand-off) picks among a pool's instances:
     ``least_loaded`` (the fewest prompt tokens waiting, plus sequences where colocated; the decode
@@ -99,6 +113,11 @@ class Deployment:
             raise ValueError("a disaggregated deployment needs prefill and decode instances")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}")
+        if self.lend_tpot_s is not None:
+            if self.colocated or len(self.prefill) != 1 or len(self.decode) != 1:
+                raise ValueError("lend_tpot_s: loans are between one prefill and one decode instance")
+            if not self.lend_tpot_s >= 0 or not self.loan_speedup >= 1:
+                raise ValueError("lend_tpot_s must be >= 0 and loan_speedup >= 1")
 
 
 @dataclass
@@ -200,7 +219,7 @@ class Simulation:
         taken = self._take_prompts(instance, self.d.max_prefill_tokens, whole=True)
         instance.busy = True
         instance.stepping = sum(tokens for _, tokens, _ in taken)
-        seconds = instance.profile.prefill_s([tokens for _, tokens, _ in taken])
+        seconds = instance.profile.prefill_s([tokens for _, tokens, _ in taken]) / self._loan_factor()
         mark = self.emitted
         self._at(self.now + seconds, lambda: self._prefill_relayed(instance, taken, mark))
 
@@ -230,6 +249,23 @@ class Simulation:
             self._at(self.now + delay, lambda o=outcome, t=target: self._joined(t, o))
         self._prefill_step(instance)
 
+    def _lent_share(self) -> float:
+        """Elastic: the share of the decode core lent now (1 while it has no sequence)."""
+        decode = self.decode[0]
+        if not decode.active and not decode.joining:
+            return 1.0
+        step = decode.profile.decode_s(max(len(decode.active), 1), sum(s.context for s in decode.active))
+        lend = max(0.0, (self.d.lend_tpot_s or 0.0) - step)
+        return lend / (step + lend) if lend > 0 else 0.0
+
+    def _loan_factor(self) -> float:
+        if self.d.lend_tpot_s is None:
+            return 1.0
+        return 1.0 + (self.d.loan_speedup - 1.0) * self._lent_share()
+
+    def _prompts_wait(self) -> bool:
+        return any(p.busy or p.queue for p in self.prefill)
+
     def _joined(self, instance: _Instance, outcome: Outcome) -> None:
         instance.incoming -= 1
         instance.joining.append(_Seq(outcome, outcome.job.output - 1, outcome.job.prompt + 1))
@@ -246,7 +282,10 @@ class Simulation:
         if not instance.active:
             return
         instance.busy = True
-        self._at(self.now + self._decode_s(instance), lambda: self._stepped(instance))
+        seconds = self._decode_s(instance)
+        if self.d.lend_tpot_s is not None and self._prompts_wait():  # the loan after the step
+            seconds = max(seconds, self.d.lend_tpot_s)
+        self._at(self.now + seconds, lambda: self._stepped(instance))
 
     def _decode_s(self, instance: _Instance) -> float:
         """One decode step over the instance's batch: the profile's, plus the relay of its tokens."""

@@ -121,7 +121,7 @@ def load(
 # kernels/team.c's loan functions, each returning an int64 (``loan_state`` a uint32)
 LOAN_SIGNATURES: dict[str, list[type]] = {
     "loan_segment_bytes": [],
-    "team_borrow": [ctypes.c_void_p, ctypes.c_int64],
+    "team_borrow": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
     "team_borrowed_tid": [ctypes.c_int64],
     "team_borrowed_idle": [ctypes.c_int64],
     "team_borrowed": [],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -16,6 +17,7 @@ from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
+from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.loop import EngineLoop
 
 
@@ -160,13 +162,21 @@ def loans(config: PoolConfig, name: str) -> Loans | None:
     """The pool's side of its core loans (``disagg.engine.loan``), or None; LoanError (a ValueError)
     naming a core that cannot be borrowed or lent here. A borrowing pool's kernels split their work
     over its own cores and the borrowed ones."""
+    scope = loan_scope(config.prefix)
     if config.borrow:
-        borrower = Borrower(config.prefix, config.borrow)
+        borrower = Borrower(scope, config.borrow)
         kernel.use_threads(len(config.engine.cores or ()) + len(config.borrow))
         return borrower
     if config.lend:
-        return Lender(config.prefix, config.lend, name, Pacing(config.lend_tpot_s))
+        return Lender(scope, config.lend, name, Pacing(config.lend_tpot_s))
     return None
+
+
+def loan_scope(prefix: str) -> str:
+    """What names a deployment's loan segments: its prefix and, inside a server, the server's HTTP
+    endpoint (``DISAGG_SERVER_HTTP``), so that two servers on one machine never share a loan."""
+    server = os.environ.get(ENV_SERVER_HTTP, "")
+    return f"{prefix}-{re.sub(r'[^A-Za-z0-9]+', '_', server)}" if server else prefix
 
 
 def build_instance(config: PoolConfig, secret: bytes, name: str = "") -> tuple[EngineLoop, Transport | None]:

@@ -223,3 +223,47 @@ def test_pacing_lends_what_the_budget_leaves() -> None:
     assert Pacing(0.0).lend_s(0.001, 0.0, prompts_waiting=True) == 0.0  # lends while idle only
     with pytest.raises(ValueError):
         Pacing(-1.0)
+
+
+def test_pool_settings_of_loans_name_what_is_wrong(tiny_model_dir) -> None:
+    from disagg.engine.engine import EngineConfig
+    from disagg.serving.instance import PoolConfig
+
+    def engine(*cores: int) -> EngineConfig:
+        return EngineConfig(model_dir=tiny_model_dir, cores=cores)
+
+    assert PoolConfig(role="prefill", engine=engine(0), borrow=(1,)).borrow == (1,)
+    assert PoolConfig(role="decode", engine=engine(1), lend=(1,), lend_tpot_s=0.03).lend == (1,)
+    with pytest.raises(ValueError, match="borrow: core 0 is this pool's own"):
+        PoolConfig(role="prefill", engine=engine(0), borrow=(0,))
+    with pytest.raises(ValueError, match="lend: core 0 is not this pool's"):
+        PoolConfig(role="decode", engine=engine(1), lend=(0,))
+    with pytest.raises(ValueError, match="borrow is a prefill pool's setting"):
+        PoolConfig(role="decode", engine=engine(1), borrow=(0,))
+    with pytest.raises(ValueError, match="lend and lend_tpot_s are a decode pool's settings"):
+        PoolConfig(role="prefill", engine=engine(0), lend_tpot_s=0.03)
+
+
+def test_a_borrowing_pool_reports_its_load_in_its_own_cores_time() -> None:
+    """Admission and the autoscaler read a pool's speed from its busy seconds: the seconds its borrowed
+    helper computed are added back, so borrowed throughput never counts as the pool's own."""
+    from disagg.engine.loan import LoanStats
+    from disagg.serving.loop import LoopStats
+
+    borrowed = (LoanStats(1, "decode", 0.4, 10, 0.0, 0, 0.0),)
+    fields = dict(queued=0, queued_prompt_tokens=0, active_sequences=0, held_leases=0, blocks_used=0)
+    fields |= dict(blocks_free=1, healthy=True, engine_steps=3, engine_busy_s=1.0, loans=borrowed)
+    assert LoopStats(role="prefill", **fields).load().busy_s == pytest.approx(1.4)
+    assert LoopStats(role="decode", **fields).load().busy_s == pytest.approx(1.0)
+
+
+def test_two_servers_on_one_machine_never_share_a_loan(monkeypatch) -> None:
+    from disagg.serverconfig import ENV_SERVER_HTTP
+    from disagg.serving.instance import loan_scope
+
+    monkeypatch.delenv(ENV_SERVER_HTTP, raising=False)
+    assert loan_scope("disagg") == "disagg"
+    monkeypatch.setenv(ENV_SERVER_HTTP, "127.0.0.1:8000")
+    first = loan_scope("disagg")
+    monkeypatch.setenv(ENV_SERVER_HTTP, "127.0.0.1:8100")
+    assert first != loan_scope("disagg") and "/" not in first

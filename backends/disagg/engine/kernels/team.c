@@ -160,7 +160,7 @@ static void hire(int64_t wanted) {
    memory) whose word says LENT (the lender does not need the core now), WANT (the borrower has prompt
    work), BUSY (a borrowed helper is inside a part) and WAITER (the lender waits for that part).
 
-   The borrower runs one borrowed helper thread per lent core, pinned to it at SCHED_IDLE. It claims
+   The borrower runs one borrowed helper thread per lent core, pinned to it (at SCHED_IDLE if asked). It claims
    parts of the team's jobs like any helper, but one part at a time and only after marking the word
    BUSY while it says LENT: the lender takes the core back by clearing LENT and then waits, asleep on
    the word (a process-shared futex), for at most the one part in flight. A helper that finds the word
@@ -187,7 +187,7 @@ struct borrowed {
     _Atomic(struct loan_segment *) segment; /* NULL: a free slot, or its helper is told to end */
     int64_t cpu;
     _Atomic int32_t tid; /* the helper's thread id while it runs; 0 before it starts and after it ends */
-    int32_t idle;        /* whether it runs at SCHED_IDLE */
+    int32_t idle;        /* asked for: SCHED_IDLE; then whether it runs at it */
 };
 
 static struct borrowed borrowed[MAX_BORROWED];
@@ -227,7 +227,7 @@ static void borrowed_work(struct loan_segment *s, uint64_t seen) {
 static void *borrowed_helper(void *arg) {
     struct borrowed *b = arg;
     struct sched_param idle = {0};
-    b->idle = syscall(SYS_sched_setscheduler, 0, SCHED_IDLE, &idle) == 0;
+    if (b->idle) b->idle = syscall(SYS_sched_setscheduler, 0, SCHED_IDLE, &idle) == 0;
     atomic_store(&b->tid, (int32_t)syscall(SYS_gettid));
     syscall(SYS_futex, &b->tid, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     for (;;) {
@@ -258,9 +258,10 @@ static void *borrowed_helper(void *arg) {
 
 int64_t loan_segment_bytes(void) { return (int64_t)sizeof(struct loan_segment); }
 
-/* Borrower: start a helper pinned to `cpu` that works while `segment` says LENT. Returns its index
+/* Borrower: start a helper pinned to `cpu` (at SCHED_IDLE if `idle`) that works while `segment` says
+   LENT. Returns its index
    (0 ..), or -errno: EINVAL for a core this process may not run on, ENOSPC past MAX_BORROWED. */
-int64_t team_borrow(struct loan_segment *segment, int64_t cpu) {
+int64_t team_borrow(struct loan_segment *segment, int64_t cpu, int64_t idle) {
     pthread_once(&forks, watch_forks);
     if (cpu < 0 || cpu >= CPU_SETSIZE || segment == NULL) return -EINVAL;
     int64_t index = 0;
@@ -269,6 +270,7 @@ int64_t team_borrow(struct loan_segment *segment, int64_t cpu) {
     if (index >= MAX_BORROWED) return -ENOSPC;
     struct borrowed *b = &borrowed[index];
     b->cpu = cpu;
+    b->idle = idle != 0;
     atomic_store(&segment->borrower, (int32_t)getpid());
     atomic_store(&b->segment, segment);
     cpu_set_t set;
