@@ -283,11 +283,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--disagg-grid",
-        default="0,512",
+        default="0,512,0+static",
         help="our disaggregated deployment's configurations tried (with --start-triton): conditional "
         "disaggregation's longest prompt prefilled on the decode pool while the prefill pool is "
-        "backlogged, 0 for off; each is tuned on the first workload and the best is measured in full as "
-        "'disagg' (default: off, and prompts up to 512 tokens)",
+        "backlogged, 0 for off, each with +lendMS (the decode pool lends its core within MS ms a token) "
+        "or +static (no core loans); else the repository's own loans. Each is tuned on the first "
+        "workload and the best is measured in full as 'disagg' (default: off, prompts up to 512 tokens, "
+        "and off without loans)",
     )
     parser.add_argument("--vllm-omp-bind", default="", help="one configuration only: this bind")
     parser.add_argument("--vllm-dtype", default="", help="one configuration only: this --dtype")
@@ -703,7 +705,8 @@ class DisaggChoice:
 
     conditional_tokens: int
     chunk_tokens: int = 128
-    lend_tpot_ms: int | None = None  # None: no loans
+    lend_tpot_ms: int | None = None  # None: the repository's own loans (its spec's), if any
+    static: bool = False  # no loans whatever the repository has: the pools keep their own cores
 
     @property
     def label(self) -> str:
@@ -716,13 +719,17 @@ class DisaggChoice:
             )
         if self.lend_tpot_ms is not None:
             text += f", decode lends its core (step + loan <= {self.lend_tpot_ms} ms a token)"
+        if self.static:
+            text += ", static pools (no core loans)"
+        elif self.lend_tpot_ms is None:
+            text += ", core loans as the repository has them"
         return text
 
     @property
     def key(self) -> str:
         """A folder name for this configuration."""
         lend = "" if self.lend_tpot_ms is None else f"+lend{self.lend_tpot_ms}"
-        return f"{self.conditional_tokens}{lend}"
+        return f"{self.conditional_tokens}{lend}{'+static' if self.static else ''}"
 
     @property
     def command(self) -> str:
@@ -732,15 +739,20 @@ class DisaggChoice:
         )
         if self.lend_tpot_ms is not None:
             text += f" --prefill-borrow DECODE_CORES --decode-lend-tpot {self.lend_tpot_ms / 1000:g}"
+        if self.static:
+            text += " --prefill-borrow ''"
         return text
 
     def repository(self, repository: Path, scratch: Path) -> Path:
         """`repository` with this configuration: itself when it is the repository's own, else a copy
         under `scratch` whose pools and disaggregated orchestrators carry the parameters `disagg
         repository` writes."""
-        if not self.conditional_tokens and self.lend_tpot_ms is None:
+        if not self.conditional_tokens and self.lend_tpot_ms is None and not self.static:
             return repository
-        if self.lend_tpot_ms is not None:
+        if self.static:
+            repository = with_pool_parameters(repository, scratch / "borrow", "prefill", {"borrow": ""})
+            repository = with_pool_parameters(repository, scratch / "lend", "decode", {"lend": ""})
+        elif self.lend_tpot_ms is not None:
             cores = pool_parameter(repository, "decode", "cores")
             repository = with_pool_parameters(repository, scratch / "borrow", "prefill", {"borrow": cores})
             lend = {"lend": cores, "lend_tpot_s": f"{self.lend_tpot_ms / 1000:g}"}
@@ -759,15 +771,18 @@ class DisaggChoice:
 
 def disagg_grid(text: str) -> list[DisaggChoice]:
     """`--disagg-grid`: conditional disaggregation's prompt limits, comma-separated, 0 for off, each
-    with `+lendMS` where the decode pool lends its cores within MS milliseconds a token."""
+    with `+lendMS` where the decode pool lends its cores within MS milliseconds a token, or `+static`
+    where it lends none (else: as the repository says)."""
     choices = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        limit, plus, lend = part.partition("+lend")
+        static = part.endswith("+static")
+        limit, plus, lend = part.removesuffix("+static").partition("+lend")
         try:
-            choice = DisaggChoice(int(limit), lend_tpot_ms=int(lend) if plus else None)
+            choice = DisaggChoice(int(limit), lend_tpot_ms=int(lend) if plus else None, static=static)
         except ValueError:
             choice = None
         lend_ok = choice is not None and (choice.lend_tpot_ms is None or 1 <= choice.lend_tpot_ms <= 10000)
+        lend_ok = lend_ok and not (static and plus)
         if choice is None or not lend_ok or not 0 <= choice.conditional_tokens <= 65536:
             raise SystemExit(
                 f"--disagg-grid: {part!r} is not a prompt token limit with an optional +lendMS, e.g. 0+lend30"

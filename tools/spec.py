@@ -38,7 +38,7 @@ from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.orchestrator import OrchestratorConfig
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
-from disagg_tools.repository import Layout, ModelVersion
+from disagg_tools.repository import AUTO_BORROW, Layout, ModelVersion
 
 DEFAULT_TPOT_SLO_S = OrchestratorConfig.slo_tpot_s  # the entry points' TPOT SLO when the spec sets none
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
@@ -73,8 +73,9 @@ class PrefillPool:
     dtype: Dtype = ""  # "": the spec's dtype
     nice: int = 10  # yields its shared core to the token relay
     local_decode: bool = True  # the fallback ladder's "local" rung
-    # the decode pool's cores it borrows while they are lent (disagg.engine.loan); []: none
-    borrow: tuple[int, ...] = ()
+    # the decode pool's cores it borrows while they are lent (disagg.engine.loan); []: none; null: all of
+    # them where loans can be (CPU pools of one instance each, on one server, no hot pool on them)
+    borrow: tuple[int, ...] | None = None
     autoscale: Autoscale = field(default_factory=Autoscale)
 
     def __post_init__(self) -> None:
@@ -141,8 +142,8 @@ class Pools:
         shared = sorted(set(p.gpus) & set(d.gpus))
         if shared:
             raise ValueError(f"decode.gpus: overlaps prefill.gpus (GPU {shared[0]})")
-        _check_ids(p.borrow, "prefill.borrow", "core")
-        for core in p.borrow:
+        _check_ids(p.borrow or (), "prefill.borrow", "core")
+        for core in p.borrow or ():
             if core not in d.cores:
                 raise ValueError(f"prefill.borrow: core {core} is not the decode pool's {list(d.cores)}")
 
@@ -336,7 +337,7 @@ class Spec:
             conditional_chunk_tokens=d.conditional_chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
             decode_batch_start=d.batch_start,
-            prefill_borrow=_cores(p.borrow),
+            prefill_borrow=AUTO_BORROW if p.borrow is None else _cores(p.borrow),
             decode_lend_tpot_s=self.lend_tpot_s(),
             prefill_gpus=_cores(p.gpus),
             decode_gpus=_cores(d.gpus),

@@ -210,7 +210,12 @@ def test_core_loans_reach_both_pools_with_the_decode_budget(tmp_path):
     assert budget.layout().decode_lend_tpot_s == pytest.approx(0.03)
     given = parse_spec({"pools": {"prefill": {"borrow": [1]}, "decode": {"lend_tpot_s": 0.02}}})
     assert given.layout().decode_lend_tpot_s == 0.02
-    assert parse_spec({}).layout().prefill_borrow == ""  # no loans unless asked
+    assert parse_spec({}).layout().borrowed_cores() == "1"  # by default: the decode core, where possible
+    assert parse_spec({"pools": {"prefill": {"borrow": []}}}).layout().borrowed_cores() == ""
+    hot = parse_spec({"hot_prompts": {"pool": {"cores": [1]}}})
+    assert hot.layout().borrowed_cores() == ""  # the hot pool shares the decode core: no loans
+    two = parse_spec({"pools": {"decode": {"instances": 2}}})
+    assert two.layout().borrowed_cores() == ""
 
 
 @pytest.mark.parametrize(
@@ -231,6 +236,7 @@ def test_loans_are_between_one_prefill_and_one_decode_instance_on_cpu():
 
     with pytest.raises(ValueError, match="prefill_borrow: core loans are between one prefill"):
         Layout(prefill_borrow="1", decode_instances=2)
+    assert Layout(decode_instances=2).borrowed_cores() == ""  # auto: none where loans cannot be
     with pytest.raises(ValueError, match="prefill_borrow: core 1 is also the hot decode pool's"):
         Layout(prefill_borrow="1", hot_decode_cores="1")
     with pytest.raises(ValueError, match="prefill_borrow: core 3 is not in decode_cores"):

@@ -75,6 +75,11 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_hot_routes_total": COUNTER,  # label route: cold, hot_shared, hot_pool, hot_delayed, ...
         "disagg_hot_rate_decisions_total": COUNTER,  # labels action, reason: the adaptive hot-group cap
         "disagg_decode_batch_limit": GAUGE,  # per decode pool instance: the batch tuner's limit, or fixed
+        # core loans (labels lender, core; borrower on the borrowed seconds): a default deployment's
+        "disagg_lent_core_seconds_total": COUNTER,
+        "disagg_borrowed_core_seconds_total": COUNTER,
+        "disagg_loan_reclaim_waits_total": COUNTER,
+        "disagg_loan_reclaim_wait_seconds_total": COUNTER,
     }
 )
 """Every family the server must export: name -> kind. The serving side may import this."""
