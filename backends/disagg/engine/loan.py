@@ -316,9 +316,8 @@ class Lender(Loans):
         if lend_s <= 0:
             return
         self._lend()
-        for segment in self._segments.values():  # one wait: the loans end together
-            self._lib.loan_await(segment.address, int(lend_s * 1e9))
-            break
+        first = next(iter(self._segments.values()))  # one borrower wants them all: the loans end together
+        self._lib.loan_await(first.address, int(lend_s * 1e9))
         self._take_back()
 
     def _lend(self) -> None:

@@ -223,8 +223,8 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self.dispatcher.close(timeout_s)  # after the loop's last final responses
-        self.loans.close()  # a part in flight ends first; the team's caller takes the rest
-        if not self._thread.is_alive():
+        if not self._thread.is_alive():  # the loop thread alone uses the loans and the engine
+            self.loans.close()
             self.engine.close()
 
     # ------------------------------------------------------------- the loop thread
