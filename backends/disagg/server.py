@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg import loanpath
 from disagg.broker import Broker
 from disagg.control import ModelControl
 from disagg.kv.stale import DEFAULT_DIRECTORY as KV_DIRECTORY
@@ -319,6 +320,7 @@ class TritonServer:
             # KV regions of pool processes that died without closing them (kill -9, a crash); a live
             # owner's regions, another server's included, are left alone
             clean_stale_regions(KV_DIRECTORY, KV_PREFIX)
+            loanpath.sweep(KV_PREFIX, self.config.http_url)  # core loans of pools that never closed
         return self._process.returncode
 
     def signal_group_members(self, signum: int) -> None:

@@ -39,12 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disagg import loanpath
 from disagg.engine import kernel
 from disagg.scheduling.pacing import Pacing
 
 log = logging.getLogger(__name__)
 
-SHM = Path("/dev/shm")
+SHM = loanpath.SHM
 SEGMENT_BYTES = 64  # kernels/team.c's struct loan_segment
 LENT, BUSY, WAITER, WANT = 1, 2, 4, 8
 _COUNTERS = struct.Struct("<IIQQQQ")  # word, reserved, borrowed_ns, parts, waits, wait_ns
@@ -58,9 +59,9 @@ class LoanError(ValueError):
     """A core cannot be lent or borrowed here (a load-time error naming it)."""
 
 
-def segment_path(prefix: str, core: int) -> Path:
-    """The loan segment of ``core`` in the deployment named by ``prefix``."""
-    return SHM / f"{prefix}-loan-core{core}"
+def segment_path(scope: str, core: int) -> Path:
+    """The loan segment of ``core`` in the deployment ``scope`` names (``disagg.loanpath.loan_scope``)."""
+    return SHM / loanpath.segment_name(scope, core)
 
 
 def library() -> Any:
@@ -174,6 +175,14 @@ class Loans:
     def close(self) -> None:
         """End the loans (the segments' paths go with the last side)."""
 
+    def abandon(self) -> None:
+        """The process exits without closing (its server died): remove the segments' paths now."""
+        for segment in self._all_segments():
+            segment.unlink()
+
+    def _all_segments(self) -> tuple[Segment, ...]:
+        return ()
+
 
 class Borrower(Loans):
     """A prefill pool's side: one borrowed helper per core of ``cores``, pinned there; it works while
@@ -251,6 +260,9 @@ class Borrower(Loans):
             _, borrowed_s, parts, waits, wait_s = segment.counters()
             out.append(LoanStats(core, segment.lender, borrowed_s, parts, 0.0, waits, wait_s))
         return tuple(out)
+
+    def _all_segments(self) -> tuple[Segment, ...]:
+        return tuple(self._segments.values())
 
     def close(self) -> None:
         self.idle()
@@ -361,6 +373,9 @@ class Lender(Loans):
             if segment.replaced():
                 segment.close()
                 self._segments[core] = self._open(core)
+
+    def _all_segments(self) -> tuple[Segment, ...]:
+        return tuple(self._segments.values())
 
     def stats(self) -> tuple[LoanStats, ...]:
         lent_s = self._lent_s + (0.0 if self._lent_at is None else self._clock() - self._lent_at)

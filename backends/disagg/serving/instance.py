@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -13,11 +12,11 @@ from disagg.engine import kernel
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.engine.loan import Borrower, Lender, Loans
 from disagg.kv.transport import Transport, TransportConfig, create_transport
+from disagg.loanpath import loan_scope
 from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
-from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.loop import EngineLoop
 
 
@@ -158,11 +157,11 @@ def transport_options(config: PoolConfig) -> dict[str, Any]:
     return {"cuda": CudaIpcConfig(device=device if ":" in device else f"{device}:0")}
 
 
-def loans(config: PoolConfig, name: str) -> Loans | None:
+def loans(config: PoolConfig, name: str, version: int = 1) -> Loans | None:
     """The pool's side of its core loans (``disagg.engine.loan``), or None; LoanError (a ValueError)
     naming a core that cannot be borrowed or lent here. A borrowing pool's kernels split their work
     over its own cores and the borrowed ones."""
-    scope = loan_scope(config.prefix)
+    scope = loan_scope(config.prefix, version)
     if config.borrow:
         borrower = Borrower(scope, config.borrow)
         kernel.use_threads(len(config.engine.cores or ()) + len(config.borrow))
@@ -172,18 +171,13 @@ def loans(config: PoolConfig, name: str) -> Loans | None:
     return None
 
 
-def loan_scope(prefix: str) -> str:
-    """What names a deployment's loan segments: its prefix and, inside a server, the server's HTTP
-    endpoint (``DISAGG_SERVER_HTTP``), so that two servers on one machine never share a loan."""
-    server = os.environ.get(ENV_SERVER_HTTP, "")
-    return f"{prefix}-{re.sub(r'[^A-Za-z0-9]+', '_', server)}" if server else prefix
-
-
-def build_instance(config: PoolConfig, secret: bytes, name: str = "") -> tuple[EngineLoop, Transport | None]:
+def build_instance(
+    config: PoolConfig, secret: bytes, name: str = "", version: int = 1
+) -> tuple[EngineLoop, Transport | None]:
     """Create the engine (its KV memory from the transport for prefill), the transport, the loop.
 
-    ``name``: the pool's (its model's), for the loans' metrics. The caller starts the loop and, on
-    shutdown, stops it and closes the transport.
+    ``name`` and ``version``: the pool's model and its version, which name its core loans. The caller
+    starts the loop and, on shutdown, stops it and closes the transport.
     """
     if config.nice:
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
@@ -208,7 +202,7 @@ def build_instance(config: PoolConfig, secret: bytes, name: str = "") -> tuple[E
         scheduler = create_scheduler(config.role, engine.limits, config.scheduling())
         tuning = config.tuning()
         tuner = BatchTuner(tuning, engine.limits.max_batch_size) if tuning.enabled else None
-        lent = loans(config, name or config.role.value)
+        lent = loans(config, name or config.role.value, version)
         loop = EngineLoop(engine, scheduler, transport, tuner=tuner, loans=lent)
     except BaseException:
         if transport is not None:

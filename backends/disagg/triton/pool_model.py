@@ -66,7 +66,7 @@ class PoolModel:
         self.version = int(args.get("model_version", 1) or 1)
         manifest = version_manifest(args)
         self.config = pool_config(params, args, manifest)
-        self.loop, self.transport = build_instance(self.config, secret, args["model_name"])
+        self.loop, self.transport = build_instance(self.config, secret, args["model_name"], self.version)
         if manifest.probe is not None:  # before it serves: a wrong checkpoint fails its load
             try:
                 tokenizer = Tokenizer(self.config.engine.model_dir)
@@ -161,7 +161,9 @@ class PoolModel:
     def abandon(self) -> None:
         """The server died without unloading us: unlink the KV regions (the process exits next).
 
-        The engine may still hold views of them: their mappings then stay until the exit."""
+        The engine may still hold views of them: their mappings then stay until the exit. The core
+        loans' segments are unlinked too (their helper may still run: the process exits next)."""
+        self.loop.loans.abandon()
         if self.transport is not None:
             self.transport.close()
 

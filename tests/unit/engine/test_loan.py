@@ -204,6 +204,16 @@ def test_a_lender_takes_back_a_core_its_dead_borrower_left_busy(tmp_path, monkey
         lender.close()
 
 
+def test_a_side_whose_server_died_removes_the_segment_without_closing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(loan, "SHM", tmp_path)
+    lender = Lender("test", (_core(),), "decode", Pacing(0.0))
+    try:
+        lender.abandon()
+        assert not list(tmp_path.iterdir())
+    finally:
+        lender.close()
+
+
 def test_both_sides_remove_the_segment_when_they_close(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(loan, "SHM", tmp_path)
     lender = Lender("test", (_core(),), "decode", Pacing(0.0))
@@ -258,12 +268,26 @@ def test_a_borrowing_pool_reports_its_load_in_its_own_cores_time() -> None:
 
 
 def test_two_servers_on_one_machine_never_share_a_loan(monkeypatch) -> None:
-    from disagg.serverconfig import ENV_SERVER_HTTP
-    from disagg.serving.instance import loan_scope
+    from disagg.loanpath import ENV_SERVER_HTTP, loan_scope
+    from disagg.serverconfig import ENV_SERVER_HTTP as SERVER_HTTP
+
+    assert SERVER_HTTP == ENV_SERVER_HTTP  # the launcher's name for it
 
     monkeypatch.delenv(ENV_SERVER_HTTP, raising=False)
-    assert loan_scope("disagg") == "disagg"
+    assert loan_scope("disagg") == "disagg-v1"
     monkeypatch.setenv(ENV_SERVER_HTTP, "127.0.0.1:8000")
     first = loan_scope("disagg")
+    assert first != loan_scope("disagg", version=2)  # two versions side by side in a rollout
     monkeypatch.setenv(ENV_SERVER_HTTP, "127.0.0.1:8100")
     assert first != loan_scope("disagg") and "/" not in first
+
+
+def test_the_launcher_sweeps_a_dead_servers_segments_and_only_its_own(tmp_path) -> None:
+    from disagg.loanpath import loan_scope, segment_name, sweep
+
+    mine = [segment_name(loan_scope("disagg", v, "127.0.0.1:8000"), 1) for v in (1, 2)]
+    other = segment_name(loan_scope("disagg", 1, "127.0.0.1:8100"), 1)
+    for name in (*mine, other, "disagg-1234-0123456789abcdef"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    assert sorted(sweep("disagg", "127.0.0.1:8000", tmp_path)) == sorted(mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other, "disagg-1234-0123456789abcdef"])
