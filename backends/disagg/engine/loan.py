@@ -41,6 +41,7 @@ from typing import Any
 
 from disagg import loanpath
 from disagg.engine import kernel
+from disagg.kv.stale import owner_alive
 from disagg.scheduling.pacing import Pacing
 
 log = logging.getLogger(__name__)
@@ -138,18 +139,6 @@ class Segment:
     def close(self) -> None:
         self._anchor = None  # the mapping cannot close while a ctypes view exports it
         self._map.close()
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Loans:
@@ -356,7 +345,7 @@ class Lender(Loans):
             waited = self._lib.loan_reclaim(segment.address, int(RECLAIM_SLICE_S * 1e9))
             if waited >= 0:
                 return waited / 1e9
-            if not _alive(segment.borrower):
+            if segment.borrower <= 0 or not owner_alive(segment.borrower):
                 log.warning("%s: its borrower died inside a part; the core is taken back", segment.path)
                 self._lib.loan_abandoned(segment.address)
                 return RECLAIM_SLICE_S

@@ -27,7 +27,7 @@ def owner_start_time(pid: int) -> int | None:
     return -1 if stat.exited else stat.start_time
 
 
-def _owner_alive(pid: int, start: int | None) -> bool:
+def owner_alive(pid: int, start: int | None = None) -> bool:
     """Whether process ``pid`` (started at ``start`` ticks, if known) still runs."""
     try:
         os.kill(pid, 0)
@@ -75,7 +75,7 @@ def clean_stale_regions(directory: str, prefix: str) -> int:
             os.close(fd)
         valid = len(raw) == HEADER.size and raw[:8] == MAGIC
         # Without a header (owner died between create and header write) only the pid is known.
-        if _owner_alive(int(match.group(1)), HEADER.unpack(raw)[2] if valid else None):
+        if owner_alive(int(match.group(1)), HEADER.unpack(raw)[2] if valid else None):
             continue
         try:
             os.unlink(path)
