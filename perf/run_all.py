@@ -749,13 +749,12 @@ class DisaggChoice:
         repository` writes."""
         if not self.conditional_tokens and self.lend_tpot_ms is None and not self.static:
             return repository
-        if self.static:
-            repository = with_pool_parameters(repository, scratch / "borrow", "prefill", {"borrow": ""})
-            repository = with_pool_parameters(repository, scratch / "lend", "decode", {"lend": ""})
-        elif self.lend_tpot_ms is not None:
-            cores = pool_parameter(repository, "decode", "cores")
+        if self.static or self.lend_tpot_ms is not None:  # the prefill pool's borrow, the decode pool's lend
+            cores = "" if self.static else pool_parameter(repository, "decode", "cores")
+            lend = {"lend": cores}
+            if not self.static:
+                lend["lend_tpot_s"] = f"{self.lend_tpot_ms / 1000:g}"
             repository = with_pool_parameters(repository, scratch / "borrow", "prefill", {"borrow": cores})
-            lend = {"lend": cores, "lend_tpot_s": f"{self.lend_tpot_ms / 1000:g}"}
             repository = with_pool_parameters(repository, scratch / "lend", "decode", lend)
         if not self.conditional_tokens:
             return repository

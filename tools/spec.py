@@ -35,12 +35,10 @@ from typing import Any, Literal
 
 from disagg.config import ConfigError, build
 from disagg.serving.endpoints import parse_remote_pools
-from disagg.serving.orchestrator import OrchestratorConfig
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
 from disagg_tools.repository import AUTO_BORROW, Layout, ModelVersion
 
-DEFAULT_TPOT_SLO_S = OrchestratorConfig.slo_tpot_s  # the entry points' TPOT SLO when the spec sets none
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
 
 
@@ -338,7 +336,7 @@ class Spec:
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
             decode_batch_start=d.batch_start,
             prefill_borrow=AUTO_BORROW if p.borrow is None else _cores(p.borrow),
-            decode_lend_tpot_s=self.lend_tpot_s(),
+            decode_lend_tpot_s=d.lend_tpot_s,
             prefill_gpus=_cores(p.gpus),
             decode_gpus=_cores(d.gpus),
             colocated_gpus=_cores(c.gpus),
@@ -346,13 +344,6 @@ class Spec:
             decode_instances=d.instances,
             colocated_instances=c.instances,
         )
-
-    def lend_tpot_s(self) -> float:
-        """The decode pool's per-token budget while it lends its cores (``pools.decode.lend_tpot_s``;
-        null: half the entry points' TPOT SLO, or of the orchestrator's default)."""
-        if self.pools.decode.lend_tpot_s is not None:
-            return self.pools.decode.lend_tpot_s
-        return 0.5 * (self.entry_points.slo.tpot_s or DEFAULT_TPOT_SLO_S)
 
     def tls_folder(self, base: Path) -> str:
         """The remote section's TLS folder, absolute (a relative one from ``base``, the spec's folder);

@@ -51,7 +51,7 @@ SEGMENT_BYTES = 64  # kernels/team.c's struct loan_segment
 LENT, BUSY, WAITER, WANT = 1, 2, 4, 8
 _COUNTERS = struct.Struct("<IIQQQQ")  # word, reserved, borrowed_ns, parts, waits, wait_ns
 _LENDER = slice(40, 60)  # the lending pool's name
-_BORROWER = struct.Struct("<i")  # the borrowing process's pid, at 60
+_BORROWER = struct.Struct("<i")  # the borrowing process's pid, after it
 RECLAIM_SLICE_S = 0.05  # a reclaim looks whether its borrower still lives this often while it waits
 RECHECK_S = 1.0  # how often a side looks whether its peer made the segment anew
 
@@ -128,7 +128,7 @@ class Segment:
 
     @property
     def borrower(self) -> int:
-        return _BORROWER.unpack_from(self._map, 60)[0]
+        return _BORROWER.unpack_from(self._map, _LENDER.stop)[0]
 
     def unlink(self) -> None:
         """Remove the path if it still names this segment."""
@@ -143,7 +143,10 @@ class Segment:
 
 class Loans:
     """What an engine loop tells its side of the loans (``disagg.serving.loop``). The base lends and
-    borrows nothing."""
+    borrows nothing; a side keeps its cores' segments in ``_segments``."""
+
+    def __init__(self) -> None:
+        self._segments: dict[int, Segment] = {}
 
     def idle(self) -> None:
         """The loop has nothing to do and waits."""
@@ -155,7 +158,16 @@ class Loans:
         """The loop ran a step and sent what it produced."""
 
     def stats(self) -> tuple[LoanStats, ...]:
-        return ()
+        """Each core's counters, with the lender's name its segment holds."""
+        return self._stats(lent_s=0.0)
+
+    def _stats(self, lent_s: float, lender: str | None = None) -> tuple[LoanStats, ...]:
+        out = []
+        for core, segment in self._segments.items():
+            _, borrowed_s, parts, waits, wait_s = segment.counters()
+            name = segment.lender if lender is None else lender
+            out.append(LoanStats(core, name, borrowed_s, parts, lent_s, waits, wait_s))
+        return tuple(out)
 
     def threads(self) -> tuple[int, ...]:
         """Thread ids of this process that run on another pool's cores (never pinned with it)."""
@@ -166,11 +178,8 @@ class Loans:
 
     def abandon(self) -> None:
         """The process exits without closing (its server died): remove the segments' paths now."""
-        for segment in self._all_segments():
+        for segment in self._segments.values():
             segment.unlink()
-
-    def _all_segments(self) -> tuple[Segment, ...]:
-        return ()
 
 
 class Borrower(Loans):
@@ -192,9 +201,9 @@ class Borrower(Loans):
         clock: Callable[[], float] = time.monotonic,
         idle: bool = False,
     ) -> None:
+        super().__init__()
         self._lib = library()
         self._prefix, self._clock = prefix, clock
-        self._segments: dict[int, Segment] = {}
         self._helpers: dict[int, int] = {}  # core -> the team's index of its helper
         self._retired: list[Segment] = []  # replaced segments a helper may have read: unmapped at close
         self._wanting = False
@@ -243,16 +252,6 @@ class Borrower(Loans):
                 self._lib.team_borrow_segment(self._helpers[core], fresh.address)
                 self._retired.append(segment)
 
-    def stats(self) -> tuple[LoanStats, ...]:
-        out = []
-        for core, segment in self._segments.items():
-            _, borrowed_s, parts, waits, wait_s = segment.counters()
-            out.append(LoanStats(core, segment.lender, borrowed_s, parts, 0.0, waits, wait_s))
-        return tuple(out)
-
-    def _all_segments(self) -> tuple[Segment, ...]:
-        return tuple(self._segments.values())
-
     def close(self) -> None:
         self.idle()
         for index in self._helpers.values():
@@ -277,20 +276,20 @@ class Lender(Loans):
         pacing: Pacing,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self._lib = library()
         self._prefix, self._name, self.pacing, self._clock = prefix, name, pacing, clock
-        self._segments: dict[int, Segment] = {}
+        self._lent_at: float | None = None
+        self._lent_s = 0.0
+        self._reclaim_s = 0.0  # the last reclaims' wait, smoothed: what the next one is expected to cost
+        self._since = clock()  # when the core was last taken back: this step's start
+        self._checked = self._since
         try:
             for core in cores:
                 self._segments[core] = self._open(core)
         except BaseException:
             self.close()
             raise
-        self._lent_at: float | None = None
-        self._lent_s = 0.0
-        self._reclaim_s = 0.0  # the last reclaims' wait, smoothed: what the next one is expected to cost
-        self._since = clock()  # when the core was last taken back: this step's start
-        self._checked = self._since
 
     def _open(self, core: int) -> Segment:
         segment = Segment(segment_path(self._prefix, core))
@@ -363,16 +362,9 @@ class Lender(Loans):
                 segment.close()
                 self._segments[core] = self._open(core)
 
-    def _all_segments(self) -> tuple[Segment, ...]:
-        return tuple(self._segments.values())
-
     def stats(self) -> tuple[LoanStats, ...]:
         lent_s = self._lent_s + (0.0 if self._lent_at is None else self._clock() - self._lent_at)
-        out = []
-        for core, segment in self._segments.items():
-            _, borrowed_s, parts, waits, wait_s = segment.counters()
-            out.append(LoanStats(core, self._name, borrowed_s, parts, lent_s, waits, wait_s))
-        return tuple(out)
+        return self._stats(lent_s, self._name)  # its whole name (the segment holds 19 bytes of it)
 
     def close(self) -> None:
         self._take_back()

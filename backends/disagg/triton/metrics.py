@@ -493,8 +493,7 @@ class PoolReporter:
         self.active = fam.gauge("disagg_decode_active_sequences", labels) if role != "prefill" else None
         self._labels = labels
         self.limit = fam.gauge("disagg_decode_batch_limit", labels) if role == "decode" else None
-        self.decisions: dict[tuple[str, str], SerialMetric] = {}
-        self.loans: dict[str, SerialMetric] = {}  # core loans' counters, by their key in _seen
+        self.series: dict[str, SerialMetric] = {}  # counters made when first seen, by their key in _seen
         self.bytes = fam.metric("disagg_kv_transfer_bytes_total", labels)
         self.exported = fam.metric("disagg_kv_exported_bytes_total", labels)
         self.failures = fam.metric("disagg_kv_transfer_failures_total", labels)
@@ -588,14 +587,9 @@ class PoolReporter:
         if self.limit is not None:
             self.limit.set(stats.batch_limit)
         for action, reason, count in stats.batch_decisions:
-            key = f"decisions/{action}/{reason}"
-            if (action, reason) not in self.decisions:
-                labels = {**self._labels, "action": action, "reason": reason}
-                self.decisions[action, reason] = self._fam.metric(
-                    "disagg_batch_tuner_decisions_total", labels
-                )
-                self._seen[key] = 0.0
-            self._add(self.decisions[action, reason], key, count)
+            labels = {**self._labels, "action": action, "reason": reason}
+            name = "disagg_batch_tuner_decisions_total"
+            self._add_series(f"decisions/{action}/{reason}", name, labels, count)
         for loan in stats.loans:
             self._publish_loan(loan)
         if self._transport is None:
@@ -625,11 +619,14 @@ class PoolReporter:
                 "disagg_loan_reclaim_wait_seconds_total": loan.wait_s,
             }
         for name, total in series.items():
-            key = f"loans/{name}/{loan.lender}/{core}"
-            if key not in self.loans:
-                self.loans[key] = self._fam.metric(name, labels)
-                self._seen[key] = 0.0
-            self._add(self.loans[key], key, total)
+            self._add_series(f"loans/{name}/{loan.lender}/{core}", name, labels, total)
+
+    def _add_series(self, key: str, name: str, labels: dict[str, str], total: float) -> None:
+        """``_add`` to a counter of family ``name`` made the first time ``key`` is seen."""
+        if key not in self.series:
+            self.series[key] = self._fam.metric(name, labels)
+            self._seen[key] = 0.0
+        self._add(self.series[key], key, total)
 
     def _add(self, counter: SerialMetric, key: str, total: float) -> None:
         delta = total - self._seen[key]

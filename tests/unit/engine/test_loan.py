@@ -291,3 +291,9 @@ def test_the_launcher_sweeps_a_dead_servers_segments_and_only_its_own(tmp_path) 
         (tmp_path / name).write_bytes(b"\0" * 64)
     assert sorted(sweep("disagg", "127.0.0.1:8000", tmp_path)) == sorted(mine)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other, "disagg-1234-0123456789abcdef"])
+
+
+def test_a_lender_that_cannot_open_its_segment_says_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(loan, "SHM", tmp_path / "absent")  # no such folder: the segment cannot be made
+    with pytest.raises(FileNotFoundError):
+        Lender("test", (_core(),), "decode", Pacing(0.0))

@@ -109,20 +109,28 @@ static void work(uint64_t seen, int64_t slot) {
     }
 }
 
+/* Wait for the bell to ring past `heard` (the next job): spin for the spin budget, then sleep on it.
+   With `word`, only while `*word & mask` holds, and asleep at most `timeout_ns` (a borrowed helper's
+   loan ends without ringing the bell); without, asleep until the bell rings. */
+static void await_job(uint32_t heard, _Atomic uint32_t *word, uint32_t mask, int64_t timeout_ns) {
+    const int64_t until = now_ns() + spin_budget();
+#define STILL (atomic_load(&bell) == heard && (word == NULL || (atomic_load(word) & mask)))
+    while (STILL && now_ns() < until) relax();
+    if (STILL) {
+        struct timespec t = {timeout_ns / 1000000000, timeout_ns % 1000000000};
+        atomic_fetch_add(&sleepers, 1);
+        syscall(SYS_futex, &bell, FUTEX_WAIT_PRIVATE, heard, word ? &t : NULL, NULL, 0);
+        atomic_fetch_sub(&sleepers, 1);
+    }
+#undef STILL
+}
+
 static void *helper(void *unused) {
     (void)unused;
-    uint32_t heard = atomic_load(&bell);
     for (;;) {
-        const uint64_t w = atomic_load(&claim);
-        work(w, -1);
-        const int64_t until = now_ns() + spin_budget();
-        while (atomic_load(&bell) == heard && now_ns() < until) relax();
-        if (atomic_load(&bell) == heard) {
-            atomic_fetch_add(&sleepers, 1);
-            syscall(SYS_futex, &bell, FUTEX_WAIT_PRIVATE, heard, NULL, NULL, 0);
-            atomic_fetch_sub(&sleepers, 1);
-        }
-        heard = atomic_load(&bell);
+        const uint32_t heard = atomic_load(&bell);
+        work(atomic_load(&claim), -1);
+        await_job(heard, NULL, 0, 0);
     }
     return NULL;
 }
@@ -240,15 +248,7 @@ static void *borrowed_helper(void *arg) {
         }
         const uint32_t heard = atomic_load(&bell);
         borrowed_work(s, atomic_load(&claim));
-        const int64_t until = now_ns() + spin_budget();
-        while (atomic_load(&bell) == heard && now_ns() < until && (atomic_load(&s->word) & LOAN_LENT)) relax();
-        if (atomic_load(&bell) == heard && (atomic_load(&s->word) & LOAN_LENT)) {
-            /* a loan ends without ringing the bell: look at the word again within a millisecond */
-            atomic_fetch_add(&sleepers, 1);
-            struct timespec t = {0, 1000000};
-            syscall(SYS_futex, &bell, FUTEX_WAIT_PRIVATE, heard, &t, NULL, 0);
-            atomic_fetch_sub(&sleepers, 1);
-        }
+        await_job(heard, &s->word, LOAN_LENT, 1000000); /* the word again within a millisecond */
     }
     atomic_fetch_sub(&borrowed_count, 1);
     atomic_store(&b->tid, 0);
