@@ -74,6 +74,9 @@ class ModelControl:
         self.journal_path = folder / f"{key}.json"
         # which pool versions new requests take (disagg.serving.routing), written by rollouts
         self.routing_path = folder / f"{key}.routing.json"
+        # present from the launcher's stop signal on: the entry points refuse new requests (Triton 2.51
+        # still schedules inferences while it exits, until each model is unloaded)
+        self.draining_path = folder / f"{key}.draining"
         self.timeout_s = timeout_s
 
     @contextlib.contextmanager

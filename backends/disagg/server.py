@@ -83,6 +83,7 @@ __all__ = [
 ]
 
 KILL_GRACE_S = 15.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """After the exit timeout, how long `stop` waits for model finalizers before SIGKILL."""
 
 _TRITON_ERROR_RE = re.compile(r"E\d{4} ")  # glog: severity letter, then MMDD
@@ -179,7 +180,9 @@ class TritonServer:
         prepare_backend_directory(self.config.backend_directory, files)
         # a new server loads the versions its repository names: an earlier one's rollout routing
         # (disagg.serving.routing) on this address would pin requests to versions not loaded
-        RoutingFile(ModelControl(self.config.http_url).routing_path).clear()
+        control = ModelControl(self.config.http_url)
+        RoutingFile(control.routing_path).clear()
+        control.draining_path.unlink(missing_ok=True)  # an earlier server's stop on this address
         output = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,9 +275,15 @@ class TritonServer:
                 process.wait(timeout=0.1)
 
     def signal(self, signum: int) -> None:
-        """Send `signum` to the server's process group (no-op once it has exited)."""
+        """Send `signum` to the server's process group (no-op once it has exited). A stop signal
+        (SIGINT, SIGTERM, SIGHUP) first marks the server draining, so that its entry points refuse
+        the requests that arrive from then on (``ModelControl.draining_path``)."""
         if self._process is None or self._process.poll() is not None:
             return
+        if signum in STOP_SIGNALS:
+            path = ModelControl(self.config.http_url).draining_path
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.touch()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._process.pid, signum)
 
@@ -290,7 +299,8 @@ class TritonServer:
         return status
 
     def _retire_broker(self) -> None:
-        """The server is gone or going: nothing is left for its broker to control."""
+        """The server is gone: nothing is left for its broker to control, nor to drain."""
+        ModelControl(self.config.http_url).draining_path.unlink(missing_ok=True)
         if self._broker is not None:
             self._broker.stop()
             self._broker = None

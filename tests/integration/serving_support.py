@@ -28,21 +28,23 @@ REPOSITORY = REPO_ROOT / "model_repository"
 
 # The start of a client script run with `python -c` (a cancelled tritonclient stream leaves a thread
 # behind, which the leak probe would count, so cancelling clients run in processes of their own):
-# its imports, and `long_request(max_tokens)`, the inputs of a "Hello world" streaming request that
-# generates exactly `max_tokens` tokens. The script's own part follows it.
+# its imports, and `long_request(max_tokens, seed=0)`, the inputs of a "Hello world" streaming request
+# that generates exactly `max_tokens` tokens (with sampling seed `seed`, which names an injected fault:
+# disagg.serving.faults). The script's own part follows it.
 CLIENT_SCRIPT_PREAMBLE = """
 import json, queue, sys
 import numpy as np
 import tritonclient.grpc as grpcclient
 def tensor(name, value, dtype):
     array = np.array([[value]], dtype=dtype)
-    kind = {np.object_: "BYTES", np.int32: "INT32", bool: "BOOL"}[dtype]
+    kind = {np.object_: "BYTES", np.int32: "INT32", np.uint64: "UINT64", bool: "BOOL"}[dtype]
     t = grpcclient.InferInput(name, list(array.shape), kind)
     t.set_data_from_numpy(array)
     return t
-def long_request(max_tokens):
+def long_request(max_tokens, seed=0):
     return [tensor("text_input", b"Hello world", np.object_), tensor("max_tokens", max_tokens, np.int32),
-            tensor("min_length", max_tokens, np.int32), tensor("stream", True, bool)]
+            tensor("min_length", max_tokens, np.int32), tensor("stream", True, bool)] + (
+            [tensor("random_seed", seed, np.uint64)] if seed else [])
 """
 ENTRY_POINTS = ("ensemble", "llm", "ensemble_colocated")
 POOLS = ("prefill", "decode", "colocated")
@@ -257,6 +259,59 @@ client.close()
 print(json.dumps({"pieces": pieces, "error": str(error)}))
 """
 )
+
+
+_CUED_CLIENT = (
+    CLIENT_SCRIPT_PREAMBLE
+    + """
+url, model, max_tokens, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+errors = []
+def on_response(result, error):
+    if error is not None:
+        errors.append(str(error))
+    print("piece" if error is None else "error", flush=True)
+client = grpcclient.InferenceServerClient(url)
+client.start_stream(callback=on_response)
+client.async_stream_infer(model, long_request(max_tokens, seed))
+print("sent", flush=True)
+sys.stdin.readline()
+client.stop_stream(cancel_requests=True)
+client.close()
+print(json.dumps({"errors": errors}), flush=True)
+"""
+)
+
+
+class CuedCancel:
+    """A streamed request (``long_request(max_tokens, seed)``) from a client process of its own (see
+    ``cancel_after``) that cancels it when told: ``pieces(n)`` waits for its first ``n`` responses,
+    ``cancel()`` cancels and returns the client's errors."""
+
+    def __init__(self, url: str, model: str, max_tokens: int, seed: int) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _CUED_CLIENT, url, model, str(max_tokens), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._line("sent")
+
+    def _line(self, want: str) -> None:
+        line = self._proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if line != want:
+            self._proc.kill()
+            _, err = self._proc.communicate(timeout=30)
+            raise AssertionError(f"client said {line!r}, not {want!r}: {err[-2000:]}")
+
+    def pieces(self, count: int) -> None:
+        for _ in range(count):
+            self._line("piece")
+
+    def cancel(self) -> list[str]:
+        out, err = self._proc.communicate("\n", timeout=60)
+        assert self._proc.returncode == 0, err[-2000:]
+        return json.loads(out.strip().splitlines()[-1])["errors"]
 
 
 def stream_with_deadline(url: str, model: str, max_tokens: int, deadline_s: float) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
+from disagg.serving import faults
 from disagg.serving.loop import EngineLoop
 
 
@@ -179,6 +180,7 @@ def build_instance(
     ``name`` and ``version``: the pool's model and its version, which name its core loans. The caller
     starts the loop and, on shutdown, stops it and closes the transport.
     """
+    injected = faults.from_environment()  # none unless a test started the server with faults
     if config.nice:
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
     transport: Transport | None = None
@@ -203,7 +205,8 @@ def build_instance(
         tuning = config.tuning()
         tuner = BatchTuner(tuning, engine.limits.max_batch_size) if tuning.enabled else None
         lent = loans(config, name or config.role.value, version)
-        loop = EngineLoop(engine, scheduler, transport, tuner=tuner, loans=lent)
+        backend = faults.FaultyBackend(engine, injected) if injected else engine
+        loop = EngineLoop(backend, scheduler, transport, tuner=tuner, loans=lent)
     except BaseException:
         if transport is not None:
             transport.close()

@@ -254,6 +254,8 @@ class OrchestratorModel:
             flags = glue.input_arrays(self._pb, request, (ERROR_CODE_INPUT,))
             responder.error_codes = wants_error_code(flags)
         try:
+            if self.control is not None and self.control.draining_path.exists():
+                raise ServingError(UNAVAILABLE, "server is shutting down")
             if self._inflight >= self.max_inflight:
                 raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")
             text, prompt_ids = self._parse(request, responder)
