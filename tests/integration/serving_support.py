@@ -264,15 +264,18 @@ print(json.dumps({"pieces": pieces, "error": str(error)}))
 _CUED_CLIENT = (
     CLIENT_SCRIPT_PREAMBLE
     + """
-url, model, max_tokens, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+url, model, prompt = sys.argv[1], sys.argv[2], sys.argv[5]
+max_tokens, seed = int(sys.argv[3]), int(sys.argv[4])
 errors = []
 def on_response(result, error):
-    if error is not None:
+    if error is not None and "Locally cancelled" not in str(error):  # the cancel itself
         errors.append(str(error))
     print("piece" if error is None else "error", flush=True)
 client = grpcclient.InferenceServerClient(url)
 client.start_stream(callback=on_response)
-client.async_stream_infer(model, long_request(max_tokens, seed))
+request = long_request(max_tokens, seed)
+request[0] = tensor("text_input", prompt.encode(), np.object_)
+client.async_stream_infer(model, request)
 print("sent", flush=True)
 sys.stdin.readline()
 client.stop_stream(cancel_requests=True)
@@ -283,13 +286,14 @@ print(json.dumps({"errors": errors}), flush=True)
 
 
 class CuedCancel:
-    """A streamed request (``long_request(max_tokens, seed)``) from a client process of its own (see
-    ``cancel_after``) that cancels it when told: ``pieces(n)`` waits for its first ``n`` responses,
-    ``cancel()`` cancels and returns the client's errors."""
+    """A streamed request (``long_request(max_tokens, seed)`` with ``prompt``) from a client process of
+    its own (see ``cancel_after``) that cancels it when told: ``pieces(n)`` waits for its first ``n``
+    responses, ``cancel()`` cancels and returns the client's errors. A context manager: the client is
+    killed on exit if it has not ended."""
 
-    def __init__(self, url: str, model: str, max_tokens: int, seed: int) -> None:
+    def __init__(self, url: str, model: str, max_tokens: int, seed: int, prompt: str = "Hello world") -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CUED_CLIENT, url, model, str(max_tokens), str(seed)],
+            [sys.executable, "-c", _CUED_CLIENT, url, model, str(max_tokens), str(seed), prompt],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -312,6 +316,14 @@ class CuedCancel:
         out, err = self._proc.communicate("\n", timeout=60)
         assert self._proc.returncode == 0, err[-2000:]
         return json.loads(out.strip().splitlines()[-1])["errors"]
+
+    def __enter__(self) -> CuedCancel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.communicate(timeout=30)
 
 
 def stream_with_deadline(url: str, model: str, max_tokens: int, deadline_s: float) -> dict[str, Any]:

@@ -30,8 +30,10 @@ from disagg_tools.repository import main as write_repository
 PROMPT = "Hello world"
 MAX_TOKENS = 12
 HANDOFF_TTL_S = 3.0
-LINK_DELAY_S = 1.0  # B6: well inside the lease
+LINK_DELAY_S = 0.5  # B6: three such imports one after the other still end well inside the lease
 LATE_DELAY_S = 6.0  # B2: twice the lease
+CHUNK_TOKENS = 16  # C2: the prefill pool's chunk
+LONG_PROMPT = " ".join(["word"] * 60)  # C2: four chunks or more
 PUBLISHED_S = 0.25  # how often a pool publishes its gauges (disagg.triton.metrics.PoolReporter)
 SEEDS = {  # seed -> fault (the grammar of disagg.serving.faults)
     901: "drop_ack",
@@ -40,31 +42,35 @@ SEEDS = {  # seed -> fault (the grammar of disagg.serving.faults)
     905: "corrupt",
     906: f"delay:{LINK_DELAY_S}",
     907: "step_error",
-    908: "step_fatal",
+    908: "step_fatal@decode",  # else the request breaks each pool it migrates to
     911: "delay:3",
     912: "slow_prefill:0.6",
 }
 
 
+def _add_parameters(config: Path, parameters: dict[str, str]) -> None:
+    entries = "".join(
+        f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }},\n' for k, v in parameters.items()
+    )
+    config.write_text(config.read_text().replace("parameters [\n", "parameters [\n" + entries, 1))
+
+
 def _server(
-    factory: TritonFactory, out: Path, ttl_s: float, seeds: list[int], checksum: bool = False
+    factory: TritonFactory,
+    out: Path,
+    ttl_s: float,
+    seeds: list[int],
+    checksum: bool = False,
+    prefill: dict[str, str] | None = None,
 ) -> TritonServer:
     repository = out / "repository"
     assert write_repository(["--out", str(repository), "--lease-ttl-s", str(ttl_s)]) == 0
     if checksum:  # the exporter signs a digest of the blocks into each descriptor; the importer checks it
         for pool in ("prefill", "decode"):
-            config = repository / pool / "config.pbtxt"
-            text = config.read_text()
-            config.write_text(
-                text.replace(
-                    "parameters [\n",
-                    'parameters [\n  { key: "checksum", value: { string_value: "true" } },\n',
-                    1,
-                )
-            )
-    with (
-        pytest.MonkeyPatch.context() as env
-    ):  # the server's processes inherit these; this one does not keep them
+            _add_parameters(repository / pool / "config.pbtxt", {"checksum": "true"})
+    _add_parameters(repository / "prefill" / "config.pbtxt", prefill or {})
+    # the server's processes inherit these; this process does not keep them
+    with pytest.MonkeyPatch.context() as env:
         env.setenv(ENV_ALLOW, "1")
         env.setenv(ENV_FAULTS, ",".join(f"{seed}={SEEDS[seed]}" for seed in seeds))
         server = factory.start(repository, exit_timeout_s=10)
@@ -80,7 +86,9 @@ def handoff(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def cancels(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
-    return _server(triton_factory, tmp_path_factory.mktemp("cancel_faults"), 120.0, [911, 912])
+    chunks = {"chunked_prefill": "true", "max_prefill_tokens": str(CHUNK_TOKENS)}
+    out = tmp_path_factory.mktemp("cancel_faults")
+    return _server(triton_factory, out, 120.0, [911, 912], prefill=chunks)
 
 
 @pytest.fixture(autouse=True)
@@ -136,16 +144,18 @@ def _one(server: TritonServer, seed: int, model: str = "ensemble", timeout_s: fl
 def test_b6_a_slow_link_delays_the_first_token_and_nothing_fails(
     handoff: TritonServer, expected: str
 ) -> None:
-    """Four requests over a link that takes 1 s more per hand-off, beside a clean one: all served whole,
-    each later by at least the delay (its first token comes from prefill, the rest after the import)."""
+    """Three requests at once over a link that takes 0.5 s more per hand-off, beside a clean one: all
+    served whole, each later by at least the delay (its first token comes from prefill, the rest after
+    the import), and no lease expired: the decode pool imports one at a time, so the last waits 1.5 s,
+    within the 3 s lease (more at once than the lease covers would expire, as configured)."""
     clean = _one(handoff, 0)
     assert clean.error is None and clean.text == expected, clean
-    results: list = [None] * 4
+    results: list = [None] * 3
 
     def run(i: int) -> None:
         results[i] = _one(handoff, 906)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -185,7 +195,7 @@ def test_b3_b5_a_broken_or_corrupt_hand_off_is_counted_and_recomputed(
     lease is given back, and the request is recomputed down the ladder: its text is whole and right."""
     baseline = _idle(handoff)
     failures = _metric(handoff, "disagg_kv_transfer_failures_total", pool="decode")
-    migrations = _metric(handoff, "disagg_migrations_total", model="ensemble")
+    migrations = _metric(handoff, "disagg_migrations_total")
     result = _one(handoff, seed)
     assert result.error is None and result.text == expected, (fault, result)
     wait_until(
@@ -193,7 +203,7 @@ def test_b3_b5_a_broken_or_corrupt_hand_off_is_counted_and_recomputed(
         5,
         f"the {fault} import counted",
     )
-    assert _metric(handoff, "disagg_migrations_total", model="ensemble") == migrations + 1
+    assert _metric(handoff, "disagg_migrations_total") == migrations + 1
     wait_until(lambda: _at(handoff, baseline, "decode"), 5, "the decode pool's partial blocks freed")
     # given back by the orchestrator's abort, well before the lease's expiry would have
     wait_until(lambda: _at(handoff, baseline, "prefill"), HANDOFF_TTL_S / 2, "the prefill lease given back")
@@ -233,9 +243,11 @@ def test_b2_a_read_after_the_lease_expired_never_gives_wrong_text(
 def test_d3_a_failed_step_fails_its_request_and_the_batch_carries_on(
     handoff: TritonServer, expected: str
 ) -> None:
-    long = 300
+    """`step_error` fails the struck request's sequence alone, as an engine that lost one stream: that
+    request ends with the engine's error, and a clean stream decoding beside it in the same batch goes
+    on to its final response."""
     with GrpcStream(handoff.config.grpc_url) as stream:
-        stream.send("ensemble", _inputs(0, long))  # a clean stream in the decode batch meanwhile
+        stream.send("ensemble", _inputs(0, 300))  # a clean stream in the decode batch meanwhile
         first = stream.next(30)
         assert first.error is None, first
         struck = _one(handoff, 907)
@@ -248,7 +260,9 @@ def test_d3_a_failed_step_fails_its_request_and_the_batch_carries_on(
             output = event.result.as_numpy("text_output")
             if output is not None and output.size:
                 texts.append(bytes(output.reshape(-1)[0]).decode())
-    assert error is None and len(texts) >= long - 1, (error, len(texts))
+    # ended by its final response, with pieces after the failure (the pipeline may merge tokens into
+    # pieces, and bf16 steps are not batch-invariant: no count or text to hold it to)
+    assert error is None and len(texts) > 10, (error, len(texts))
     served = _one(handoff, 0)
     assert served.error is None and served.text == expected, served
 
@@ -257,7 +271,8 @@ def test_d3_an_engine_that_cannot_continue_fails_its_requests_and_is_restarted(
     handoff: TritonServer, expected: str
 ) -> None:
     """`step_fatal` breaks the decode pool's engine: the request that struck it and the stream beside it
-    end (an error, or whole through a fallback: never hung), the pool answers its probes "not serving",
+    end (an error, or whole through a fallback: never hung; the jobs of the step that failed included),
+    the pool answers its probes "not serving",
     the orchestrator finds it gone and restarts it through model control (Triton unloads and loads it:
     its readiness flips), and requests are served again."""
     restarts = _metric(handoff, "disagg_pool_restarts_total", pool="decode")
@@ -265,7 +280,8 @@ def test_d3_an_engine_that_cannot_continue_fails_its_requests_and_is_restarted(
         stream.send("ensemble", _inputs(0, 300))
         assert stream.next(30).error is None
         struck = _one(handoff, 908)
-        assert struck.error is not None, struck
+        # the pool's error moves it down the ladder (the prefill pool decodes it): whole, or an error
+        assert struck.error is not None or struck.text == expected, struck
         ended = list(stream.until_final(60))[-1]
         assert ended.error is not None or ended.final, ended
     ready = f"http://{handoff.config.http_url}/v2/models/decode/ready"
@@ -284,29 +300,38 @@ def test_d3_an_engine_that_cannot_continue_fails_its_requests_and_is_restarted(
 def test_c3_a_cancel_between_prefill_and_decode_gives_the_lease_back_at_once(cancels: TritonServer) -> None:
     """The decode pool's import waits 3 s before its first byte; the client cancels on the first token
     (sampled by the prefill pool): the prefill pool's lease is aborted and its blocks are back within
-    1 s, under a lease of 120 s, and nothing expired."""
+    1 s, under a lease of 120 s, and nothing expired; the import, once it runs, finds the lease gone."""
     baseline = _idle(cancels)
     expired = _metric(cancels, "disagg_kv_lease_expired_total", pool="prefill")
-    client = CuedCancel(cancels.config.grpc_url, "llm", 200, 911)
-    client.pieces(1)
-    cancelled = time.monotonic()
-    assert client.cancel() == []
+    failures = _metric(cancels, "disagg_kv_transfer_failures_total", pool="decode")
+    with CuedCancel(cancels.config.grpc_url, "llm", 200, 911) as client:
+        client.pieces(1)
+        cancelled = time.monotonic()
+        assert client.cancel() == []
     wait_until(lambda: _at(cancels, baseline, "prefill"), 5, "the prefill lease given back")
     assert time.monotonic() - cancelled <= 1.0 + PUBLISHED_S
-    wait_until(lambda: _at(cancels, baseline, "decode"), 10, "the decode pool's import dropped")
+    # the delayed import then finds its lease gone (it never decodes for nobody), and frees its blocks
+    wait_until(
+        lambda: _metric(cancels, "disagg_kv_transfer_failures_total", pool="decode") == failures + 1,
+        10,
+        "the late import refused",
+    )
+    wait_until(lambda: _at(cancels, baseline, "decode"), 5, "the decode pool's blocks back")
     assert _metric(cancels, "disagg_kv_lease_expired_total", pool="prefill") == expired
 
 
 def test_c2_a_cancel_during_prefill_strands_no_block(cancels: TritonServer) -> None:
-    """Each prefill call of the request's prompt takes 0.6 s longer; the client cancels while the
-    prefill pool holds its blocks: within 1 s of the cancel no pool holds any."""
+    """The prefill pool prefills in chunks of 16 tokens, and each chunk of this request's prompt takes
+    0.6 s longer; the client cancels once the first chunk is done: the chunk in flight ends, the rest
+    never run, and within 1 s of the cancel no pool holds a block."""
     baseline = _idle(cancels)
-    client = CuedCancel(cancels.config.grpc_url, "llm", 200, 912)
-    wait_until(
-        lambda: not _at(cancels, baseline, "prefill"), 10, "the prompt being prefilled", interval_s=0.01
-    )
-    cancelled = time.monotonic()
-    assert client.cancel() == []
+    with CuedCancel(cancels.config.grpc_url, "llm", 200, 912, prompt=LONG_PROMPT) as client:
+        # the pool publishes its blocks after each step: after the first chunk, three or more remain
+        wait_until(
+            lambda: not _at(cancels, baseline, "prefill"), 10, "the prompt being prefilled", interval_s=0.01
+        )
+        cancelled = time.monotonic()
+        assert client.cancel() == []
     wait_until(
         lambda: _at(cancels, baseline, "prefill") and _at(cancels, baseline, "decode"), 5, "pools back"
     )

@@ -13,8 +13,8 @@ class StatsSnapshot:
     bytes_exported: int = 0
     bytes_imported: int = 0
     transfer_seconds: float = 0.0
-    failures: int = 0
-    checksum_failures: int = 0
+    failures: int = 0  # imports that failed, checksum mismatches included
+    checksum_failures: int = 0  # of those, the checksum mismatches
     refused: int = 0
     acks: int = 0
     stale_acks: int = 0

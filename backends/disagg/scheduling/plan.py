@@ -36,6 +36,12 @@ class Plan:
     def empty(self) -> bool:
         return not (self.refused or self.prefill or self.imports or self.decode)
 
+    @property
+    def jobs(self) -> tuple[Job, ...]:
+        """The jobs the plan names (the decode batch's are the scheduler's): while it runs, the
+        scheduler waits for their results, so an engine fault must end them from here."""
+        return (*(job for job, _ in self.refused), *(c.job for c in self.prefill), *self.imports)
+
 
 # ---------------------------------------------------------------- results of running a plan
 

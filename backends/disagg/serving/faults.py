@@ -4,9 +4,11 @@ Off unless ``DISAGG_FAULTS`` names some, and refused unless ``DISAGG_ALLOW_FAULT
 test's flag: a production server never starts with faults by mistake). Read once, when a pool
 instance is built (``disagg.serving.instance.build_instance``); nothing switches them later.
 
-``DISAGG_FAULTS`` is a comma-separated list of ``SEED=FAULT[:SECONDS]``: the fault strikes only the
-requests whose sampling ``seed`` (the ``random_seed`` input, the OpenAI ``seed``) is SEED, so that
-one server serves several faults and every other request runs clean beside them. The faults:
+``DISAGG_FAULTS`` is a comma-separated list of ``SEED=FAULT[:SECONDS][@POOL]``: the fault strikes only
+the requests whose sampling ``seed`` (the ``random_seed`` input, the OpenAI ``seed``) is SEED, so that
+one server serves several faults and every other request runs clean beside them, and with ``@POOL``
+(prefill, decode or colocated) only in the pools of that role: a request whose fault breaks its
+engine would otherwise break each pool it migrates to. The faults:
 
 - ``drop_ack``: the decode pool imports the KV but never acks it: the prefill pool keeps the blocks
   until the lease expires (B1);
@@ -40,6 +42,7 @@ from disagg.engine.backend import EngineBackend, Imported
 from disagg.engine.errors import SequenceFailed
 from disagg.engine.sequence import Request, SequenceState, StepOutput
 from disagg.kv.faulty import FaultConfig, FaultHooks
+from disagg.role import Role
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class Fault:
     seed: int
     kind: str
     seconds: float = 0.0
+    role: Role | None = None  # the pools it strikes in (None: every pool)
 
     @property
     def kv(self) -> FaultConfig | None:
@@ -84,6 +88,7 @@ def parse(text: str) -> dict[int, Fault]:
     faults: dict[int, Fault] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         seed_text, _, spec = entry.partition("=")
+        spec, _, role = spec.partition("@")
         kind, _, value = spec.partition(":")
         if not seed_text.strip().isdigit() or int(seed_text) == 0:
             raise FaultError(f"{ENV_FAULTS} entry {entry!r}: the seed must be a positive integer")
@@ -98,7 +103,7 @@ def parse(text: str) -> dict[int, Fault]:
             )
         try:
             seconds = float(value) if value else 0.0
-            fault = Fault(int(seed_text), kind, seconds)
+            fault = Fault(int(seed_text), kind, seconds, Role.parse(role) if role else None)
             FaultConfig(delay_s=seconds)  # validates the seconds
         except ValueError as exc:
             raise FaultError(f"{ENV_FAULTS} entry {entry!r}: {exc}") from None
@@ -108,12 +113,13 @@ def parse(text: str) -> dict[int, Fault]:
     return faults
 
 
-def from_environment(env: Mapping[str, str] | None = None) -> dict[int, Fault]:
-    """The faults the environment asks for ({} when none); FaultError when it asks without the
-    test flag, or cannot be read."""
+def from_environment(role: Role, env: Mapping[str, str] | None = None) -> dict[int, Fault]:
+    """The faults the environment asks for in a pool of ``role`` ({} when none); FaultError when it
+    asks for any without the test flag, or cannot be read."""
     env = os.environ if env is None else env
-    faults = parse(env.get(ENV_FAULTS, ""))
-    if faults and env.get(ENV_ALLOW) != "1":
+    every = parse(env.get(ENV_FAULTS, ""))
+    faults = {seed: f for seed, f in every.items() if f.role in (None, role)}
+    if every and env.get(ENV_ALLOW) != "1":
         raise FaultError(f"{ENV_FAULTS} is set but {ENV_ALLOW}=1 is not: faults are for tests only")
     return faults
 

@@ -180,7 +180,7 @@ def build_instance(
     ``name`` and ``version``: the pool's model and its version, which name its core loans. The caller
     starts the loop and, on shutdown, stops it and closes the transport.
     """
-    injected = faults.from_environment()  # none unless a test started the server with faults
+    injected = faults.from_environment(config.role)  # none unless a test started the server with faults
     if config.nice:
         os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), config.nice))
     transport: Transport | None = None

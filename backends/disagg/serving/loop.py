@@ -25,7 +25,7 @@ from disagg.engine.backend import EngineBackend
 from disagg.engine.loan import Loans, LoanStats
 from disagg.kv.errors import KVError
 from disagg.scheduling import Scheduler
-from disagg.scheduling.plan import Emission
+from disagg.scheduling.plan import Emission, Plan
 from disagg.scheduling.tuner import BatchTuner
 from disagg.serving.dispatcher import Dispatcher
 from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
@@ -231,10 +231,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         stalled = False  # the last plan was empty although jobs wait (e.g. for blocks held by leases)
+        running = Plan()  # the plan the engine is running (its jobs wait for its results)
         try:
             while True:
                 with self._cond:
                     if self._stopping:
+                        stranded, self._inbox = list(self._inbox), deque()
                         break
                     # nothing to do until a message comes (a job, a release, a stop) or idle_wait_s
                     # passes (renewals are due by the clock): never spin on an empty plan
@@ -255,7 +257,9 @@ class EngineLoop:
                 emissions = []
                 if not plan.empty:
                     self.loans.step()
+                    running = plan
                     emissions = self.scheduler.postprocess(self.runner.run(plan))
+                    running = Plan()
                 self._tune(batch, self.runner.busy_s - busy)
                 self._snapshot = self._measure()
                 for emission in emissions:
@@ -267,12 +271,14 @@ class EngineLoop:
                         self._cond.notify_all()
         except BaseException as exc:  # an engine fault: nobody can be served any more
             log.exception("%s engine loop failed", self.role.value)
-            self._healthy = False
-            self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool failed"))
+            with self._cond:  # submit() refuses from here on; what it queued before ends here
+                self._healthy = False
+                stranded, self._inbox = list(self._inbox), deque()
+            self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool failed"), stranded, running)
             if not isinstance(exc, Exception):
                 raise
             return
-        self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool is shutting down"))
+        self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool is shutting down"), stranded)
         self.loans.idle()
 
     def _take(self, message: Message) -> None:
@@ -346,9 +352,14 @@ class EngineLoop:
             undelivered = lambda: self.abort_lease(lease_id)  # noqa: E731 - nobody will import it
         self.dispatcher.send(emission.job, event, emission.final, undelivered)
 
-    def _fail_all(self, error: ServingError) -> None:
+    def _fail_all(self, error: ServingError, inbox: list[Message], plan: Plan | None = None) -> None:
+        """End every job: those the scheduler holds, those of the ``plan`` an engine fault broke off
+        (the scheduler holds them for the plan's results), and those still in ``inbox`` (submitted since
+        the loop last took its messages). A job left out would keep its caller waiting forever."""
         self._renewals.clear()
-        for job in self.scheduler.drop_all():
+        queued = [message.job for message in inbox if isinstance(message, Submit)]
+        jobs = {id(job): job for job in [*self.scheduler.drop_all(), *(plan.jobs if plan else ()), *queued]}
+        for job in jobs.values():
             self.dispatcher.send(job, Failed(error), True)
         for lease_id in self.scheduler.lease_ids():
             self.abort_lease(lease_id)

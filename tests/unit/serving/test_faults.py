@@ -14,6 +14,7 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.faulty import FaultConfig, FaultHooks
 from disagg.kv.hooks import TransferHooks
+from disagg.role import Role
 from disagg.serving.faults import ENV_ALLOW, ENV_FAULTS, EngineFault, Fault, FaultError, FaultyBackend, parse
 from disagg.serving.faults import from_environment as faults_from
 
@@ -65,12 +66,26 @@ def test_an_entry_that_cannot_be_read_is_refused_by_name(text: str, says: str) -
 
 
 def test_faults_need_the_test_flag() -> None:
-    assert faults_from({}) == {}
+    assert faults_from(Role.DECODE, {}) == {}
     with pytest.raises(FaultError, match="DISAGG_ALLOW_FAULTS=1 is not"):
-        faults_from({ENV_FAULTS: "5=corrupt"})
+        faults_from(Role.DECODE, {ENV_FAULTS: "5=corrupt"})
     with pytest.raises(FaultError):
-        faults_from({ENV_FAULTS: "5=corrupt", ENV_ALLOW: "yes"})
-    assert faults_from({ENV_FAULTS: "5=corrupt", ENV_ALLOW: "1"}) == {5: Fault(5, "corrupt")}
+        faults_from(Role.DECODE, {ENV_FAULTS: "5=corrupt", ENV_ALLOW: "yes"})
+    assert faults_from(Role.DECODE, {ENV_FAULTS: "5=corrupt", ENV_ALLOW: "1"}) == {5: Fault(5, "corrupt")}
+    # refused by a pool the faults do not strike too: the flag guards the server, not one pool
+    with pytest.raises(FaultError):
+        faults_from(Role.PREFILL, {ENV_FAULTS: "5=corrupt@decode"})
+
+
+def test_a_fault_may_strike_the_pools_of_one_role_only() -> None:
+    env = {ENV_FAULTS: "5=step_fatal@decode,6=step_error", ENV_ALLOW: "1"}
+    assert faults_from(Role.DECODE, env) == {
+        5: Fault(5, "step_fatal", 0.0, Role.DECODE),
+        6: Fault(6, "step_error"),
+    }
+    assert faults_from(Role.COLOCATED, env) == {6: Fault(6, "step_error")}
+    with pytest.raises(FaultError, match="role must be one of"):
+        parse("5=corrupt@everywhere")
 
 
 def test_step_error_loses_only_its_sequence_and_the_batch_carries_on() -> None:

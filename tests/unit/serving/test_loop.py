@@ -123,10 +123,12 @@ def test_engine_calls_are_counted_with_their_time(pools):
     assert (load.engine_steps, load.busy_s) == (4, decoded.engine_busy_s)
 
 
-def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
+@pytest.mark.parametrize("failing", [1, 3], ids=["the step of the plan that imports", "a later step"])
+def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools, failing):
     """RELIABILITY D3: the decode engine raises during a step. Every sequence it held ends with
     UNAVAILABLE naming the pool (no hang), the loop reports unhealthy (its stats, hence the metrics),
-    and new jobs are refused at once instead of queueing behind a dead engine."""
+    and new jobs are refused at once instead of queueing behind a dead engine. The first step runs in
+    the plan that imports the jobs, whose results the scheduler was still waiting for: they end too."""
     prefill, decode = pools["prefill"], pools["decode"]
     firsts = []
     for i in range(2):
@@ -139,7 +141,7 @@ def test_engine_fault_mid_step_fails_the_batch_and_refuses_new_work(pools):
 
     def failing_step():
         steps.append(1)
-        if len(steps) == 3:
+        if len(steps) == failing:
             raise RuntimeError("simulated engine fault")
         return real_step()
 
