@@ -1,14 +1,19 @@
-"""RELIABILITY E1 measured: arrivals far above the goodput, with admission by capacity on.
+"""RELIABILITY E1 measured: arrivals far above the goodput, and what admission by capacity does.
 
 One run against a fresh Triton on a copy of the project's repository whose orchestrators refuse a
-request when its predicted TTFT exceeds `--admission-margin` x the TTFT SLO (`admission_margin`;
-off in the shipped repository). An open-loop Poisson load of one workload at `--rate` (the issue asks
-for 10x the measured goodput) goes to `--model` for `--duration` seconds. Reported: how fast refusals
+request when its predicted TTFT exceeds `--admission-margin` x the TTFT SLO (`admission_margin`), the
+SLO being the workload's frozen one; or, with `--as-deployed`, on the repository as it is (its own
+margin and SLO: the default deployment, as `make serve` starts it). The load, to `--model` for
+`--duration` seconds: an open-loop Poisson load of one workload at `--rate` (10x the measured
+goodput), or `--clients N` clients sending its requests back to back (each its next one as soon as
+the last ended; after a refusal, once the server's retry hint has passed). Reported: how fast refusals
 come back (p50/p99 from send to the error), the admitted requests' TTFT and TPOT p99 against the
 frozen SLOs (`perf/slos.json`), their goodput, the server's resident memory (its process group) every
 second, and whether the pools' gauges and the open pool calls came back to their baseline afterwards.
 
     .venv/bin/python perf/overload.py --model-dir .models/tiny --rate 37 --duration 60
+    .venv/bin/python perf/overload.py --model-dir .models/smollm2-135m-instruct --as-deployed \
+        --clients 64 --duration 45
 
 Writes `<out-dir>/overload.json` and `.md`.
 """
@@ -18,12 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import re
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.arrivals import count_for
 from benchlib.clients import ClientConfig, make_client
 from benchlib.cliutil import add_run_args, log, machine, write_json
-from benchlib.deploy import start_triton, with_orchestrator_parameters
+from benchlib.deploy import pool_parameter, start_triton, with_orchestrator_parameters
 from benchlib.gauges import IDLE_GAUGES, scrape, settle
-from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.loadgen import LoadConfig, run_clients, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
 from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
+from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
+
+from disagg.serving.orchestrator import OrchestratorConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RSS_EVERY_S = 1.0
@@ -149,6 +158,7 @@ def summary(records: list[RequestRecord], slo: Slo, duration_s: float) -> dict[s
         "refusal_ms_p99": ms(percentile(waits, 99)),
         "refusal_kinds": refusal_kinds(refusals),
         "admitted_ttft_ms_p50": ms(percentile(ttfts, 50)),
+        "admitted_ttft_ms_p90": ms(percentile(ttfts, 90)),
         "admitted_ttft_ms_p99": ms(percentile(ttfts, 99)),
         "admitted_tpot_ms_p99": ms(percentile(tpots, 99)),
         "admitted_attainment": len(good) / len(admitted) if admitted else None,
@@ -156,15 +166,23 @@ def summary(records: list[RequestRecord], slo: Slo, duration_s: float) -> dict[s
     }
 
 
+def endless(workload: Any, factory: PromptFactory, seed: int) -> Iterator[RequestSpec]:
+    """The workload's requests one after another, each prompt unique (a new salt every 256)."""
+    for batch in itertools.count():
+        yield from build_trace(workload, factory, 1.0, 256, seed + batch, new_salt())
+
+
 async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]:
     workload = WORKLOADS[args.workload]
     factory = PromptFactory.from_model_dir(args.model_dir)
-    count = count_for(args.rate, args.duration, max_requests=100000)
-    trace = [
-        s
-        for s in build_trace(workload, factory, args.rate, count, args.seed, new_salt())
-        if s.arrival < args.duration
-    ]
+    trace: list[RequestSpec] = []
+    if args.clients is None:
+        count = count_for(args.rate, args.duration, max_requests=100000)
+        trace = [
+            s
+            for s in build_trace(workload, factory, args.rate, count, args.seed, new_salt())
+            if s.arrival < args.duration
+        ]
     client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
     await client.open()
     # one request first, not counted: the client's channel and lazy set-up (seen: its loop stalled
@@ -177,9 +195,12 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     stalls = await stall_probe(args.duration)
     started = time.perf_counter()
     try:
-        records = await run_trace(
-            client, trace, LoadConfig(max_duration_s=args.duration), factory.count_output
-        )
+        bounds = LoadConfig(max_duration_s=args.duration)
+        if args.clients is None:
+            records = await run_trace(client, trace, bounds, factory.count_output)
+        else:
+            specs = endless(workload, factory, args.seed)
+            records = await run_clients(client, specs, args.clients, bounds, factory.count_output)
     finally:
         memory.stop()
         probed, _ = await stalls.communicate()
@@ -196,9 +217,12 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
         "workload": args.workload,
         "entry_point": args.model,
         "rate_rps": args.rate,
+        "clients": args.clients,
+        "as_deployed": args.as_deployed,
         "duration_s": args.duration,
         "admission_margin": args.admission_margin,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "served_rps": sum(1 for r in records if r.ok) / args.duration,
         **summary(records, slo, args.duration),
         # memory flat: the last third of the run against the first third (after start-up)
         "rss_mb_first_third": sum(under_load[:third]) / third / 2**20 if under_load else None,
@@ -219,7 +243,7 @@ def markdown(out: dict[str, Any], command: str) -> str:
 
     ttft_bound = 2 * slo["ttft_s"] * 1000
     refusal = f"{f(out['refusal_ms_p50'], '.1f')} / {f(out['refusal_ms_p99'], '.1f')}"
-    ttft = f"{f(out['admitted_ttft_ms_p50'])} / {f(out['admitted_ttft_ms_p99'])}"
+    ttft = " / ".join(f(out[f"admitted_ttft_ms_p{q}"]) for q in (50, 90, 99))
     rss = " / ".join(f(out[k]) for k in ("rss_mb_first_third", "rss_mb_last_third", "rss_mb_max"))
     settled = "never" if out["settle_s"] is None else f"{out['settle_s']:.1f}"
     rows = [
@@ -228,10 +252,11 @@ def markdown(out: dict[str, Any], command: str) -> str:
         ("refused (UNAVAILABLE, no token)", out["refused"]),
         ("failed otherwise", out["failed_otherwise"]),
         ("refusal latency p50 / p99, ms (target p99 < 50)", refusal),
-        (f"admitted TTFT p50 / p99, ms (target p99 <= {ttft_bound:.0f})", ttft),
+        (f"admitted TTFT p50 / p90 / p99, ms (target p99 <= {ttft_bound:.0f})", ttft),
         ("admitted TPOT p99, ms", f(out["admitted_tpot_ms_p99"], ".1f")),
         ("admitted attainment of both SLOs", f(out["admitted_attainment"], ".2f")),
-        ("goodput, req/s", f(out["goodput_rps"], ".2f")),
+        ("served, req/s", f(out["served_rps"], ".2f")),
+        ("goodput (both frozen SLOs met), req/s", f(out["goodput_rps"], ".2f")),
         ("server RSS, first / last third of the run / max, MB", rss),
         ("seconds until the pools' gauges were back", settled),
         (
@@ -240,13 +265,21 @@ def markdown(out: dict[str, Any], command: str) -> str:
         ),
         ("left behind", ", ".join(f"{k}={v:g}" for k, v in out["leftover"].items()) or "nothing"),
     ]
-    load = f"{out['workload']} at {out['rate_rps']:g} req/s (Poisson) for {out['duration_s']:g} s"
+    if out.get("clients"):
+        load = (
+            f"{out['workload']} from {out['clients']} clients back to back (after a refusal, its retry "
+            f"hint first) for {out['duration_s']:g} s"
+        )
+    else:
+        load = f"{out['workload']} at {out['rate_rps']:g} req/s (Poisson) for {out['duration_s']:g} s"
     slos = f"{slo['ttft_s'] * 1000:.0f} ms TTFT / {slo['tpot_s'] * 1000:.1f} ms TPOT (frozen)"
+    deployed = "as deployed, " if out.get("as_deployed") else ""
     lines = [
-        "# Overload with admission by capacity (RELIABILITY E1)",
+        "# Overload and admission by capacity (RELIABILITY E1)",
         "",
-        f"Written by `perf/overload.py`: `{command}`. {load} to `{out['entry_point']}`, "
-        f"`admission_margin` {out['admission_margin']:g}; SLOs {slos}. {out['machine']}.",
+        f"Written by `perf/overload.py`: `{command}`. {load} to `{out['entry_point']}`, {deployed}"
+        f"`admission_margin` {out['admission_margin']:g} (x the entry point's TTFT SLO, "
+        f"{out['admission_slo_ttft_s']:g} s); goodput judged by the frozen SLOs {slos}. {out['machine']}.",
         "",
         "| | |",
         "|---|---:|",
@@ -268,7 +301,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_run_args(parser, rate_help="requests/s: 10x the measured goodput")
+    add_run_args(parser, rate_help="requests/s: 10x the measured goodput", rate_required=False)
+    parser.add_argument(
+        "--clients", type=int, default=None, help="closed loop: this many clients back to back (no --rate)"
+    )
+    parser.add_argument(
+        "--as-deployed",
+        action="store_true",
+        help="serve --repository as it is (its admission margin and SLO), not with --admission-margin",
+    )
+    parser.add_argument("--name", default="", help="the results' file name (default: from the mode)")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--model", default="ensemble", help="the entry point the load goes to")
     parser.add_argument("--admission-margin", type=float, default=1.0, help="x the TTFT SLO; 0 turns it off")
@@ -276,7 +318,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--records", type=Path, help="write every request's record here (JSON lines)")
     parser.add_argument("--keep-log", type=Path, help="copy the server's log here after the run")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "overload")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.rate is None) == (args.clients is None):
+        parser.error("give --rate (open loop) or --clients (closed loop)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,17 +331,27 @@ def main(argv: list[str] | None = None) -> int:
         log(f"no frozen SLO for {args.model_dir.name}/{args.workload} in {SLO_FILE}: make bench-slos first")
         return 2
     slo = frozen.slo
+    if args.as_deployed:  # what the entry points of the repository were deployed with
+        args.admission_margin = float(
+            pool_parameter(args.repository, "orchestrator", "admission_margin") or 0
+        )
+        deployed_slo = pool_parameter(args.repository, "orchestrator", "slo_ttft_s")
+        admission_slo = float(deployed_slo) if deployed_slo else OrchestratorConfig.slo_ttft_s
+    else:
+        admission_slo = slo.ttft_s
     with tempfile.TemporaryDirectory(prefix="overload-") as scratch:
-        params = {"admission_margin": f"{args.admission_margin:g}", "slo_ttft_s": f"{slo.ttft_s:g}"}
-        repository = with_orchestrator_parameters(args.repository, Path(scratch), params)
+        repository = args.repository
+        if not args.as_deployed:
+            params = {"admission_margin": f"{args.admission_margin:g}", "slo_ttft_s": f"{slo.ttft_s:g}"}
+            repository = with_orchestrator_parameters(args.repository, Path(scratch), params)
         server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:
-            out = asyncio.run(run(args, server, slo))
+            out = {**asyncio.run(run(args, server, slo)), "admission_slo_ttft_s": admission_slo}
         finally:
             server.stop(grace_s=5)
             if args.keep_log is not None:  # the server's log, for what the pools' states did
                 args.keep_log.write_bytes((Path(scratch) / "tritonserver.log").read_bytes())
-    name = "overload" if args.admission_margin else "overload_no_admission"
+    name = args.name or ("overload" if args.admission_margin else "overload_no_admission")
     write_json(args.out_dir / f"{name}.json", out)
     command = "python perf/overload.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = markdown(out, command)

@@ -126,6 +126,7 @@ class Layout:
     remote_pools: str = ""  # the frontend's POOL=SERVERS;... (disagg.serving.endpoints)
     remote_tls: str = ""  # the frontend's TLS folder for the remote pools (disagg.tls); "": plain gRPC
     slo_ttft_s: float | None = None  # the entry points' SLOs (None: the orchestrator's defaults)
+    admission_margin: float = 0.0  # the entry points refuse above this x the TTFT SLO (0: off)
     slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -143,6 +144,8 @@ class Layout:
             raise ValueError("decode_batch_tpot_slo_s must be a number of seconds >= 0 (0: off)")
         if not isinstance(self.decode_batch_start, int) or self.decode_batch_start < 0:
             raise ValueError("decode_batch_start must be an integer >= 0 (0: max_batch_size)")
+        if not isinstance(self.admission_margin, int | float) or not 0 <= self.admission_margin <= 1000:
+            raise ValueError("admission_margin must be a number in [0, 1000] (0: off)")
         if not isinstance(self.hot_decode_nice, int) or not 0 <= self.hot_decode_nice <= 19:
             raise ValueError("hot_decode_nice must be an integer in [0, 19]")
         if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
@@ -391,8 +394,9 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
 
 
 def _slo_params(layout: Layout) -> dict[str, str]:
-    """An entry point's SLOs, where the layout sets them (else the orchestrator's defaults)."""
-    params = {}
+    """An entry point's SLOs, where the layout sets them (else the orchestrator's defaults), and its
+    admission margin."""
+    params = {"admission_margin": f"{layout.admission_margin:g}"}
     if layout.slo_ttft_s is not None:
         params["slo_ttft_s"] = f"{layout.slo_ttft_s:g}"
     if layout.slo_tpot_s is not None:
@@ -612,8 +616,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--prefix-cache",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.prefix_cache,
         help="the prefill and colocated pools reuse the KV of prompt prefixes they computed before",
+    )
+    parser.add_argument(
+        "--admission-margin",
+        type=float,
+        default=defaults.admission_margin,
+        help="the entry points refuse at once a request whose predicted time to first token exceeds "
+        "this x their TTFT SLO (0: they admit everything)",
     )
     parser.add_argument(
         "--hot-decode-cores",
@@ -774,6 +786,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         decode_lend_tpot_s=args.decode_lend_tpot,
         local_decode=not args.no_local_decode,
         prefix_cache=args.prefix_cache,
+        admission_margin=args.admission_margin,
         hot_decode_cores=args.hot_decode_cores,
         hot_decode_nice=args.hot_decode_nice,
         hot_group_rate=args.hot_group_rate,

@@ -185,11 +185,15 @@ class EntryPoints:
     cores: tuple[int, ...] = (0,)
     request_timeout_s: float = 600.0
     slo: Slo = field(default_factory=Slo)
+    # refuse at once a request whose predicted TTFT exceeds this x the TTFT SLO (0: admit everything)
+    admission_margin: float = 0.0
 
     def __post_init__(self) -> None:
         _check_ids(self.cores, "cores", "core")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError("request_timeout_s: must be in (0, 86400]")
+        if not 0 <= self.admission_margin <= 1000:
+            raise ValueError("admission_margin: must be in [0, 1000] (0: off)")
 
 
 @dataclass(frozen=True)
@@ -322,6 +326,7 @@ class Spec:
             request_timeout_s=self.entry_points.request_timeout_s,
             slo_ttft_s=self.entry_points.slo.ttft_s,
             slo_tpot_s=self.entry_points.slo.tpot_s,
+            admission_margin=self.entry_points.admission_margin,
             prefill_nice=p.nice,
             local_decode=p.local_decode,
             colocated_chunk_tokens=c.chunk_tokens,

@@ -82,7 +82,7 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
-def add_run_args(parser: argparse.ArgumentParser, rate_help: str) -> None:
+def add_run_args(parser: argparse.ArgumentParser, rate_help: str, rate_required: bool = True) -> None:
     """--model-dir/--repository/--workload/--rate: one seeded workload at a rate, on a fresh server of a
     repository (the project's by default) loading a model (the tiny one by default)."""
     from benchlib.workload import WORKLOADS
@@ -90,4 +90,4 @@ def add_run_args(parser: argparse.ArgumentParser, rate_help: str) -> None:
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
     parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument("--workload", default="codegen", choices=sorted(WORKLOADS))
-    parser.add_argument("--rate", type=float, required=True, help=rate_help)
+    parser.add_argument("--rate", type=float, required=rate_required, help=rate_help)

@@ -1,4 +1,6 @@
-"""Open-loop load generation: send each request of a trace when it is due, whatever the server does.
+"""Load generation: open-loop (`run_trace`), and closed-loop clients (`run_clients`) for overload.
+
+Open loop: send each request of a trace when it is due, whatever the server does.
 
 Contract of `run_trace`:
 - Request i is sent at `t0 + trace[i].arrival` (t0 = the run's start on `time.perf_counter()`), in its own
@@ -12,9 +14,11 @@ Contract of `run_trace`:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from benchlib.clients import StreamClient, StreamOutcome, output_tokens
@@ -118,3 +122,59 @@ async def run_trace(
         else:
             records.append(to_record(spec, t0, task.result(), None, count_mode, retokenize))
     return records
+
+
+RETRY_HINT = re.compile(r"retry after (\d+(?:\.\d+)?) s")
+MAX_RETRY_WAIT_S = 5.0
+
+
+def retry_hint(error: str | None) -> float:
+    """The seconds a refusal asks its client to wait ("... retry after N s"), at most 5; 0 without one."""
+    found = RETRY_HINT.search(error or "")
+    return min(float(found.group(1)), MAX_RETRY_WAIT_S) if found else 0.0
+
+
+async def run_clients(
+    client: StreamClient,
+    specs: Iterator[RequestSpec],
+    clients: int,
+    config: LoadConfig,
+    retokenize: Callable[[str], int],
+    honour_retry: bool = True,
+) -> list[RequestRecord]:
+    """Closed loop: `clients` clients, each sending its next request (the next of `specs`) as soon as
+    its last one ended, until `max_duration_s` after the start; a refused request's client first waits
+    the server's retry hint when `honour_retry` (as SDKs honour Retry-After). Each record's `arrival`
+    is when it was sent (relative to the start), and the records come in that order. Requests still
+    streaming `drain_timeout_s` after the end are cancelled (error "timeout")."""
+    if clients < 1:
+        raise ValueError("clients must be at least 1")
+    count_mode = client.config.count_mode
+    t0 = time.perf_counter() + config.start_delay_s
+    end = t0 + config.max_duration_s
+    records: list[RequestRecord] = []
+    numbers = iter(range(1 << 62))
+
+    async def one_client() -> None:
+        await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+        while time.perf_counter() < end:
+            spec = next(specs)
+            spec = dataclasses.replace(spec, index=next(numbers), arrival=time.perf_counter() - t0)
+            try:
+                outcome = await client.stream(spec)
+            except asyncio.CancelledError:
+                records.append(to_record(spec, t0, None, "timeout", count_mode, retokenize))
+                raise
+            record = to_record(spec, t0, outcome, None, count_mode, retokenize)
+            records.append(record)
+            if honour_retry and record.first_token is None and record.error is not None:
+                await asyncio.sleep(min(retry_hint(record.error), max(0.0, end - time.perf_counter())))
+
+    tasks = [asyncio.create_task(one_client()) for _ in range(clients)]
+    _, pending = await asyncio.wait(
+        tasks, timeout=config.max_duration_s + config.start_delay_s + config.drain_timeout_s
+    )
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return sorted(records, key=lambda r: r.arrival)

@@ -17,17 +17,21 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import secrets
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 from serving_support import REPOSITORY, engine_greedy, generate, grpc_stream, text_inputs
 from triton_support import (
     REPO_ROOT,
+    GrpcStream,
     LeakProbe,
     TritonFactory,
     descendants,
@@ -35,7 +39,9 @@ from triton_support import (
     http_json,
     listening_addresses,
     live_children,
+    metric_sum,
     scrape_metrics,
+    timed_stream,
     wait_until,
 )
 
@@ -104,6 +110,41 @@ def test_llm_grpc_stream_names_paris(server: TritonServer) -> None:
     result = grpc_stream(server, "llm", text_inputs(QUESTION, 32, stream=True))
     assert result.error is None and result.final, result
     assert len(result.pieces) > 3 and "Paris" in "".join(result.pieces), result.pieces
+
+
+@pytest.mark.usefixtures("own_regions_ignored")
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(
+    server: TritonServer, smollm2_dir: Path
+) -> None:
+    """The default deployment caches prompt prefixes (spec `kv.prefix_cache`): a 600-token document
+    sent once, then again with another question after it, is not prefilled again. For each of three
+    documents (new to this server), the second request's first token comes in at most half the time
+    of the first's (median over the three), and the prefill pool counts the cached blocks as hits."""
+    tokenizer = Tokenizer(smollm2_dir)
+    salt = secrets.token_hex(4)
+    hits = _prefill_hits(server)
+    ttfts: dict[str, list[float]] = {"cold": [], "warm": []}
+    for doc in range(3):
+        words = [f"{salt}{doc}", *(f"line {i} of the harbour log reads calm water" for i in range(200))]
+        document = " ".join(words)
+        while len(tokenizer.encode(document)) > 600:
+            document = document.rsplit(" ", 1)[0]
+        assert len(tokenizer.encode(document)) >= 590
+        for kind, question in (("cold", "What is the first line?"), ("warm", "What is the last line?")):
+            with GrpcStream(server.config.grpc_url) as stream:
+                values = text_inputs(f"{document}\n{question}", 4, stream=np.array([[True]]))
+                result = timed_stream(stream, "ensemble", values, timeout_s=120)
+            assert result.error is None and result.ttft is not None, result
+            ttfts[kind].append(result.ttft)
+    cold, warm = statistics.median(ttfts["cold"]), statistics.median(ttfts["warm"])
+    assert warm <= 0.5 * cold, ttfts
+    # each warm request found the document's full 16-token blocks: about 37 of them each
+    wait_until(lambda: _prefill_hits(server) - hits >= 3 * 30, 10, "the prefill pool's prefix cache hits")
+
+
+def _prefill_hits(server: TritonServer) -> float:
+    samples = scrape_metrics(server.config.metrics_url)
+    return metric_sum(samples, "disagg_prefix_cache_hits_total", pool="prefill")
 
 
 @pytest.mark.usefixtures("leak_probe")

@@ -185,6 +185,31 @@ def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp
         assert 'key: "prefix_cache", value: { string_value: "false" }' in render(Layout())[name]
 
 
+def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tmp_path, tiny_model_dir):
+    """`--admission-margin M` goes to every entry point's orchestrator (parsed as the adapter parses
+    it); `--no-prefix-cache` / `--prefix-cache` switch the prefill and colocated pools' cache."""
+    import re
+
+    from disagg.serving.orchestrator import OrchestratorConfig
+    from disagg.triton.pool_model import pool_config
+
+    def params(name: str) -> dict[str, str]:
+        text = (tmp_path / name / "config.pbtxt").read_text()
+        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+
+    for flag, cached in (("--no-prefix-cache", False), ("--prefix-cache", True)):
+        assert main(["--out", str(tmp_path), "--admission-margin", "2.5", flag]) == 0
+        for name in ("orchestrator", "orchestrator_colocated", "llm"):
+            assert build(OrchestratorConfig, params(name), strings=True).admission_margin == 2.5, name
+        for name in ("prefill", "colocated"):
+            config = pool_config(
+                {**params(name), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "p"}
+            )
+            assert config.engine.prefix_cache is cached, (flag, name)
+    with pytest.raises(ValueError, match="admission_margin"):
+        render(Layout(admission_margin=-1))
+
+
 def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, tiny_model_dir):
     """`--hot-decode-cores 1 --hot-group-rate 2`: a second decode pool, decode_hot, on core 1 at its
     niceness; the disaggregated entry points name it and the group rate, the colocated one only the

@@ -42,7 +42,7 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
         },
         "dtype": "float32",
         "pools": {"decode": {"cores": [1], "instances": 2}},
-        "entry_points": {"slo": {"ttft_s": 0.5}},
+        "entry_points": {"slo": {"ttft_s": 0.5}, "admission_margin": 3},
     }
     spec_file.write_text(yaml.safe_dump(spec))
     out = tmp_path / "repo"
@@ -59,6 +59,11 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
         assert "version_policy" not in (out / model / "config.pbtxt").read_text()
     assert "kind: KIND_CPU, count: 2" in (out / "decode" / "config.pbtxt").read_text()
     assert 'key: "slo_ttft_s", value: { string_value: "0.5" }' in (out / "llm" / "config.pbtxt").read_text()
+    for model in ("llm", "orchestrator", "orchestrator_colocated"):
+        assert (
+            'key: "admission_margin", value: { string_value: "3" }'
+            in (out / model / "config.pbtxt").read_text()
+        )
 
     # the pool adapter serves the version folder's checkpoint
     args = {"model_repository": str(out / "decode"), "model_version": "2", "model_instance_name": "decode_0"}

@@ -84,7 +84,8 @@ class Fault:
 
 
 def parse(text: str) -> dict[int, Fault]:
-    """``SEED=FAULT[:SECONDS],...`` as one fault per seed; FaultError naming the entry it cannot read."""
+    """``SEED=FAULT[:SECONDS][@POOL],...`` as one fault per seed; FaultError naming the entry it cannot
+    read."""
     faults: dict[int, Fault] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
         seed_text, _, spec = entry.partition("=")

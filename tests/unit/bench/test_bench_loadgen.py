@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 from bench_fake_openai import FakeOpenAIServer
-from benchlib.clients import ClientConfig, OpenAIClient, triton_inputs
-from benchlib.loadgen import LoadConfig, run_trace
+from benchlib.clients import ClientConfig, OpenAIClient, StreamOutcome, triton_inputs
+from benchlib.loadgen import LoadConfig, retry_hint, run_clients, run_trace
 from benchlib.metrics import Slo, summarize
 from benchlib.slo import TPOT_FACTOR, TTFT_FACTOR, calibrate
 from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace
@@ -174,3 +174,60 @@ def test_search_stops_probing_past_its_deadline(factory):
     result = asyncio.run(main())
     assert result.runs == []
     assert result.best_rate == 0.0
+
+
+class ClosedLoopServer:
+    """A StreamClient whose requests each take `service_s`; a request whose prompt says "refuse" is
+    refused at once with a retry hint. Records how many run at once."""
+
+    def __init__(self, service_s: float, hint: str = "retry after 0.2 s") -> None:
+        self.config = ClientConfig("triton", "127.0.0.1:1", "ensemble")
+        self.service_s, self.hint = service_s, hint
+        self.running = self.most = 0
+        self.sent: list[tuple[str, float]] = []
+
+    async def stream(self, spec: RequestSpec) -> StreamOutcome:
+        sent = time.perf_counter()
+        self.sent.append((spec.prompt, sent))
+        if "refuse" in spec.prompt:
+            return StreamOutcome(
+                sent, None, None, 0, "", None, f"UNAVAILABLE: over capacity; {self.hint}", sent
+            )
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(self.service_s)
+        self.running -= 1
+        now = time.perf_counter()
+        return StreamOutcome(sent, now, now, 1, "x", 1, None, now)
+
+
+def test_closed_loop_clients_send_back_to_back_and_stop_at_the_end():
+    server = ClosedLoopServer(service_s=0.05)
+    prompts = iter(RequestSpec(0, 0.0, f"p{i}", 5, 1) for i in range(10_000))
+    load = LoadConfig(max_duration_s=0.6, drain_timeout_s=5, start_delay_s=0)
+    records = asyncio.run(run_clients(server, prompts, 3, load, len))
+    assert server.most == 3  # never more in flight than clients
+    assert 3 * 6 <= len(records) <= 3 * 13  # each client ~12 back to back in 0.6 s; none after the end
+    assert [r.arrival for r in records] == sorted(r.arrival for r in records)
+    assert sorted(r.index for r in records) == list(range(len(records)))
+    assert all(r.ok for r in records) and max(r.arrival for r in records) < 0.6
+
+
+def test_a_refused_client_waits_its_retry_hint_unless_told_not_to():
+    def refusals(honour: bool) -> list[float]:
+        server = ClosedLoopServer(service_s=0.0)
+        prompts = iter(RequestSpec(0, 0.0, "refuse me", 5, 1) for _ in range(100_000))
+        load = LoadConfig(max_duration_s=0.5, drain_timeout_s=5, start_delay_s=0)
+        records = asyncio.run(run_clients(server, prompts, 1, load, len, honour_retry=honour))
+        assert all(r.error and r.first_token is None for r in records)
+        return [b - a for (_, a), (_, b) in zip(server.sent, server.sent[1:], strict=False)]
+
+    honoured = refusals(True)
+    assert 2 <= len(honoured) + 1 <= 3 and min(honoured) >= 0.2  # one every 0.2 s
+    assert len(refusals(False)) > 20  # straight back
+
+
+def test_retry_hints_are_read_from_the_refusal_and_capped():
+    assert retry_hint("server is over capacity: predicted 3.1 s exceeds 2 x 1 s; retry after 1.5 s") == 1.5
+    assert retry_hint("retry after 60 s") == 5.0
+    assert retry_hint("KV cache is full, retry later") == 0.0 and retry_hint(None) == 0.0
