@@ -17,6 +17,7 @@ those cores are its own: one pool pod per node, or a spec per node shape. Never 
 from __future__ import annotations
 
 import argparse
+import posixpath
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from disagg.serving.endpoints import parse_spec as parse_servers
 from disagg_tools.spec import Spec, load_spec
 
 SECRETS = "triton-disagg-secrets"
+TLS_SECRET = "triton-disagg-tls"  # ca.pem, cert.pem, key.pem: mounted where the spec's remote.tls names
 SPEC_MOUNT = "/etc/disagg"
 MODELS_MOUNT = "/models"
 LABEL = "app.kubernetes.io/name"
@@ -47,6 +49,12 @@ HEADER = """\
 #   kubectl -n NAMESPACE create secret generic triton-disagg-secrets \\
 #     --from-literal=deployment-secret=$(openssl rand -hex 32) \\
 #     --from-literal=admin-key=$(openssl rand -hex 24)
+# With the spec's remote.tls (mutual TLS on the pools' gRPC links), so is the TLS Secret, mounted at
+# /etc/disagg/<remote.tls>: one CA, and a certificate whose names cover the frontend's and the pools'
+# Service names (e.g. *.triton-prefill.llm.svc.cluster.local), shared by every pod:
+#   kubectl -n NAMESPACE create secret generic triton-disagg-tls \\
+#     --from-file=ca.pem --from-file=cert.pem --from-file=key.pem
+# The KV itself (NIXL over UCX) is not encrypted: keep the pods on a network you trust.
 # Scale with ONE of keda-scaledobjects.yaml or autoscaler.yaml (both would fight over spec.replicas).
 # A removed pod gets SIGTERM: Triton refuses new requests and waits up to --exit-timeout for the
 # ones in flight; terminationGracePeriodSeconds is longer, so the kubelet never cuts a stream.
@@ -117,6 +125,15 @@ def _deployment(spec: Spec, role: str, name: str, namespace: str, image: str) ->
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
+    volumes: list[dict[str, Any]] = [
+        {"name": "spec", "configMap": {"name": "triton-disagg-spec"}},
+        {"name": "model", "persistentVolumeClaim": {"claimName": "triton-disagg-models", "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+    ]
+    if spec.remote is not None and spec.remote.tls:  # where tls_folder() finds it, beside the spec
+        mount = posixpath.normpath(posixpath.join(SPEC_MOUNT, spec.remote.tls))
+        container["volumeMounts"].append({"name": "tls", "mountPath": mount, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET, "defaultMode": 0o400}})
     labels = _labels(role)
     return {
         "apiVersion": "apps/v1",
@@ -136,14 +153,7 @@ def _deployment(spec: Spec, role: str, name: str, namespace: str, image: str) ->
                 "spec": {
                     "terminationGracePeriodSeconds": GRACE_S[role],
                     "containers": [container],
-                    "volumes": [
-                        {"name": "spec", "configMap": {"name": "triton-disagg-spec"}},
-                        {
-                            "name": "model",
-                            "persistentVolumeClaim": {"claimName": "triton-disagg-models", "readOnly": True},
-                        },
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },

@@ -81,7 +81,7 @@ class Layout:
     # the prefill and colocated pools reuse the KV of full prompt blocks a prompt shares with an
     # earlier one (``disagg.engine.kvcache``; vLLM's default is on, ours stays off until the serving
     # suite and the benchmarks have run with it)
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     # hot prompts (disagg.serving.hotness): requests of a hot prompt group decode on a pool of their
     # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
     # an MPS thread percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5:
@@ -126,7 +126,7 @@ class Layout:
     remote_pools: str = ""  # the frontend's POOL=SERVERS;... (disagg.serving.endpoints)
     remote_tls: str = ""  # the frontend's TLS folder for the remote pools (disagg.tls); "": plain gRPC
     slo_ttft_s: float | None = None  # the entry points' SLOs (None: the orchestrator's defaults)
-    admission_margin: float = 0.0  # the entry points refuse above this x the TTFT SLO (0: off)
+    admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
     slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -221,3 +221,32 @@ def test_the_role_deployments_run_the_topology_the_multihost_test_runs() -> None
         assert {"name": "grpc", "port": entry.port, "targetPort": "grpc"} in service["spec"]["ports"]
         pods = deployments[roles[pool]]["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pods.items()
+
+
+MOUNT_BASE = "/etc/disagg"  # where the pods mount the spec
+
+
+def test_with_the_specs_tls_every_pod_mounts_the_tls_secret_where_the_spec_names_it() -> None:
+    """The shipped multi-host spec runs the pools' gRPC links over mutual TLS (`remote.tls: tls`): every
+    pod mounts the Secret triton-disagg-tls at /etc/disagg/tls, beside the spec, where `disagg serve`
+    looks for ca.pem, cert.pem and key.pem; a spec without TLS mounts none."""
+    import dataclasses
+
+    from disagg_tools.manifests import render
+    from disagg_tools.spec import load_spec
+
+    spec = load_spec(DEPLOY / "kubernetes" / "spec.yaml")
+    assert spec.remote is not None and spec.remote.tls == "tls"
+    assert spec.tls_folder(Path(MOUNT_BASE)) == f"{MOUNT_BASE}/tls"
+    deployments = [
+        o for o in k8s_objects() if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("triton-")
+    ]
+    assert len(deployments) == 3
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+        assert mount == {"name": "tls", "mountPath": f"{MOUNT_BASE}/tls", "readOnly": True}
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "triton-disagg-tls"
+    plain = dataclasses.replace(spec, remote=dataclasses.replace(spec.remote, tls=""))
+    assert "triton-disagg-tls" not in render(plain, "")

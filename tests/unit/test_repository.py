@@ -168,7 +168,7 @@ def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_mod
 
 def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp_path, tiny_model_dir):
     """`--prefix-cache`: the prefill and colocated engines keep prompt prefixes; the decode pool, which
-    only imports KV, has no such setting; off by default (parsed as the adapter parses it)."""
+    only imports KV, has no such setting; on by default (parsed as the adapter parses it)."""
     import re
 
     from disagg.triton.pool_model import pool_config
@@ -181,8 +181,8 @@ def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
         )
         assert config.engine.prefix_cache is expected, name
-    for name in ("prefill", "colocated"):
-        assert 'key: "prefix_cache", value: { string_value: "false" }' in render(Layout())[name]
+    for name in ("prefill", "colocated"):  # on in the default deployment too
+        assert 'key: "prefix_cache", value: { string_value: "true" }' in render(Layout())[name]
 
 
 def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tmp_path, tiny_model_dir):
@@ -208,6 +208,9 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
             assert config.engine.prefix_cache is cached, (flag, name)
     with pytest.raises(ValueError, match="admission_margin"):
         render(Layout(admission_margin=-1))
+    default = render(Layout())
+    for name in ("orchestrator", "orchestrator_colocated", "llm"):  # on in the default deployment
+        assert 'key: "admission_margin", value: { string_value: "2" }' in default[name]
 
 
 def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, tiny_model_dir):

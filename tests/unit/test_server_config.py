@@ -421,3 +421,29 @@ def test_environment_tells_the_models_where_the_server_listens(files: TritonFile
     env = build_environment(files, {"PATH": "/usr/bin"}, http_url=config.http_url)
     assert env[ENV_SERVER_HTTP] == config.http_url
     assert ENV_SERVER_HTTP not in build_environment(files, {"PATH": "/usr/bin"})
+
+
+def test_a_stop_signal_marks_the_server_draining_until_it_is_gone(tmp_path: Path, monkeypatch) -> None:
+    """`signal(SIGTERM)` (as `disagg serve` forwards Ctrl-C / SIGTERM) writes the draining marker the
+    entry points read before it signals the process group, so no request that arrives after the signal
+    is served; other signals do not; the marker goes once the server is seen exited."""
+    import signal
+    import subprocess
+
+    from disagg.control import ModelControl
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    server = TritonServer(make_config(http_port=9123))
+    marker = ModelControl(server.config.http_url).draining_path
+    # a stand-in for tritonserver, in a group of its own as start() makes it
+    server._process = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        server.signal(signal.SIGCONT)
+        assert not marker.exists()
+        server.signal(signal.SIGTERM)
+        assert marker.exists()
+        assert server.wait(10) == -signal.SIGTERM
+        assert not marker.exists()
+    finally:
+        server._process.kill()
+        server._process.wait()
