@@ -249,4 +249,4 @@ def test_with_the_specs_tls_every_pod_mounts_the_tls_secret_where_the_spec_names
         (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
         assert volume["secret"]["secretName"] == "triton-disagg-tls"
     plain = dataclasses.replace(spec, remote=dataclasses.replace(spec.remote, tls=""))
-    assert "triton-disagg-tls" not in render(plain, "")
+    assert "secretName: triton-disagg-tls" not in render(plain, "")

@@ -160,6 +160,7 @@ def test_command_line(files: TritonFiles) -> None:
         "--backend-config=python,shm-region-prefix-name=disagg_test_",
         "--model-control-mode=explicit",
         "--load-model=*",
+        "--model-load-thread-count=16",
         "--strict-readiness=true",
         "--exit-on-error=true",
         "--exit-timeout-secs=7",
