@@ -134,20 +134,35 @@ def text_inputs(prompt: str | bytes, max_tokens: int, **extra: Any) -> dict[str,
     return values
 
 
-def repository_with_llm_parameters(target: Path, parameters: Mapping[str, str]) -> Path:
-    """A copy of the project's repository under `target` whose `llm` entry point has `parameters`
-    (each replacing the key's entry, if it had one)."""
+NO_ADMISSION = {
+    model: {"admission_margin": "0"} for model in ("orchestrator", "orchestrator_colocated", "llm")
+}
+"""Entry points that admit every request: for tests that load the pools past the default admission
+bound on purpose, to exercise something else (the suite's tiny model prefills its warm-up too fast to
+measure, so admission also holds its backlog to the cold budget until real work has been timed)."""
+
+
+def repository_with_parameters(target: Path, parameters: Mapping[str, Mapping[str, str]]) -> Path:
+    """A copy of the project's repository under `target` whose models carry `parameters` (model ->
+    key -> value, each replacing the key's entry, if it had one)."""
     copy = target / "repository"
     shutil.copytree(REPOSITORY, copy)
-    config = copy / "llm" / "config.pbtxt"
-    text = config.read_text()
-    for key in parameters:
-        text = re.sub(rf'  \{{ key: "{re.escape(key)}"[^\n]*\n', "", text)
-    entries = "".join(
-        f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }},\n' for k, v in parameters.items()
-    )
-    config.write_text(text.replace("parameters [\n", "parameters [\n" + entries, 1))
+    for model, values in parameters.items():
+        config = copy / model / "config.pbtxt"
+        text = config.read_text()
+        for key in values:
+            text = re.sub(rf'  \{{ key: "{re.escape(key)}"[^\n]*\n', "", text)
+        entries = "".join(
+            f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }},\n' for k, v in values.items()
+        )
+        text = text.replace("parameters [\n", "parameters [\n" + entries, 1)
+        config.write_text(re.sub(r",\n\]", "\n]", text))  # the last entry has no comma
     return copy
+
+
+def repository_with_llm_parameters(target: Path, parameters: Mapping[str, str]) -> Path:
+    """A copy of the project's repository under `target` whose `llm` entry point has `parameters`."""
+    return repository_with_parameters(target, {"llm": parameters})
 
 
 def prompt_burst(server: Any, count: int, words: int) -> list[GrpcStream]:

@@ -132,7 +132,12 @@ def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(
         assert len(tokenizer.encode(document)) >= 590
         for kind, question in (("cold", "What is the first line?"), ("warm", "What is the last line?")):
             with GrpcStream(server.config.grpc_url) as stream:
-                values = text_inputs(f"{document}\n{question}", 4, stream=np.array([[True]]))
+                values = text_inputs(
+                    f"{document}\n{question}",
+                    4,
+                    stream=np.array([[True]]),
+                    min_length=np.array([[4]], np.int32),
+                )
                 result = timed_stream(stream, "ensemble", values, timeout_s=120)
             assert result.error is None and result.ttft is not None, result
             ttfts[kind].append(result.ttft)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from serving_support import (
-    REPOSITORY,
+    NO_ADMISSION,
     cancel_after,
     engine_greedy,
     engine_texts,
@@ -34,6 +34,7 @@ from serving_support import (
     metric_sum,
     pool_gauges,
     read_stream,
+    repository_with_parameters,
     stream_with_deadline,
     text_inputs,
 )
@@ -61,8 +62,11 @@ TEXT_MODELS = ("ensemble", "llm")
 
 
 @pytest.fixture(scope="module")
-def server(triton_factory: TritonFactory) -> TritonServer:
-    return triton_factory.start(REPOSITORY, exit_timeout_s=10)
+def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+    # admission off: a hundred streams at once and the cancel storm load the pools past its bound on
+    # purpose (tests/integration/test_serving_admission.py tests it)
+    repository = repository_with_parameters(tmp_path_factory.mktemp("serving"), NO_ADMISSION)
+    return triton_factory.start(repository, exit_timeout_s=10)
 
 
 @pytest.fixture(autouse=True)

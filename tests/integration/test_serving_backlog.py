@@ -30,7 +30,10 @@ THREADS = 4  # the Python backend's threads per instance for BLS calls and decou
 def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
     return triton_factory.start(
         # `llm`'s watcher gives up on a ping after 1 s
-        repository_with_llm_parameters(tmp_path_factory.mktemp("backlog"), {"probe_timeout_s": "1"}),
+        # and admits every prompt: the backlog is what this test builds (admission: test_serving_admission)
+        repository_with_llm_parameters(
+            tmp_path_factory.mktemp("backlog"), {"probe_timeout_s": "1", "admission_margin": "0"}
+        ),
         exit_timeout_s=10,
         extra_args=(f"--backend-config=python,thread-pool-size={THREADS}",),
     )

@@ -18,10 +18,19 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_support import REPOSITORY, engine_texts, generate, read_stream, text_inputs
+from serving_support import (
+    NO_ADMISSION,
+    REPOSITORY,
+    engine_texts,
+    generate,
+    read_stream,
+    repository_with_parameters,
+    text_inputs,
+)
 from triton_support import (
     TRITON_ABORTS,
     GrpcStream,
@@ -271,7 +280,7 @@ def test_stubs_exit_when_their_server_dies_unreaped(triton_factory: TritonFactor
 
 
 def test_kill_prefill_stub_requests_move_to_colocated_and_nothing_is_left(
-    triton_factory: TritonFactory,
+    triton_factory: TritonFactory, tmp_path: Path
 ) -> None:
     """RELIABILITY D2: `kill -9` of the prefill instance's stub with requests arriving. The requests
     caught in prefill migrate to the colocated pool (the ladder's rung without prefill) and finish;
@@ -280,7 +289,9 @@ def test_kill_prefill_stub_requests_move_to_colocated_and_nothing_is_left(
     owners)."""
     expected = engine_texts(["Hello world"], 8)["Hello world"]
     kv_before = shm_entries("disagg-")
-    server = triton_factory.start(REPOSITORY, exit_timeout_s=10)
+    # admission off: the colocated pool's speed is not measured yet when the prompts fall to it, and a
+    # cold pool admits a 2,048-token backlog (the refusal would be right, but this tests the fallback)
+    server = triton_factory.start(repository_with_parameters(tmp_path, NO_ADMISSION), exit_timeout_s=10)
     triton_factory.release(server)
     streams = [GrpcStream(server.config.grpc_url) for _ in range(3)]
     try:
