@@ -42,7 +42,7 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix .
 
 test: test-models lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The engine's TTFT with a cached prompt prefix against the same prompt computed whole (one core).
 bench-prefix: test-models

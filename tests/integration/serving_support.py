@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from triton_support import REPO_ROOT, GrpcStream, http_json, http_sse
+from triton_support import REPO_ROOT, GrpcStream, http_json, http_sse, wait_until
 
 from disagg.paths import resolve_model_dir
 from disagg.server import process_group_members
@@ -370,6 +370,18 @@ def pool_gauges(server: Any) -> dict[tuple[str, str], float]:
             key = (name, labels["pool"])
             gauges[key] = gauges.get(key, 0.0) + value
     return gauges
+
+
+def idle_gauges(server: Any) -> dict[tuple[str, str], float]:
+    """The pool gauges once nothing runs: no active sequence and no block in use on any pool (waits
+    up to 30 s for it)."""
+
+    def quiet() -> dict[tuple[str, str], float] | None:
+        gauges = pool_gauges(server)
+        busy = [k for k, v in gauges.items() if k[0] != "disagg_kv_blocks_free" and v]
+        return None if busy else gauges
+
+    return wait_until(quiet, 30, "pools idle")
 
 
 def metric_sum(server: Any, name: str, **labels: str) -> float:

@@ -30,6 +30,7 @@ from serving_support import (
     group_rss,
     grpc_error,
     grpc_stream,
+    idle_gauges,
     metric_samples,
     metric_sum,
     pool_gauges,
@@ -93,17 +94,6 @@ def expected() -> dict[str, str]:
     return engine_texts(PROMPTS, MAX_TOKENS)
 
 
-def idle(server: TritonServer) -> dict[tuple[str, str], float]:
-    """Pool gauges once nothing runs: no active sequence and no block in use on any pool."""
-
-    def quiet() -> dict[tuple[str, str], float] | None:
-        gauges = pool_gauges(server)
-        busy = [k for k, v in gauges.items() if k[0] != "disagg_kv_blocks_free" and v]
-        return None if busy else gauges
-
-    return wait_until(quiet, 30, "pools idle")
-
-
 # ---- 1. greedy text ---------------------------------------------------------------------------------
 
 
@@ -117,7 +107,7 @@ def test_greedy_text_equals_the_engine_on_every_protocol(
     for prompt in PROMPTS:
         text = expected[prompt]
         body = {"text_input": prompt, "max_tokens": MAX_TOKENS}
-        idle(server)
+        idle_gauges(server)
         status, reply = generate(server, model, body)
         assert status == 200, reply
         assert reply["text_output"] == prompt + text, "unary text_output is prompt + generated text"
@@ -184,7 +174,7 @@ def decode_steps(server: TritonServer) -> float:
 def assert_shared_steps(server: TritonServer, steps_before: float, alone: int) -> None:
     """The decode pool stepped at most half as often as the streams would alone (`alone`: one step per
     token after each stream's first): on average two or more streams shared each step."""
-    idle(server)  # the pools' counters are published with their gauges: read after the last step
+    idle_gauges(server)  # the pools' counters are published with their gauges: read after the last step
     stepped = decode_steps(server) - steps_before
     assert 0 < stepped <= alone / 2, f"{stepped} decode steps: the streams barely shared any ({alone} alone)"
 
@@ -208,7 +198,7 @@ def test_sixteen_concurrent_streams_complete_and_overlap(server: TritonServer) -
     )
     prompts = [PROMPTS[i % 2] for i in range(STREAMS)]
     min_length = np.array([[OVERLAP_TOKENS]], dtype=np.int32)
-    idle(server)
+    idle_gauges(server)
     before = output_tokens(server, "orchestrator")
     steps = decode_steps(server)
     results = concurrent_streams(server, prompts, min_length=min_length)
@@ -228,7 +218,7 @@ def test_a_hundred_concurrent_llm_streams_all_complete(server: TritonServer) -> 
     """More concurrent streams than the decode batch holds (64): the hand-offs beyond it wait for a
     slot (the decode scheduler's capacity limit) instead of failing. Every stream ends with a final
     response, no error, and exactly `max_tokens` tokens (`min_length` rules out an early end)."""
-    idle(server)
+    idle_gauges(server)
     before = output_tokens(server, "llm")
     min_length = np.array([[LONG_TOKENS]], dtype=np.int32)
     streams = [GrpcStream(server.config.grpc_url) for _ in range(HUNDRED)]
@@ -245,7 +235,7 @@ def test_a_hundred_concurrent_llm_streams_all_complete(server: TritonServer) -> 
     assert not failed, f"{len(failed)} of {HUNDRED} streams failed: {failed[:3]}"
     produced = tokens_since(server, "llm", before, HUNDRED)
     assert produced == HUNDRED * LONG_TOKENS, "every stream produced exactly max_tokens tokens"
-    idle(server)  # every block back, no active sequence left on any pool
+    idle_gauges(server)  # every block back, no active sequence left on any pool
 
 
 def test_sixteen_concurrent_fp32_streams_equal_the_fp32_engine(
@@ -265,7 +255,7 @@ def test_sixteen_concurrent_fp32_streams_equal_the_fp32_engine(
             f"float32 oracle of {prompt!r} has a near-tie (margin {greedy.margin:.1e}): pick other prompts"
         )
     prompts = [PROMPTS[i % 2] for i in range(STREAMS)]
-    idle(fp32_server)
+    idle_gauges(fp32_server)
     steps = decode_steps(fp32_server)
     results = concurrent_streams(fp32_server, prompts)
     for prompt, result in zip(prompts, results, strict=True):
@@ -287,7 +277,7 @@ def _long_stream(server: TritonServer, model: str, max_tokens: int) -> GrpcStrea
 
 
 def test_cancelled_llm_stream_stops_decode_and_frees_both_pools(server: TritonServer) -> None:
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     cancelled = metric_sum(server, "disagg_requests_total", model="llm", outcome="cancelled")
     # 1500 tokens take ~20 s to decode here: the pools are back far sooner only if decode was stopped
     result = cancel_after(server.config.grpc_url, "llm", 1500, pieces=5)
@@ -311,7 +301,7 @@ def test_c5_a_client_deadline_cancels_the_work_and_the_next_request_is_served(
     """RELIABILITY C5: a stream whose client deadline (2 s) passes mid-generation ends DEADLINE_EXCEEDED
     at the client; the server sees the cancel and stops its work (both pools back to their baseline,
     far sooner than the 1500 tokens would take); the next request is served whole."""
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     result = stream_with_deadline(server.config.grpc_url, "llm", 1500, deadline_s=2.0)
     assert result["pieces"] > 0 and "deadline" in result["error"].lower(), result
     wait_until(lambda: idle_now(server, baseline), 10, "both pools back to their baseline")
@@ -380,7 +370,7 @@ def test_requests_cancelled_at_random_moments_leave_nothing_behind(
     tritonclient keeps a thread alive after a cancelled stream."""
     # the storm's baseline is the gauges when it starts: the previous test's sequence must be gone
     # from them first (seen: a baseline with one decode sequence still published, never met again)
-    idle(server)
+    idle_gauges(server)
     storm = Path(__file__).resolve().parents[2] / "perf" / "cancel_storm.py"
     command = [sys.executable, str(storm), "--grpc-url", server.config.grpc_url]
     command += ["--metrics-url", server.config.metrics_url, "--requests", "48", "--concurrency", "8"]
@@ -398,7 +388,7 @@ def test_cancelled_ensemble_stream_costs_at_most_its_max_tokens(server: TritonSe
     """On Triton 2.51 an ensemble client's cancel does not reach the running orchestrator step: the
     request runs to its own max_tokens, then nothing is left behind."""
     max_tokens = 120
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     produced = metric_sum(server, "disagg_output_tokens_sum", model="orchestrator")
     cancel_after(server.config.grpc_url, "ensemble", max_tokens, pieces=3)
     wait_until(lambda: idle_now(server, baseline), 60, "pools back to baseline after the request's end")
@@ -444,7 +434,7 @@ def test_a2_wrong_dtype_or_shape(server: TritonServer, model: str) -> None:
 
 @pytest.mark.parametrize("model", TEXT_MODELS)
 def test_a3_context_and_max_tokens_limits(server: TritonServer, model: str) -> None:
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     refused(server, model, {"text_input": "hello " * 3000, "max_tokens": 4}, "context of 2048 tokens")
     refused(server, model, {"text_input": "hi", "max_tokens": 0}, "max_tokens must be in [1, 2048]")
     refused(server, model, {"text_input": "hi", "max_tokens": 5000}, "max_tokens must be in [1, 2048]")
@@ -535,7 +525,7 @@ FORGED_TOKEN = "9999999999." + "0" * 64
 
 @pytest.mark.parametrize("pool", ["prefill", "decode", "colocated"])
 def test_a6_pools_refuse_direct_calls(server: TritonServer, pool: str) -> None:
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     internal = "this model is internal: requests must come through the orchestrator"
     refused(server, pool, POOL_JOB, internal)
     refused(server, pool, {**POOL_JOB, "disagg_auth": FORGED_TOKEN}, internal)
@@ -550,7 +540,7 @@ def test_a6_pools_refuse_direct_calls(server: TritonServer, pool: str) -> None:
 
 
 def test_a6_forged_descriptor_to_decode_refused_before_work(server: TritonServer) -> None:
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     state = {"prompt_token_ids": [1, 42, 305], "output_token_ids": [7], "params": {"max_tokens": 4}}
     body = {"state": json.dumps(state), "descriptor": "eyJ2IjoxfQ.forged", "handle": "h-2"}
     message = refused(server, "decode", {**body, "disagg_auth": FORGED_TOKEN}, "internal")
@@ -564,7 +554,7 @@ def test_a6_under_a_valid_pool_token_a_forged_descriptor_is_refused_by_its_check
     """A token minted for this very call (the test reads the deployment secret, as a pool host does):
     the call passes the token check and is accepted, so the descriptor checks are what refuse it, with
     a failure event naming the descriptor, before any memory is mapped or block taken."""
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     state = wire.encode_state(SequenceState((1, 42, 305), (7,), SamplingParams(max_tokens=4)))
     job = {
         "state": np.array([state.encode()], dtype=np.object_),
@@ -587,7 +577,7 @@ def test_a6_under_a_valid_pool_token_a_forged_descriptor_is_refused_by_its_check
 def test_a_pool_token_replayed_for_another_job_is_refused_and_counted(server: TritonServer) -> None:
     """A token captured from one pool call (minted for handle h-4) and sent with another job (h-5)
     starts nothing: the pool refuses it and counts it as a mismatch."""
-    baseline = idle(server)
+    baseline = idle_gauges(server)
     token = TokenSigner(load_secret()).mint(wire.call_subject("h-4", None))
     before = metric_sum(server, "disagg_pool_auth_refusals_total", reason="mismatch")
     job = {**POOL_JOB, "handle": "h-5", "disagg_auth": token}

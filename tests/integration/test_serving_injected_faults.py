@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_support import CuedCancel, engine_texts, metric_sum, pool_gauges, text_inputs
+from serving_support import CuedCancel, engine_texts, idle_gauges, metric_sum, pool_gauges, text_inputs
 from triton_support import GrpcStream, LeakProbe, TritonFactory, http_json, timed_stream, wait_until
 
 from disagg.server import TritonServer
@@ -113,21 +113,6 @@ def _inputs(seed: int, max_tokens: int = MAX_TOKENS) -> dict[str, np.ndarray]:
     )
 
 
-def _metric(server: TritonServer, name: str, **labels: str) -> float:
-    return metric_sum(server, name, **labels)
-
-
-def _idle(server: TritonServer) -> dict[tuple[str, str], float]:
-    """The pool gauges once no pool holds a block or a sequence."""
-
-    def quiet() -> dict[tuple[str, str], float] | None:
-        gauges = pool_gauges(server)
-        busy = [k for k, v in gauges.items() if k[0] != "disagg_kv_blocks_free" and v]
-        return None if busy else gauges
-
-    return wait_until(quiet, 30, "pools idle")
-
-
 def _at(server: TritonServer, baseline: dict[tuple[str, str], float], pool: str) -> bool:
     gauges = pool_gauges(server)
     return all(gauges.get(key) == value for key, value in baseline.items() if key[1] == pool)
@@ -164,21 +149,21 @@ def test_b6_a_slow_link_delays_the_first_token_and_nothing_fails(
         assert result is not None and result.error is None and result.text == expected, result
         assert result.final is not None and result.final - result.sent >= LINK_DELAY_S
     assert (
-        _metric(handoff, "disagg_kv_lease_expired_total", pool="prefill") == 0
+        metric_sum(handoff, "disagg_kv_lease_expired_total", pool="prefill") == 0
     )  # none waited past its lease
 
 
 def test_b1_an_unacked_lease_expires_counted_and_capacity_comes_back(
     handoff: TritonServer, expected: str
 ) -> None:
-    baseline = _idle(handoff)
-    expired = _metric(handoff, "disagg_kv_lease_expired_total", pool="prefill")
+    baseline = idle_gauges(handoff)
+    expired = metric_sum(handoff, "disagg_kv_lease_expired_total", pool="prefill")
     result = _one(handoff, 901)
     assert result.error is None and result.text == expected, result  # the KV arrived; only its ack did not
     wait_until(lambda: not _at(handoff, baseline, "prefill"), 2, "the prefill pool still holding the blocks")
     wait_until(lambda: _at(handoff, baseline, "prefill"), HANDOFF_TTL_S + 5, "prefill blocks back at expiry")
     wait_until(
-        lambda: _metric(handoff, "disagg_kv_lease_expired_total", pool="prefill") == expired + 1,
+        lambda: metric_sum(handoff, "disagg_kv_lease_expired_total", pool="prefill") == expired + 1,
         5,
         "the expiry counted",
     )
@@ -193,17 +178,17 @@ def test_b3_b5_a_broken_or_corrupt_hand_off_is_counted_and_recomputed(
     """B3 (the copy fails after its first run) and B5 (a flipped byte, caught by the checksum): the
     import fails and is counted, the decode pool frees the blocks it filled in part, the prefill pool's
     lease is given back, and the request is recomputed down the ladder: its text is whole and right."""
-    baseline = _idle(handoff)
-    failures = _metric(handoff, "disagg_kv_transfer_failures_total", pool="decode")
-    migrations = _metric(handoff, "disagg_migrations_total")
+    baseline = idle_gauges(handoff)
+    failures = metric_sum(handoff, "disagg_kv_transfer_failures_total", pool="decode")
+    migrations = metric_sum(handoff, "disagg_migrations_total")
     result = _one(handoff, seed)
     assert result.error is None and result.text == expected, (fault, result)
     wait_until(
-        lambda: _metric(handoff, "disagg_kv_transfer_failures_total", pool="decode") == failures + 1,
+        lambda: metric_sum(handoff, "disagg_kv_transfer_failures_total", pool="decode") == failures + 1,
         5,
         f"the {fault} import counted",
     )
-    assert _metric(handoff, "disagg_migrations_total") == migrations + 1
+    assert metric_sum(handoff, "disagg_migrations_total") == migrations + 1
     wait_until(lambda: _at(handoff, baseline, "decode"), 5, "the decode pool's partial blocks freed")
     # given back by the orchestrator's abort, well before the lease's expiry would have
     wait_until(lambda: _at(handoff, baseline, "prefill"), HANDOFF_TTL_S / 2, "the prefill lease given back")
@@ -215,12 +200,12 @@ def test_b2_a_read_after_the_lease_expired_never_gives_wrong_text(
     """The import waits 6 s before its first byte, twice the 3 s lease: the exporter frees the blocks
     (and a clean request may take them meanwhile); the late read finds its lease gone and the request is
     recomputed or fails, but never comes back with text computed from other blocks."""
-    baseline = _idle(handoff)
+    baseline = idle_gauges(handoff)
     with GrpcStream(handoff.config.grpc_url) as late_stream:
         late_stream.send("ensemble", _inputs(902))
         # while the late import waits, a clean request prefills into the freed blocks
         wait_until(
-            lambda: _metric(handoff, "disagg_kv_lease_expired_total", pool="prefill") > 0,
+            lambda: metric_sum(handoff, "disagg_kv_lease_expired_total", pool="prefill") > 0,
             15,
             "the lease expired",
         )
@@ -275,7 +260,7 @@ def test_d3_an_engine_that_cannot_continue_fails_its_requests_and_is_restarted(
     the pool answers its probes "not serving",
     the orchestrator finds it gone and restarts it through model control (Triton unloads and loads it:
     its readiness flips), and requests are served again."""
-    restarts = _metric(handoff, "disagg_pool_restarts_total", pool="decode")
+    restarts = metric_sum(handoff, "disagg_pool_restarts_total", pool="decode")
     with GrpcStream(handoff.config.grpc_url) as stream:
         stream.send("ensemble", _inputs(0, 300))
         assert stream.next(30).error is None
@@ -286,7 +271,7 @@ def test_d3_an_engine_that_cannot_continue_fails_its_requests_and_is_restarted(
         assert ended.error is not None or ended.final, ended
     ready = f"http://{handoff.config.http_url}/v2/models/decode/ready"
     wait_until(
-        lambda: _metric(handoff, "disagg_pool_restarts_total", pool="decode") > restarts,
+        lambda: metric_sum(handoff, "disagg_pool_restarts_total", pool="decode") > restarts,
         60,
         "decode restarted",
     )
@@ -301,9 +286,9 @@ def test_c3_a_cancel_between_prefill_and_decode_gives_the_lease_back_at_once(can
     """The decode pool's import waits 3 s before its first byte; the client cancels on the first token
     (sampled by the prefill pool): the prefill pool's lease is aborted and its blocks are back within
     1 s, under a lease of 120 s, and nothing expired; the import, once it runs, finds the lease gone."""
-    baseline = _idle(cancels)
-    expired = _metric(cancels, "disagg_kv_lease_expired_total", pool="prefill")
-    failures = _metric(cancels, "disagg_kv_transfer_failures_total", pool="decode")
+    baseline = idle_gauges(cancels)
+    expired = metric_sum(cancels, "disagg_kv_lease_expired_total", pool="prefill")
+    failures = metric_sum(cancels, "disagg_kv_transfer_failures_total", pool="decode")
     with CuedCancel(cancels.config.grpc_url, "llm", 200, 911) as client:
         client.pieces(1)
         cancelled = time.monotonic()
@@ -312,19 +297,19 @@ def test_c3_a_cancel_between_prefill_and_decode_gives_the_lease_back_at_once(can
     assert time.monotonic() - cancelled <= 1.0 + PUBLISHED_S
     # the delayed import then finds its lease gone (it never decodes for nobody), and frees its blocks
     wait_until(
-        lambda: _metric(cancels, "disagg_kv_transfer_failures_total", pool="decode") == failures + 1,
+        lambda: metric_sum(cancels, "disagg_kv_transfer_failures_total", pool="decode") == failures + 1,
         10,
         "the late import refused",
     )
     wait_until(lambda: _at(cancels, baseline, "decode"), 5, "the decode pool's blocks back")
-    assert _metric(cancels, "disagg_kv_lease_expired_total", pool="prefill") == expired
+    assert metric_sum(cancels, "disagg_kv_lease_expired_total", pool="prefill") == expired
 
 
 def test_c2_a_cancel_during_prefill_strands_no_block(cancels: TritonServer) -> None:
     """The prefill pool prefills in chunks of 16 tokens, and each chunk of this request's prompt takes
     0.6 s longer; the client cancels once the first chunk is done: the chunk in flight ends, the rest
     never run, and within 1 s of the cancel no pool holds a block."""
-    baseline = _idle(cancels)
+    baseline = idle_gauges(cancels)
     with CuedCancel(cancels.config.grpc_url, "llm", 200, 912, prompt=LONG_PROMPT) as client:
         # the pool publishes its blocks after each step: after the first chunk, three or more remain
         wait_until(
