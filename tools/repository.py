@@ -79,8 +79,8 @@ class Layout:
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
     # the prefill and colocated pools reuse the KV of full prompt blocks a prompt shares with an
-    # earlier one (``disagg.engine.kvcache``; vLLM's default is on, ours stays off until the serving
-    # suite and the benchmarks have run with it)
+    # earlier one (``disagg.engine.kvcache``; on, as vLLM's: perf/results/defaults shows the quick
+    # benchmark no lower with it)
     prefix_cache: bool = True
     # hot prompts (disagg.serving.hotness): requests of a hot prompt group decode on a pool of their
     # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
@@ -126,8 +126,8 @@ class Layout:
     remote_pools: str = ""  # the frontend's POOL=SERVERS;... (disagg.serving.endpoints)
     remote_tls: str = ""  # the frontend's TLS folder for the remote pools (disagg.tls); "": plain gRPC
     slo_ttft_s: float | None = None  # the entry points' SLOs (None: the orchestrator's defaults)
-    admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
     slo_tpot_s: float | None = None
+    admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
 
     def __post_init__(self) -> None:
         for field in ("dtype", "prefill_dtype", "decode_dtype", "kv_dtype"):

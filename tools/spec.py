@@ -155,7 +155,7 @@ class KV:
     block_size: int = 16
     lease_ttl_s: float = 30.0
     transport: Literal["shm", "nixl"] = "shm"  # CPU pools; GPU pools hand off over CUDA IPC
-    prefix_cache: bool = True  # the prefill and colocated pools reuse shared prompt prefixes' KV
+    prefix_cache: bool = Layout.prefix_cache  # the prefill and colocated pools reuse shared prefixes' KV
 
     def __post_init__(self) -> None:
         if not 1 <= self.cache_mb <= 1 << 20:
@@ -186,7 +186,7 @@ class EntryPoints:
     request_timeout_s: float = 600.0
     slo: Slo = field(default_factory=Slo)
     # refuse at once a request whose predicted TTFT exceeds this x the TTFT SLO (0: admit everything)
-    admission_margin: float = 2.0
+    admission_margin: float = Layout.admission_margin
 
     def __post_init__(self) -> None:
         _check_ids(self.cores, "cores", "core")

@@ -83,8 +83,9 @@ __all__ = [
 ]
 
 KILL_GRACE_S = 15.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """After the exit timeout, how long `stop` waits for model finalizers before SIGKILL."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a server: `signal` marks it draining before it sends one."""
 
 _TRITON_ERROR_RE = re.compile(r"E\d{4} ")  # glog: severity letter, then MMDD
 _BENIGN = "CudaDriverHelper has not been initialized"  # logged by every CPU-only start
@@ -153,6 +154,7 @@ class TritonServer:
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
         self._broker: Broker | None = None
+        self._control = ModelControl(config.http_url)  # the files beside its model-control journal
 
     @property
     def pid(self) -> int:
@@ -180,9 +182,8 @@ class TritonServer:
         prepare_backend_directory(self.config.backend_directory, files)
         # a new server loads the versions its repository names: an earlier one's rollout routing
         # (disagg.serving.routing) on this address would pin requests to versions not loaded
-        control = ModelControl(self.config.http_url)
-        RoutingFile(control.routing_path).clear()
-        control.draining_path.unlink(missing_ok=True)  # an earlier server's stop on this address
+        RoutingFile(self._control.routing_path).clear()
+        self._control.draining_path.unlink(missing_ok=True)  # an earlier server's stop on this address
         output = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -281,9 +282,8 @@ class TritonServer:
         if self._process is None or self._process.poll() is not None:
             return
         if signum in STOP_SIGNALS:
-            path = ModelControl(self.config.http_url).draining_path
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path.touch()
+            self._control.draining_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._control.draining_path.touch()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._process.pid, signum)
 
@@ -300,7 +300,7 @@ class TritonServer:
 
     def _retire_broker(self) -> None:
         """The server is gone: nothing is left for its broker to control, nor to drain."""
-        ModelControl(self.config.http_url).draining_path.unlink(missing_ok=True)
+        self._control.draining_path.unlink(missing_ok=True)
         if self._broker is not None:
             self._broker.stop()
             self._broker = None

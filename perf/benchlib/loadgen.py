@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 import re
 import time
@@ -153,7 +154,7 @@ async def run_clients(
     t0 = time.perf_counter() + config.start_delay_s
     end = t0 + config.max_duration_s
     records: list[RequestRecord] = []
-    numbers = iter(range(1 << 62))
+    numbers = itertools.count()
 
     async def one_client() -> None:
         await asyncio.sleep(max(0.0, t0 - time.perf_counter()))

@@ -143,12 +143,19 @@ measure, so admission also holds its backlog to the cold budget until real work 
 
 
 def repository_with_parameters(target: Path, parameters: Mapping[str, Mapping[str, str]]) -> Path:
-    """A copy of the project's repository under `target` whose models carry `parameters` (model ->
-    key -> value, each replacing the key's entry, if it had one)."""
+    """A copy of the project's repository under `target` whose models carry `parameters` (see
+    `set_parameters`)."""
     copy = target / "repository"
     shutil.copytree(REPOSITORY, copy)
+    set_parameters(copy, parameters)
+    return copy
+
+
+def set_parameters(repository: Path, parameters: Mapping[str, Mapping[str, str]]) -> None:
+    """Give the models of `repository` `parameters` (model -> key -> value), each replacing the key's
+    entry, if it had one."""
     for model, values in parameters.items():
-        config = copy / model / "config.pbtxt"
+        config = repository / model / "config.pbtxt"
         text = config.read_text()
         for key in values:
             text = re.sub(rf'  \{{ key: "{re.escape(key)}"[^\n]*\n', "", text)
@@ -157,7 +164,6 @@ def repository_with_parameters(target: Path, parameters: Mapping[str, Mapping[st
         )
         text = text.replace("parameters [\n", "parameters [\n" + entries, 1)
         config.write_text(re.sub(r",\n\]", "\n]", text))  # the last entry has no comma
-    return copy
 
 
 def repository_with_llm_parameters(target: Path, parameters: Mapping[str, str]) -> Path:

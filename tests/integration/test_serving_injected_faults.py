@@ -20,7 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_support import CuedCancel, engine_texts, idle_gauges, metric_sum, pool_gauges, text_inputs
+from serving_support import (
+    CuedCancel,
+    engine_texts,
+    idle_gauges,
+    metric_sum,
+    pool_gauges,
+    set_parameters,
+    text_inputs,
+)
 from triton_support import GrpcStream, LeakProbe, TritonFactory, http_json, timed_stream, wait_until
 
 from disagg.server import TritonServer
@@ -48,13 +56,6 @@ SEEDS = {  # seed -> fault (the grammar of disagg.serving.faults)
 }
 
 
-def _add_parameters(config: Path, parameters: dict[str, str]) -> None:
-    entries = "".join(
-        f'  {{ key: "{k}", value: {{ string_value: "{v}" }} }},\n' for k, v in parameters.items()
-    )
-    config.write_text(config.read_text().replace("parameters [\n", "parameters [\n" + entries, 1))
-
-
 def _server(
     factory: TritonFactory,
     out: Path,
@@ -66,9 +67,8 @@ def _server(
     repository = out / "repository"
     assert write_repository(["--out", str(repository), "--lease-ttl-s", str(ttl_s)]) == 0
     if checksum:  # the exporter signs a digest of the blocks into each descriptor; the importer checks it
-        for pool in ("prefill", "decode"):
-            _add_parameters(repository / pool / "config.pbtxt", {"checksum": "true"})
-    _add_parameters(repository / "prefill" / "config.pbtxt", prefill or {})
+        set_parameters(repository, {pool: {"checksum": "true"} for pool in ("prefill", "decode")})
+    set_parameters(repository, {"prefill": prefill or {}})
     # the server's processes inherit these; this process does not keep them
     with pytest.MonkeyPatch.context() as env:
         env.setenv(ENV_ALLOW, "1")

@@ -236,14 +236,14 @@ class EngineLoop:
             while True:
                 with self._cond:
                     if self._stopping:
-                        stranded, self._inbox = list(self._inbox), deque()
+                        stranded = self._take_inbox()
                         break
                     # nothing to do until a message comes (a job, a release, a stop) or idle_wait_s
                     # passes (renewals are due by the clock): never spin on an empty plan
                     if not self._inbox and (stalled or self.scheduler.idle):
                         self.loans.idle()
                         self._cond.wait(self.idle_wait_s)
-                    inbox, self._inbox = list(self._inbox), deque()
+                    inbox = self._take_inbox()
                 for message in inbox:
                     self._take(message)
                 plan = self.scheduler.schedule()
@@ -273,13 +273,20 @@ class EngineLoop:
             log.exception("%s engine loop failed", self.role.value)
             with self._cond:  # submit() refuses from here on; what it queued before ends here
                 self._healthy = False
-                stranded, self._inbox = list(self._inbox), deque()
+                stranded = self._take_inbox()
             self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool failed"), stranded, running)
             if not isinstance(exc, Exception):
                 raise
             return
-        self._fail_all(ServingError(UNAVAILABLE, f"{self.role.value} pool is shutting down"), stranded)
+        self._fail_all(
+            ServingError(UNAVAILABLE, f"{self.role.value} pool is shutting down"), stranded, Plan()
+        )
         self.loans.idle()
+
+    def _take_inbox(self) -> list[Message]:
+        """The messages posted since the last call, in order (the caller holds ``_cond``)."""
+        inbox, self._inbox = list(self._inbox), deque()
+        return inbox
 
     def _take(self, message: Message) -> None:
         if isinstance(message, Submit):
@@ -352,13 +359,13 @@ class EngineLoop:
             undelivered = lambda: self.abort_lease(lease_id)  # noqa: E731 - nobody will import it
         self.dispatcher.send(emission.job, event, emission.final, undelivered)
 
-    def _fail_all(self, error: ServingError, inbox: list[Message], plan: Plan | None = None) -> None:
+    def _fail_all(self, error: ServingError, inbox: list[Message], plan: Plan) -> None:
         """End every job: those the scheduler holds, those of the ``plan`` an engine fault broke off
         (the scheduler holds them for the plan's results), and those still in ``inbox`` (submitted since
         the loop last took its messages). A job left out would keep its caller waiting forever."""
         self._renewals.clear()
         queued = [message.job for message in inbox if isinstance(message, Submit)]
-        jobs = {id(job): job for job in [*self.scheduler.drop_all(), *(plan.jobs if plan else ()), *queued]}
+        jobs = {id(job): job for job in [*self.scheduler.drop_all(), *plan.jobs, *queued]}
         for job in jobs.values():
             self.dispatcher.send(job, Failed(error), True)
         for lease_id in self.scheduler.lease_ids():
