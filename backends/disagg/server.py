@@ -169,7 +169,7 @@ class TritonServer:
         server's model-control broker is stopped too."""
         status = None if self._process is None else self._process.poll()
         if status is not None:
-            self._retire_broker()
+            self._exited()
         return status
 
     def start(self, files: TritonFiles | None = None) -> TritonServer:
@@ -295,12 +295,16 @@ class TritonServer:
             status = self._process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise ServerTimeout(f"tritonserver still running after {timeout_s} s") from None
-        self._retire_broker()
+        self._exited()
         return status
 
-    def _retire_broker(self) -> None:
-        """The server is gone: nothing is left for its broker to control, nor to drain."""
+    def _exited(self) -> None:
+        """The server is gone: its broker stops, and its draining mark goes."""
+        self._retire_broker()
         self._control.draining_path.unlink(missing_ok=True)
+
+    def _retire_broker(self) -> None:
+        """The server is gone or going: nothing is left for its broker to control."""
         if self._broker is not None:
             self._broker.stop()
             self._broker = None
@@ -331,6 +335,7 @@ class TritonServer:
             # owner's regions, another server's included, are left alone
             clean_stale_regions(KV_DIRECTORY, KV_PREFIX)
             loanpath.sweep(KV_PREFIX, self.config.http_url)  # core loans of pools that never closed
+        self._exited()  # the SIGTERM above marked it draining
         return self._process.returncode
 
     def signal_group_members(self, signum: int) -> None:

@@ -445,6 +445,10 @@ def test_a_stop_signal_marks_the_server_draining_until_it_is_gone(tmp_path: Path
         assert marker.exists()
         assert server.wait(10) == -signal.SIGTERM
         assert not marker.exists()
+        # stop() signals (marking it draining) and, once the server is gone, clears the mark too
+        server._process = subprocess.Popen(["sleep", "30"], process_group=0)
+        assert server.stop(grace_s=1) == -signal.SIGTERM
+        assert not marker.exists()
     finally:
         server._process.kill()
         server._process.wait()
