@@ -126,11 +126,11 @@ async def run_trace(
 
 
 RETRY_HINT = re.compile(r"retry after (\d+(?:\.\d+)?) s")
-MAX_RETRY_WAIT_S = 5.0
+MAX_RETRY_WAIT_S = 60.0  # the longest Retry-After the OpenAI SDKs honour
 
 
 def retry_hint(error: str | None) -> float:
-    """The seconds a refusal asks its client to wait ("... retry after N s"), at most 5; 0 without one."""
+    """The seconds a refusal asks its client to wait ("... retry after N s"), at most 60; 0 without one."""
     found = RETRY_HINT.search(error or "")
     return min(float(found.group(1)), MAX_RETRY_WAIT_S) if found else 0.0
 

@@ -271,7 +271,9 @@ def serving_children(make_pid: int) -> list[int]:
     return pids
 
 
-def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_checkpoint: Path) -> None:
+def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(
+    foreign_checkpoint: Path, tmp_path: Path
+) -> None:
     before = snapshot(foreign_checkpoint)
     proc = subprocess.run(
         [str(DISAGG), "generate", "--model", str(foreign_checkpoint), "--prompt", "Hello world", *GENERATE],
@@ -282,7 +284,9 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
     )
     expected = json.loads(proc.stdout.strip().splitlines()[-1])["text"]
     ports = free_ports(4)
-    serve = make_serve(foreign_checkpoint, ports, DISAGG_API_KEY=API_KEY)
+    # the deployment secret (signing KV hand-offs and pool tokens) is made afresh under this state folder
+    state = tmp_path / "state"
+    serve = make_serve(foreign_checkpoint, ports, DISAGG_API_KEY=API_KEY, XDG_STATE_HOME=str(state))
     try:
         url = f"http://127.0.0.1:{ports[0]}/v2/models/ensemble/generate"
         body = {"text_input": "Hello world", "max_tokens": 12, "exclude_input_in_output": True}
@@ -311,7 +315,8 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
         listening = listening_addresses(processes)
         assert all(is_loopback(address.rsplit(":", 1)[0]) for address in listening), listening
         assert {str(p) for p in ports} <= {a.rsplit(":", 1)[1] for a in listening}, listening
-        assert_no_secret_shown(processes, admin_key=load_or_create_admin_key(REPO_ROOT / STATE_DIR))
+        secret = deployment_secret(state)
+        assert_no_secret_shown(processes, load_or_create_admin_key(REPO_ROOT / STATE_DIR), secret)
     finally:
         # SIGTERM to `disagg serve` (make's child), as Ctrl-C or a process manager would send it;
         # make then exits with its status.
@@ -320,7 +325,7 @@ def test_make_serve_on_a_user_checkpoint_serves_it_and_changes_no_byte(foreign_c
         output, _ = serve.communicate(timeout=90)
     assert serve.returncode == 0, output[-3000:]
     admin_key = load_or_create_admin_key(REPO_ROOT / STATE_DIR)
-    assert API_KEY not in output and admin_key not in output  # nor in its log
+    assert API_KEY not in output and admin_key not in output and secret not in output  # nor in its log
     assert snapshot(foreign_checkpoint) == before
     assert sorted(p.name for p in foreign_checkpoint.parent.iterdir()) == ["my-model"]
 
@@ -335,9 +340,19 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def assert_no_secret_shown(processes: frozenset[int], admin_key: str) -> None:
-    """No command line (world-readable) holds the admin key or the API key; no environment holds the
-    admin key, and only the front end's and its parent's hold the API key (the front end needs it)."""
+def deployment_secret(state: Path) -> str:
+    """The deployment secret the pools made under ``state`` (``$XDG_STATE_HOME``), owner-only."""
+    path = state / "triton-disagg" / "secret"
+    assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
+    secret = path.read_text().strip()
+    assert len(secret) >= 32, "not a secret"
+    return secret
+
+
+def assert_no_secret_shown(processes: frozenset[int], admin_key: str, secret: str) -> None:
+    """No command line (world-readable) holds the admin key, the deployment secret or the API key;
+    no environment holds the admin key or the deployment secret, and only the front end's and its
+    parent's hold the API key (the front end needs it)."""
     names = {}
     for pid in processes:
         try:
@@ -347,8 +362,10 @@ def assert_no_secret_shown(processes: frozenset[int], admin_key: str) -> None:
             continue  # exited meanwhile
         names[pid] = cmdline.split(b"\0")[:3]
         shown = cmdline.decode(errors="replace")
-        assert admin_key not in shown and API_KEY not in shown, f"pid {pid} shows a key: {names[pid]}"
-        assert admin_key.encode() not in environ, f"pid {pid} has the admin key in its environment"
+        for key in (admin_key, secret, API_KEY):
+            assert key not in shown, f"pid {pid} shows a key: {names[pid]}"
+        for key in (admin_key, secret):
+            assert key.encode() not in environ, f"pid {pid} has a secret in its environment"
         is_frontend = b"disagg.openai" in cmdline
         is_serve = b"serve" in cmdline and b"tritonserver" not in cmdline
         if not (is_frontend or is_serve):

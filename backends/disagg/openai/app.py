@@ -70,7 +70,9 @@ async def _close_client(app: web.Application) -> None:
 
 
 def _error(exc: ApiError) -> web.Response:
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    headers: dict[str, str] = {}
+    if exc.retry_after_s is not None:
+        headers = {"Retry-After": str(exc.retry_after_s), "retry-after-ms": str(exc.retry_after_ms)}
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return web.json_response(exc.body(), status=exc.status, dumps=_json, headers=headers)

@@ -32,6 +32,8 @@ class ApiError(Exception):
         hint = _RETRY.search(message) if status == 503 else None
         self.retry_after_s = math.ceil(float(hint.group(1))) if hint else None
         """Seconds for a ``Retry-After`` header: the server's hint, when it shed the request."""
+        self.retry_after_ms = round(float(hint.group(1)) * 1000) if hint else None
+        """The same hint to the millisecond (``retry-after-ms``, which OpenAI's SDKs read first)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

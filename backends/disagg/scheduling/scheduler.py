@@ -26,7 +26,7 @@ from disagg.scheduling.plan import (
     Started,
     Stepped,
 )
-from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, Reason, ServingError
 from disagg.serving.messages import Failed, Job, PrefillJob, Token, prompt_tokens
 
 
@@ -146,7 +146,9 @@ class Scheduler(ABC, Generic[J]):
         """Refuse a job this pool can never run (ServingError INVALID_ARG). Pure; any thread."""
         if job.operation not in self.operations or not isinstance(job, self.job_type):
             raise ServingError(
-                INVALID_ARG, f"a {self.role.value} pool does not run {job.operation.value} jobs"
+                INVALID_ARG,
+                f"a {self.role.value} pool does not run {job.operation.value} jobs",
+                Reason.UNSUPPORTED,
             )
         needed = self.blocks_needed(job)
         if needed > self.limits.num_blocks:
@@ -161,7 +163,9 @@ class Scheduler(ABC, Generic[J]):
             return Emission(job, Failed(ServingError(INVALID_ARG, "request handle is already in use")), True)
         if len(self._waiting) >= self.config.max_queue:
             error = ServingError(
-                UNAVAILABLE, f"{self.role.value} queue is full ({self.config.max_queue}), retry later"
+                UNAVAILABLE,
+                f"{self.role.value} queue is full ({self.config.max_queue}), retry later",
+                Reason.FULL,
             )
             return Emission(job, Failed(error), True)
         if not isinstance(job, self.job_type):  # check() refuses it first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 
 from disagg.engine.errors import BatchFull, CheckpointError, InvalidRequest, OutOfBlocks
 from disagg.kv.errors import DescriptorError, IncompatibleKV, KVError, LeaseExpired, LeaseGone
@@ -25,15 +26,52 @@ STUB_DEAD = "is not healthy"
 'decode_0_0' is not healthy."): the pool is dead, not slow."""
 
 
-class ServingError(Exception):
-    """An error for one request, with its code and a message safe to show the client."""
+class Reason(StrEnum):
+    """Why a call or a request failed: what the orchestrator decides on (the code is the client's,
+    the message is for people). It travels with the code wherever an error crosses a process."""
 
-    def __init__(self, code: str, message: str) -> None:
+    FULL = "full"  # a pool at one of its limits (queue, KV blocks, batch): saturated, not gone
+    UNANSWERED = "unanswered"  # an overdue call's pool did not answer a probe either
+    DEAD = "dead"  # a stub process of the pool died
+    LOST = "lost"  # the pool stopped serving or could not be reached: any other pool failure
+    LEASE_LOST = "lease_lost"  # the prefill pool no longer holds the KV: prefill again, no pool's fault
+    TRANSFER_FAILED = "transfer_failed"  # the KV copy failed: the pools on both ends may be fine
+    INCOMPATIBLE_KV = "incompatible_kv"  # KV of another model version (a deployment fault)
+    UNSUPPORTED = "unsupported"  # a pool that does not run this kind of job
+    SHED = "shed"  # refused by this server's own policy (admission, degradation, limits): retry later
+    DRAINING = "draining"  # the server is shutting down
+    BAD_REQUEST = "bad_request"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    INTERNAL = "internal"
+
+
+def reason_named(name: object) -> Reason | None:
+    """The reason called ``name`` on the wire; None for anything else (a peer that sent none)."""
+    return Reason(name) if isinstance(name, str) and name in _REASON_NAMES else None
+
+
+_REASON_NAMES = frozenset(reason.value for reason in Reason)
+_DEFAULT_REASONS = {
+    INVALID_ARG: Reason.BAD_REQUEST,
+    UNAVAILABLE: Reason.LOST,
+    CANCELLED: Reason.CANCELLED,
+    DEADLINE: Reason.TIMEOUT,
+    INTERNAL: Reason.INTERNAL,
+}
+
+
+class ServingError(Exception):
+    """An error for one request, with its code and a message safe to show the client, and the
+    reason decisions read (by default the code's: a pool failure for UNAVAILABLE)."""
+
+    def __init__(self, code: str, message: str, reason: Reason | None = None) -> None:
         if code not in CODES:
             raise ValueError(f"unknown error code {code!r}")
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = _DEFAULT_REASONS[code] if reason is None else Reason(reason)
 
 
 def invalid(message: str) -> ServingError:
@@ -48,21 +86,21 @@ def classify(exc: BaseException) -> ServingError:
     request (a 10 MB input, a Triton response sender) until the cyclic collector happens to run.
     """
     if isinstance(exc, ServingError):
-        return ServingError(exc.code, exc.message)
+        return ServingError(exc.code, exc.message, exc.reason)
     if isinstance(exc, InvalidRequest):
         return ServingError(INVALID_ARG, str(exc))
     if isinstance(exc, OutOfBlocks):
-        return ServingError(UNAVAILABLE, "KV cache is full, retry later")
+        return ServingError(UNAVAILABLE, "KV cache is full, retry later", Reason.FULL)
     if isinstance(exc, BatchFull):
-        return ServingError(UNAVAILABLE, "decode batch is full, retry later")
+        return ServingError(UNAVAILABLE, "decode batch is full, retry later", Reason.FULL)
     if isinstance(exc, IncompatibleKV):
-        return ServingError(UNAVAILABLE, KV_INCOMPATIBLE)
+        return ServingError(UNAVAILABLE, KV_INCOMPATIBLE, Reason.INCOMPATIBLE_KV)
     if isinstance(exc, LeaseExpired | LeaseGone):
-        return ServingError(UNAVAILABLE, LEASE_LOST)
+        return ServingError(UNAVAILABLE, LEASE_LOST, Reason.LEASE_LOST)
     if isinstance(exc, DescriptorError):
         return ServingError(INVALID_ARG, f"KV descriptor refused: {exc}")
     if isinstance(exc, KVError):
-        return ServingError(UNAVAILABLE, TRANSFER_FAILED)
+        return ServingError(UNAVAILABLE, TRANSFER_FAILED, Reason.TRANSFER_FAILED)
     if isinstance(exc, CheckpointError):
         return ServingError(INTERNAL, "model is not loaded")
     log.error("internal error", exc_info=exc)

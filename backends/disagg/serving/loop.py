@@ -63,6 +63,7 @@ class LoopStats:
     engine_steps: int  # engine calls so far: each prefill, each decode step
     engine_busy_s: float  # seconds spent inside them
     prompt_tokens_done: int = 0  # prompt tokens prefilled so far
+    prefill_busy_s: float = 0.0  # of engine_busy_s, the calls that prefilled
     blocks_cached: int = 0  # of the free blocks, those keeping a prefix (the prefix cache)
     prefix_hits: int = 0  # prefix cache counters so far, in blocks
     prefix_misses: int = 0
@@ -77,9 +78,16 @@ class LoopStats:
         """Engine seconds as this pool's own cores would have spent them: the time borrowed helpers
         computed on another pool's cores is added back, so that a pool's measured speed (which
         admission by capacity and the autoscaler read) never counts borrowed throughput as its own."""
-        if self.role != "prefill":
-            return self.engine_busy_s
-        return self.engine_busy_s + sum(loan.borrowed_s for loan in self.loans)
+        return self.engine_busy_s + self._borrowed_s
+
+    @property
+    def owned_prefill_busy_s(self) -> float:
+        """``prefill_busy_s`` the same way (a prefill pool borrows cores for its prompts)."""
+        return self.prefill_busy_s + self._borrowed_s
+
+    @property
+    def _borrowed_s(self) -> float:
+        return sum(loan.borrowed_s for loan in self.loans) if self.role == "prefill" else 0.0
 
     def load(self) -> PoolLoad:
         """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
@@ -92,6 +100,7 @@ class LoopStats:
             self.prompt_tokens_done,
             self.owned_busy_s,
             self.engine_steps,
+            self.owned_prefill_busy_s,
         )
 
 
@@ -386,6 +395,7 @@ class EngineLoop:
             engine_steps=self.runner.steps,
             engine_busy_s=self.runner.busy_s,
             prompt_tokens_done=self.runner.prompt_tokens,
+            prefill_busy_s=self.runner.prefill_busy_s,
             blocks_cached=usage.cached,
             prefix_hits=usage.prefix_hits,
             prefix_misses=usage.prefix_misses,

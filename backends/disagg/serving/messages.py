@@ -165,6 +165,10 @@ class PoolLoad:
     prompt_tokens_done: int = 0  # prompt tokens prefilled since the instance started ...
     busy_s: float = 0.0  # ... and the seconds its engine has computed: the throughput, from two loads
     engine_steps: int = 0  # engine calls since it started: busy_s per step is its mean step time
+    prefill_busy_s: float = 0.0
+    """Of ``busy_s``, the seconds of the calls that prefilled (decode steps alone left out): with
+    ``prompt_tokens_done``, the prefill throughput of a pool that decodes too (0: a pool of an older
+    version, whose ``busy_s`` stands in)."""
 
     @property
     def kv_use(self) -> float:

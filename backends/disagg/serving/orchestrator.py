@@ -33,11 +33,8 @@ from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.errors import (
     CANCELLED,
     DEADLINE,
-    LEASE_LOST,
-    PROBE_UNANSWERED,
-    STUB_DEAD,
-    TRANSFER_FAILED,
     UNAVAILABLE,
+    Reason,
     ServingError,
     classify,
 )
@@ -107,7 +104,6 @@ HOT_ROUTES = ("cold", "hot_shared", "hot_pool", "hot_delayed", "hot_refused")
 """How a new request was routed by hotness (``disagg_hot_routes_total``): not in a hot group; hot and
 served as any other (no isolation configured, or its bucket had a token); hot and decoded on the hot
 pool; hot and held back by its group's token bucket; hot and refused (the bucket's wait too long)."""
-NO_LOCAL = "does not run generate jobs"  # a prefill pool's refusal without local_generate
 
 
 @dataclass(frozen=True)
@@ -473,13 +469,13 @@ class Orchestrator:
         watcher already finds saturated (it answers its own probes, slowly): that pool is overloaded,
         not gone, and stays saturated."""
         health = self.health.get(pool)
-        if health is None or error.message in (TRANSFER_FAILED, LEASE_LOST):
+        if health is None or error.reason in (Reason.TRANSFER_FAILED, Reason.LEASE_LOST):
             return
-        if STUB_DEAD in error.message:
+        if error.reason is Reason.DEAD:
             self.observe(health.failed(DEAD))
             return
-        full = "full" in error.message or "retry later" in error.message
-        slow = PROBE_UNANSWERED in error.message and health.state is PoolState.SATURATED
+        full = error.reason is Reason.FULL
+        slow = error.reason is Reason.UNANSWERED and health.state is PoolState.SATURATED
         self.observe(health.refused() if full or slow else health.failed(CALL_FAILED))
 
     async def serve(
@@ -560,7 +556,7 @@ class _Run:
             except ServingError as error:
                 self.leave_backlog()  # it waits no more where it failed; a retry is not admitted again
                 pool = self.running_on
-                if route.rung == LOCAL and NO_LOCAL in error.message and not self.finished:
+                if route.rung == LOCAL and error.reason is Reason.UNSUPPORTED and not self.finished:
                     self.owner.ladder.local = False  # the prefill pool was deployed without it
                     route = self.owner.ladder.route(after=LOCAL, reason="prefill_no_local_generate")
                     continue
@@ -579,7 +575,7 @@ class _Run:
                 # attempt's (a prefill lease whose importer died before its ack keeps it until expiry)
                 self.handle = f"{self.outcome.handle}~{self.outcome.migrations}"
                 log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
-                lost = error.message == LEASE_LOST  # the decode pool is fine; the KV must be made again
+                lost = error.reason is Reason.LEASE_LOST  # the decode pool is fine; the KV must be made again
                 route = self.owner.ladder.route(
                     after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"
                 )
@@ -607,6 +603,7 @@ class _Run:
                 UNAVAILABLE,
                 f"too many similar requests (a hot prompt group over {owner.hot_rate()[0]:.3g} "
                 f"requests/s); retry after {retry:g} s",
+                Reason.SHED,
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
         if wait > 0:
@@ -626,7 +623,9 @@ class _Run:
             self.running_on = None
             why = route.reason.replace("_", " ") if route.reason else "no pool can serve"
             raise ServingError(
-                UNAVAILABLE, f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s"
+                UNAVAILABLE,
+                f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s",
+                Reason.SHED,
             )
         if route.rung == DISAGGREGATED and not self.tokens and not self.admitted and self._conditional():
             await self._on_decode_pool()

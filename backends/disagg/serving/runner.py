@@ -32,7 +32,8 @@ class Runner:
         self.transport = transport  # moves the KV of PrefillJobs and DecodeJobs
         self.steps = 0  # engine calls so far (each prefill, each decode step) ...
         self.busy_s = 0.0  # ... and the seconds spent in them (disagg_engine_* metrics)
-        self.prompt_tokens = 0  # prompt tokens prefilled so far (with busy_s: the prefill throughput)
+        self.prompt_tokens = 0  # prompt tokens prefilled so far ...
+        self.prefill_busy_s = 0.0  # ... and the seconds of the calls that prefilled: the prefill throughput
         self.transfer_times: deque[float] = deque(maxlen=4096)  # seconds of each KV import
         self.kv_incompatible = 0  # imports refused: KV of another model version (engine.fingerprint)
 
@@ -60,7 +61,7 @@ class Runner:
         seq_id = None
         try:
             seq_id = self._sequence(chunk)
-            output = self._timed(self.backend.prefill_chunk, seq_id, chunk.tokens)
+            output = self._timed(self.backend.prefill_chunk, seq_id, chunk.tokens, prefill=True)
             self.prompt_tokens += chunk.tokens
         except Exception as exc:
             if seq_id is not None:
@@ -95,8 +96,12 @@ class Runner:
             except Exception as exc:
                 results.append(Refused(chunk.job, classify(exc)))
         try:
+            # a fused step's time counts as prefill whole: its decode rows add little to its chunks'
             outputs, firsts = self._timed(
-                self.backend.step, [(seq_id, c.tokens) for c, seq_id in chunks], decode=plan.decode
+                self.backend.step,
+                [(seq_id, c.tokens) for c, seq_id in chunks],
+                decode=plan.decode,
+                prefill=bool(chunks),
             )
             self.prompt_tokens += sum(c.tokens for c, _ in chunks)
         except SequenceFailed as failure:  # the chunks' outcome is unknown: they end with the lost ones
@@ -131,16 +136,18 @@ class Runner:
             log.warning("no warm-up: a %d-token prompt does not fit this engine (%s)", tokens, exc)
             return
         try:
-            while self._timed(self.backend.prefill_chunk, seq_id, tokens) is None:
+            while self._timed(self.backend.prefill_chunk, seq_id, tokens, prefill=True) is None:
                 pass  # an engine that prefills in smaller chunks than asked
             self.prompt_tokens += tokens
         finally:
             self.backend.free(seq_id)
 
-    def _timed(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
+    def _timed(self, call: Callable[..., T], *args: object, prefill: bool = False, **kwargs: object) -> T:
         started = time.perf_counter()
         try:
             return call(*args, **kwargs)
         finally:
-            self.busy_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.busy_s += elapsed
+            self.prefill_busy_s += elapsed if prefill else 0.0
             self.steps += 1

@@ -38,7 +38,14 @@ import numpy as np
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import INTERNAL, PROBE_UNANSWERED, STUB_DEAD, UNAVAILABLE, ServingError
+from disagg.serving.errors import (
+    INTERNAL,
+    PROBE_UNANSWERED,
+    STUB_DEAD,
+    UNAVAILABLE,
+    Reason,
+    ServingError,
+)
 from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.serving.routing import pinned_version
 from disagg.triton import glue, wire
@@ -163,7 +170,9 @@ class TritonPools:
                 # the thread blocked in next() stays blocked: the iterator has no cancel() here
                 raise ServingError(UNAVAILABLE, f"the {pool} pool stopped responding (it was lost)")
             if self.stubs.dead(pool):  # sooner than Triton says so (see stubs)
-                raise ServingError(UNAVAILABLE, f"a stub process of the {pool} pool {STUB_DEAD} (it died)")
+                raise ServingError(
+                    UNAVAILABLE, f"a stub process of the {pool} pool {STUB_DEAD} (it died)", Reason.DEAD
+                )
             now = asyncio.get_running_loop().time()
             overdue_at = max(overdue_at, self._answered.get(pool, -PROBE_AFTER_S) + PROBE_AFTER_S)
             if now < overdue_at:
@@ -173,11 +182,11 @@ class TritonPools:
             except TimeoutError:
                 if not self.overloaded(pool):
                     message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
-                    raise ServingError(UNAVAILABLE, message) from None
+                    raise ServingError(UNAVAILABLE, message, Reason.UNANSWERED) from None
                 # saturated and slow to answer: keep waiting (a lost pool ends it by its epoch)
             except ServingError:
                 message = f"the {pool} pool stopped responding ({PROBE_UNANSWERED})"
-                raise ServingError(UNAVAILABLE, message) from None
+                raise ServingError(UNAVAILABLE, message, Reason.UNANSWERED) from None
             overdue_at = asyncio.get_running_loop().time() + PROBE_AFTER_S
 
     def _probe(self, pool: str) -> asyncio.Future[PoolLoad]:

@@ -12,7 +12,18 @@ import numpy as np
 
 from disagg.kv.errors import SecretError
 from disagg.kv.secret import load_secret
-from disagg.serving.errors import CANCELLED, CODES, DEADLINE, INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import (
+    CANCELLED,
+    CODES,
+    DEADLINE,
+    INTERNAL,
+    INVALID_ARG,
+    STUB_DEAD,
+    UNAVAILABLE,
+    Reason,
+    ServingError,
+    reason_named,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +74,9 @@ def deployment_secret(path: str = "", wait_s: float = 10.0) -> bytes:
 
 
 def triton_error(pb_utils: Any, error: ServingError, *, tagged: bool = False) -> Any:
-    """A Triton error for ``error``. ``tagged`` (pool -> orchestrator) also writes the code into the
-    message: Triton 2.51 hands a BLS caller every error with code INTERNAL, whatever was sent."""
+    """A Triton error for ``error``. ``tagged`` (pool -> orchestrator) also writes the code and the
+    reason into the message: Triton 2.51 hands a BLS caller every error with code INTERNAL, whatever
+    was sent (``disagg-code:UNAVAILABLE/full:KV cache is full, retry later``)."""
     codes = {
         INVALID_ARG: pb_utils.TritonError.INVALID_ARG,
         UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
@@ -72,7 +84,7 @@ def triton_error(pb_utils: Any, error: ServingError, *, tagged: bool = False) ->
         DEADLINE: pb_utils.TritonError.UNAVAILABLE,
         INTERNAL: pb_utils.TritonError.INTERNAL,
     }
-    message = f"{_TAG}{error.code}:{error.message}" if tagged else error.message
+    message = f"{_TAG}{error.code}/{error.reason.value}:{error.message}" if tagged else error.message
     return pb_utils.TritonError(message, codes[error.code])
 
 
@@ -85,13 +97,16 @@ def serving_error(pb_utils: Any, error: Any) -> ServingError:
 
 
 def untagged_error(message: str) -> ServingError:
-    """The ServingError a pool sent as ``message`` (tagged by triton_error), over BLS or gRPC."""
+    """The ServingError a pool sent as ``message`` (tagged by triton_error), over BLS or gRPC.
+
+    Not one of ours, it is Triton's own, and the pool is not serving: this is the one place that
+    reads an error's text to decide, for Triton's message about a dead stub (``STUB_DEAD``)."""
     if message.startswith(_TAG):
-        code, _, text = message[len(_TAG) :].partition(":")
+        head, _, text = message[len(_TAG) :].partition(":")
+        code, _, reason = head.partition("/")
         if code in CODES:
-            return ServingError(code, text)
-    # Not one of ours (Triton's own, e.g. an unhealthy stub): the pool is not serving.
-    return ServingError(UNAVAILABLE, message)
+            return ServingError(code, text, reason_named(reason))
+    return ServingError(UNAVAILABLE, message, Reason.DEAD if STUB_DEAD in message else Reason.LOST)
 
 
 def bytes_tensor(pb_utils: Any, name: str, value: bytes | str, shape: tuple[int, ...] = (1,)) -> Any:

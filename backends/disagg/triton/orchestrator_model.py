@@ -24,7 +24,7 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
 from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.auth import TokenSigner
-from disagg.serving.errors import UNAVAILABLE, ServingError, classify, invalid
+from disagg.serving.errors import UNAVAILABLE, Reason, ServingError, classify, invalid
 from disagg.serving.health import DEAD, Change, PoolState
 from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
@@ -89,7 +89,7 @@ class TritonResponder:
 
     def fail(self, error: ServingError) -> None:
         if self.error_codes:
-            error = ServingError(error.code, f"{error.code}: {error.message}")
+            error = ServingError(error.code, f"{error.code}: {error.message}", error.reason)
         glue.send_error(self._pb, self._sender, error)
 
     def is_cancelled(self) -> bool:
@@ -255,9 +255,10 @@ class OrchestratorModel:
             responder.error_codes = wants_error_code(flags)
         try:
             if self.control is not None and self.control.draining_path.exists():
-                raise ServingError(UNAVAILABLE, "server is shutting down")
+                raise ServingError(UNAVAILABLE, "server is shutting down", Reason.DRAINING)
             if self._inflight >= self.max_inflight:
-                raise ServingError(UNAVAILABLE, f"server is at its limit of {self.max_inflight} requests")
+                limit = f"server is at its limit of {self.max_inflight} requests"
+                raise ServingError(UNAVAILABLE, limit, Reason.SHED)
             text, prompt_ids = self._parse(request, responder)
         except Exception as exc:
             error = classify(exc)

@@ -31,7 +31,7 @@ import numpy as np
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.role import Operation, Role
-from disagg.serving.errors import CODES, INTERNAL, ServingError, invalid
+from disagg.serving.errors import CODES, INTERNAL, ServingError, invalid, reason_named
 from disagg.serving.messages import (
     AbortLease,
     Control,
@@ -167,7 +167,10 @@ def encode_event(event: Event) -> str:
             }
         )
     if isinstance(event, Failed):
-        return json.dumps({"type": "failed", "code": event.error.code, "message": event.error.message})
+        error = event.error
+        return json.dumps(
+            {"type": "failed", "code": error.code, "reason": error.reason.value, "message": error.message}
+        )
     raise ValueError(f"not a pool event: {event!r}")
 
 
@@ -191,7 +194,7 @@ def decode_load(raw: bytes) -> PoolLoad:
     return PoolLoad(**{name: kind(data[name]) for name, kind in _LOAD_TYPES.items() if name in data})
 
 
-_LOAD_TYPES = {name: float if name == "busy_s" else int for name in PoolLoad.__dataclass_fields__}
+_LOAD_TYPES = {name: float if name.endswith("busy_s") else int for name in PoolLoad.__dataclass_fields__}
 _LOAD_REQUIRED = tuple(
     name
     for name, f in PoolLoad.__dataclass_fields__.items()
@@ -205,7 +208,8 @@ def decode_event(raw: bytes, descriptor: bytes | None) -> Event:
         return Token(int(data["token_id"]), bool(data["finished"]), data["finish_reason"])
     if data["type"] == "failed":
         code = data["code"] if data["code"] in CODES else INTERNAL
-        return Failed(ServingError(code, str(data["message"])))
+        reason = reason_named(data.get("reason")) if code == data["code"] else None
+        return Failed(ServingError(code, str(data["message"]), reason))
     state = SequenceState.from_dict(data["state"]) if data["state"] else None
     return Prefilled(
         int(data["token_id"]),

@@ -178,6 +178,7 @@ def test_a_shed_request_gets_retry_after(tmp_path: Path) -> None:
                 "/v1/completions", json={"model": MODEL, "prompt": "p", "stream": stream}
             )
             assert reply.status == 503 and reply.headers["Retry-After"] == "3"
+            assert reply.headers["retry-after-ms"] == "2500"
             assert "retry after 2.5 s" in (await reply.json())["error"]["message"]
         busy = ApiError(503, "Triton or its 'llm' model is not ready")
         assert busy.retry_after_s is None and from_llm("INVALID_ARG: retry after 2 s").retry_after_s is None

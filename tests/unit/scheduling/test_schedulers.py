@@ -18,7 +18,7 @@ from disagg.scheduling import (
     SchedulerConfig,
     create_scheduler,
 )
-from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, Reason, ServingError
 from disagg.serving.messages import Failed, Prefilled, Token
 from disagg.serving.runner import Runner
 
@@ -128,6 +128,7 @@ def test_queue_bound_refuses_unavailable():
     assert refusal is not None and refusal.final
     assert isinstance(refusal.event, Failed) and refusal.event.error.code == UNAVAILABLE
     assert "queue is full (2)" in refusal.event.error.message and scheduler.num_waiting == 2
+    assert refusal.event.error.reason is Reason.FULL  # saturated, not gone, to the orchestrator
 
 
 def test_duplicate_handle_is_refused():
@@ -457,6 +458,7 @@ def test_a_prefill_pool_without_local_generate_refuses_generate_jobs():
     with pytest.raises(ServingError) as refused:
         scheduler.check(generate_job("g"))
     assert refused.value.code == INVALID_ARG and "does not run generate jobs" in refused.value.message
+    assert refused.value.reason is Reason.UNSUPPORTED  # the orchestrator's cue to skip the local rung
 
 
 # ----------------------------------------------------------------------------------- conditional

@@ -4,9 +4,11 @@ two probes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from disagg.serving.admission import Admission, AdmissionConfig
+from disagg.serving.admission import MAX_RETRY_S, Admission, AdmissionConfig
 from disagg.serving.errors import UNAVAILABLE, ServingError
 from disagg.serving.messages import PoolLoad
 
@@ -84,6 +86,21 @@ def test_a_pool_of_unknown_speed_gets_a_bounded_backlog():
     assert cold.predict_ttft("prefill", 300) == pytest.approx(0.5)
 
 
+def test_the_throughput_is_prompt_tokens_per_second_of_prefill_not_of_decode():
+    """A pool that decodes too (colocated, or a decode pool that prefills short prompts) spends
+    engine time on decode steps: its prompts are no slower for it. A pool too old to report its
+    prefill time is judged by all its engine time."""
+    admission = Admission(AdmissionConfig(margin=1.0))
+    admission.observe("colocated", PoolLoad(0, 0, 0, 0, 100))
+    busy = PoolLoad(1, 1000, 0, 0, 100, prompt_tokens_done=1000, busy_s=2.0, prefill_busy_s=0.5)
+    admission.observe("colocated", busy)  # 1,000 tokens in 0.5 s of its 2 s: 2,000 tokens/s
+    assert admission.predict_ttft("colocated", 1000) == pytest.approx(1.0)
+    old = Admission(AdmissionConfig(margin=1.0))
+    old.observe("colocated", PoolLoad(0, 0, 0, 0, 100))
+    old.observe("colocated", PoolLoad(1, 1000, 0, 0, 100, prompt_tokens_done=1000, busy_s=2.0))
+    assert old.predict_ttft("colocated", 1000) == pytest.approx(4.0)
+
+
 def test_throughput_ignores_idle_intervals_and_restarted_counters():
     admission = _measured(AdmissionConfig(margin=1.0))
     admission.observe("prefill", _load(0, 1000, 1.0))  # idle: no engine time between the probes
@@ -123,3 +140,28 @@ def test_a_release_after_a_probe_takes_the_request_out_of_the_probed_queue():
     assert admission.predict_ttft("prefill", 0) == 0.0, "never below an empty pool"
     admission.admit("prefill", 10)
     assert admission.predict_ttft("prefill", 0) == pytest.approx(0.01)
+
+
+def test_refused_requests_are_given_retry_slots_one_prefill_apart():
+    """Requests refused together are not all told "1 s": each gets the next slot, one prompt's
+    prefill after the last (here 300 tokens at 1,000 tokens/s), from when the backlog has room."""
+    now = [100.0]
+    admission = Admission(AdmissionConfig(margin=1.0, ttft_slo_s=1.0), clock=lambda: now[0])
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(2700, 1000, 1.0))  # 2.7 s waiting at 1,000 tokens/s
+
+    def hint() -> float:
+        with pytest.raises(ServingError) as refused:
+            admission.admit("prefill", 300)
+        return float(re.search(r"retry after (\S+) s", refused.value.message).group(1))
+
+    assert [hint() for _ in range(3)] == [2.0, 2.3, 2.6]  # room after 3.0 - 1.0 s, then a slot each
+    now[0] += 2.0
+    admission.observe("prefill", _load(1000, 2700, 2.7))  # drained to 1,000 waiting: room in 0.3 s
+    assert hint() == 1.0  # MIN_RETRY_S, which also outlasts the last slot (0.9 s from now)
+    assert hint() == 1.3
+    now[0] += 60.0  # slots long past: back to the backlog's own wait, at least MIN_RETRY_S
+    assert hint() == 1.0
+    for _ in range(200):
+        last = hint()
+    assert last == MAX_RETRY_S, "a slot is never further ahead than MAX_RETRY_S"

@@ -18,7 +18,7 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
 from disagg.serving import health
-from disagg.serving.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, ServingError
+from disagg.serving.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, Reason, ServingError
 from disagg.serving.health import PoolState
 from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.ladder import Route
@@ -28,6 +28,7 @@ from disagg.serving.offline import generate
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
 from disagg.serving.watcher import PoolWatcher
+from disagg.triton.glue import untagged_error
 
 PROMPT = "The quick brown fox"
 DEAD = "the decode pool stopped responding"
@@ -423,7 +424,7 @@ def test_a_pool_being_unloaded_is_gone_but_never_restarted_and_a_dead_one_is():
 
     orchestrator = Orchestrator(OrchestratorConfig(), pools, lambda ids: "", deployed=("prefill", "decode"))
     watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], is_ready=is_ready, restart_delay_s=0)
-    orchestrator.pool_failed("decode", ServingError(UNAVAILABLE, "Stub process 'decode_0_0' is not healthy."))
+    orchestrator.pool_failed("decode", untagged_error("Stub process 'decode_0_0' is not healthy."))
 
     async def rounds() -> None:
         for pool in ("prefill", "decode"):
@@ -469,9 +470,8 @@ def test_a_call_told_the_stub_is_dead_gets_the_pool_restarted_without_waiting_fo
 
     async def rounds() -> None:
         pools.answers["decode"] = TimeoutError()  # pings to a dead stub hang on Triton 2.51
-        orchestrator.pool_failed(
-            "decode", ServingError(UNAVAILABLE, "Stub process 'decode_0_0' is not healthy.")
-        )
+        # Triton's own message, classified where it enters (glue.untagged_error)
+        orchestrator.pool_failed("decode", untagged_error("Stub process 'decode_0_0' is not healthy."))
         orchestrator.pool_failed("decode", ServingError(UNAVAILABLE, "the decode pool stopped responding"))
         assert (orchestrator.health["decode"].state, orchestrator.health["decode"].reason) == (
             PoolState.GONE,
@@ -535,13 +535,16 @@ def test_an_overloaded_pool_whose_call_goes_unanswered_stays_saturated_not_gone(
     orchestrator = Orchestrator(
         OrchestratorConfig(), _ScriptedPools(), lambda ids: "", deployed=("prefill", "decode")
     )
-    unanswered = ServingError(UNAVAILABLE, f"the prefill pool stopped responding ({PROBE_UNANSWERED})")
+    unanswered = ServingError(
+        UNAVAILABLE, f"the prefill pool stopped responding ({PROBE_UNANSWERED})", Reason.UNANSWERED
+    )
     orchestrator.observe(orchestrator.health["prefill"].refused())  # saturated, as the watcher found
     assert orchestrator.health["prefill"].state is PoolState.SATURATED
     orchestrator.pool_failed("prefill", unanswered)
     assert orchestrator.health["prefill"].state is PoolState.SATURATED
     orchestrator.pool_failed(
-        "decode", ServingError(UNAVAILABLE, unanswered.message.replace("prefill", "decode"))
+        "decode",
+        ServingError(UNAVAILABLE, unanswered.message.replace("prefill", "decode"), Reason.UNANSWERED),
     )
     assert orchestrator.health["decode"].state is PoolState.GONE
 

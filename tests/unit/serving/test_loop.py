@@ -121,6 +121,9 @@ def test_engine_calls_are_counted_with_their_time(pools):
     assert prefilled.engine_busy_s > warmed.engine_busy_s and decoded.engine_busy_s > 0
     load = decoded.load()  # what a ping answers: the orchestrator's adaptive hot-group cap reads them
     assert (load.engine_steps, load.busy_s) == (4, decoded.engine_busy_s)
+    # decode steps are no prefill time (admission's prefill throughput); every prefill call is
+    assert load.prefill_busy_s == 0.0
+    assert prefill.stats().load().prefill_busy_s == prefilled.engine_busy_s
 
 
 @pytest.mark.parametrize("failing", [1, 3], ids=["the step of the plan that imports", "a later step"])

@@ -18,7 +18,7 @@ import pytest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import TokenSigner
-from disagg.serving.errors import CANCELLED, STUB_DEAD, UNAVAILABLE, ServingError
+from disagg.serving.errors import CANCELLED, STUB_DEAD, UNAVAILABLE, Reason, ServingError
 from disagg.serving.messages import Event, Failed, PoolLoad, Token
 from disagg.triton import bls, wire
 from disagg.triton.bls import TritonPools
@@ -216,14 +216,15 @@ def test_a_finished_stream_closes_its_call() -> None:
 def test_a_refusal_as_the_first_response_still_reaches_the_caller() -> None:
     """A pool refusing a job at once (its first and only response) may answer with an event or a
     Triton error: both end the call with the pool's code."""
-    pools, _ = _pools([(Failed(ServingError(UNAVAILABLE, "decode pool is full; retry later")), True)])
+    full = ServingError(UNAVAILABLE, "decode pool is full; retry later", Reason.FULL)
+    pools, _ = _pools([(Failed(full), True)])
 
     async def run() -> None:
         await _read(pools.decode("h", STATE, b"descriptor"))
 
     with pytest.raises(ServingError) as failed:
         asyncio.run(run())
-    assert failed.value.code == UNAVAILABLE and "full" in failed.value.message
+    assert (failed.value.code, failed.value.reason) == (UNAVAILABLE, Reason.FULL)
     assert _all_closed(pools)
 
 

@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG, UNAVAILABLE, Reason, ServingError
 from disagg.serving.messages import AbortLease, Control, Event, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.triton import remote, wire
 from disagg.triton.remote import CONTROL_TIMEOUT_S, RemotePools
@@ -507,8 +507,10 @@ def test_a_job_no_server_can_be_reached_for_fails_unavailable(second: str) -> No
     "failure",
     [
         lambda stream: stream.fail(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)),
-        lambda stream: stream.error("disagg-code:UNAVAILABLE:decode pool is full; retry later"),
-        lambda stream: stream.send(Failed(ServingError(UNAVAILABLE, "KV cache is full, retry later")), True),
+        lambda stream: stream.error("disagg-code:UNAVAILABLE/full:decode pool is full; retry later"),
+        lambda stream: stream.send(
+            Failed(ServingError(UNAVAILABLE, "KV cache is full, retry later", Reason.FULL)), True
+        ),
     ],
     ids=["deadline", "refusal", "failed-event"],
 )

@@ -3,6 +3,7 @@ refused as the client's error (INVALID_ARG), never a crash."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.role import Role
-from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.serving.errors import INTERNAL, INVALID_ARG, STUB_DEAD, UNAVAILABLE, Reason, ServingError
 from disagg.serving.messages import (
     AbortLease,
     DecodeJob,
@@ -24,7 +25,7 @@ from disagg.serving.messages import (
     Stop,
     Token,
 )
-from disagg.triton import wire
+from disagg.triton import glue, wire
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
 STATE = SequenceState((1, 2, 3), (9,), PARAMS)
@@ -70,6 +71,37 @@ def test_events_round_trip():
     )
 
 
+@pytest.mark.parametrize("reason", list(Reason))
+def test_a_failure_keeps_its_reason_on_the_wire_and_in_the_tag(reason):
+    """The orchestrator decides on the reason, never the text: both ways a pool's error reaches it
+    (an event, a Triton error's tagged message) carry it."""
+    error = ServingError(UNAVAILABLE, "x: y", reason)
+    failed = wire.decode_event(wire.encode_event(Failed(error)).encode(), None)
+    assert (failed.error.code, failed.error.reason, failed.error.message) == (UNAVAILABLE, reason, "x: y")
+    tagged = f"disagg-code:UNAVAILABLE/{reason.value}:x: y"
+    back = glue.untagged_error(tagged)
+    assert (back.code, back.reason, back.message) == (UNAVAILABLE, reason, "x: y")
+
+
+def test_an_error_without_a_reason_gets_its_codes_and_triton_s_own_are_classified_once():
+    """A peer that sends no reason (or one unknown here) gets its code's; Triton's own messages are
+    a pool failure, and a dead stub's is the one text read (``STUB_DEAD``)."""
+    for raw in (
+        b'{"type": "failed", "code": "UNAVAILABLE", "message": "m"}',
+        b'{"type": "failed", "code": "UNAVAILABLE", "reason": "bored", "message": "m"}',
+    ):
+        assert wire.decode_event(raw, None).error.reason is Reason.LOST
+    assert glue.untagged_error("disagg-code:INVALID_ARG:bad").reason is Reason.BAD_REQUEST
+    assert glue.untagged_error("disagg-code:UNAVAILABLE/bored:m").reason is Reason.LOST
+    dead = glue.untagged_error("Stub process 'decode_0_0' is not healthy.")
+    assert STUB_DEAD in dead.message and (dead.code, dead.reason) == (UNAVAILABLE, Reason.DEAD)
+    other = glue.untagged_error("Request for unknown model: 'decode' is not found")
+    assert (other.code, other.reason) == (UNAVAILABLE, Reason.LOST)
+    assert ServingError(INTERNAL, "m").reason is Reason.INTERNAL
+    with pytest.raises(ValueError):
+        ServingError(UNAVAILABLE, "m", "bored")
+
+
 def test_a_failure_with_a_code_not_ours_decodes_as_internal():
     raw = b'{"type": "failed", "code": "TEAPOT", "message": "short and stout"}'
     failed = wire.decode_event(raw, None)
@@ -112,6 +144,8 @@ def test_a_state_alone_asks_for_generation_that_resumes_it():
 def test_a_pool_load_round_trips_and_anything_else_is_out_of_protocol():
     load = PoolLoad(queued=3, queued_prompt_tokens=900, active_sequences=5, blocks_used=30, blocks_free=70)
     assert wire.decode_load(wire.encode_load(load).encode()) == load
+    timed = dataclasses.replace(load, prompt_tokens_done=600, busy_s=1.5, prefill_busy_s=0.25)
+    assert wire.decode_load(wire.encode_load(timed).encode()) == timed
     assert load.kv_use == 0.3
     for raw in (wire.encode_event(Token(5, False)), "[]", '{"type": "load"}'):
         with pytest.raises(ValueError):
