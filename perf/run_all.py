@@ -547,12 +547,14 @@ async def tune_grid(
             continue
         entry = {"config": choice.label, "command": "", "goodput_rps": None, "error": "",
                  "measured": _now(), "reused": False}  # fmt: skip
-        # each configuration still to measure gets an equal share of the grid's time left, and at
-        # least MIN_CONFIG_S (a server start and a few probes): a configuration is skipped only once
-        # the whole run's time is spent, since a peer cut from its grid is a peer below its best
+        # each configuration still to measure gets an equal share of the grid's time left, counted
+        # from when its server is up, and at least MIN_CONFIG_S of search: a start alone can take
+        # minutes (vLLM: 1.5-2.5 min), and counted in the share it left vLLM's configurations no time
+        # to search, each skipped after its start. A configuration is skipped only once the whole
+        # run's time is spent, since a peer cut from its grid is a peer below its best.
         now = time.monotonic()
-        own = max(shares(deadline, len(to_measure) - to_measure.index(choice), now), now + MIN_CONFIG_S)
-        if now > (run_end if run_end is not None else deadline):  # a start alone can take minutes
+        left = len(to_measure) - to_measure.index(choice)
+        if now > (run_end if run_end is not None else deadline):
             entry["error"] = "skipped: the run's time budget was spent"
             log(f"{kind} grid, {choice.label}: {entry['error']}")
             tried.append(entry)
@@ -566,6 +568,8 @@ async def tune_grid(
                     f"{kind} ({choice.label})", config, args.cores, "", pgid=pgid, available=True
                 )
                 records: dict[str, Any] = {"goodput": {}, "interference": {}}
+                up = time.monotonic()
+                own = max(shares(deadline, left, up), up + MIN_CONFIG_S)
                 await search(dep, tuning, factory, scratch, records, TimePlan(own), ("goodput",), frozen)
             found = scratch["goodput"].get(workload, {}).get(dep.name)
             skipped = found is None  # the search skipped it: the run's time budget was spent
