@@ -22,7 +22,7 @@ import torch
 from benchlib.timing import median_time
 from engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
 
-from disagg.paths import ensure_model
+from disagg_tools.checkpoints import ensure_model
 
 
 def _copy_gb_s(device: torch.device, reps: int) -> float:

@@ -132,7 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     log = open(args.out / "triton.log", "w")  # noqa: SIM115 (open for the server's whole life)
     env = {**os.environ, "MODEL_DIR": str(model_dir)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli", "serve", "--model-repository", str(repo), "--openai-port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "disagg_tools.cli",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--openai-port",
+            "0",
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**env, "HTTP_PORT": "18000", "GRPC_PORT": "18001", "METRICS_PORT": "18002"},

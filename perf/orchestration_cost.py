@@ -56,8 +56,8 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
+from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob
 from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.messages import DecodeJob, Failed, Prefilled, PrefillJob
 from disagg_tools.autoscaler.snapshot import parse_exposition
 from disagg_tools.autoscaler.source import http_get
 

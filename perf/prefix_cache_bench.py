@@ -26,7 +26,8 @@ from pathlib import Path
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from disagg import paths
+from disagg_tools.checkpoints import ensure_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -22,10 +23,10 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The model the suite runs on ($MODEL_DIR, else .models/tiny), built on first use."""
-    return paths.ensure_model(paths.resolve_model_dir())
+    return ensure_model(paths.resolve_model_dir())
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from its GGUF (``disagg fetch-model smollm2``), on first use."""
-    return paths.ensure_model(paths.default_model_dir())
+    return ensure_model(paths.default_model_dir())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.serving.errors import ServingError
+from disagg.protocol.errors import ServingError
 
 
 @dataclass

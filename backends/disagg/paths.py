@@ -35,29 +35,8 @@ def resolve_model_dir(cli_value: str | os.PathLike[str] | None = None) -> Path:
     return Path(env) if env else default_model_dir()
 
 
-def _same(a: Path, b: Path) -> bool:
+def same_folder(a: Path, b: Path) -> bool:
     return Path(a).resolve() == Path(b).resolve()
-
-
-def ensure_model(model_dir: Path) -> Path:
-    """Return ``model_dir`` once it holds a complete checkpoint.
-
-    The project's own folders are built when missing or stale (the default model is fetched and
-    converted, the tiny model written). Any other folder is only checked: if it is not a complete
-    checkpoint, ``CheckpointError`` says what is missing; nothing is created, replaced or repaired.
-    """
-    model_dir = Path(model_dir)
-    if _same(model_dir, tiny_model_dir()):
-        from disagg_tools.tiny_model import build, is_complete
-
-        if not is_complete(model_dir):
-            build(model_dir)
-    elif _same(model_dir, default_model_dir()):
-        from disagg_tools.catalog import SMOLLM2, fetch
-
-        fetch(SMOLLM2, model_dir)
-    check_checkpoint(model_dir)
-    return model_dir
 
 
 def check_checkpoint(model_dir: Path) -> None:

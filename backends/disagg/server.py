@@ -8,7 +8,7 @@ Contract:
   sends SIGTERM to the group, waits for the exit timeout plus a grace period, then SIGKILLs the group and
   removes the Python backend's shared memory left behind.
 
-The foreground launcher that supervises a server (`disagg serve`: signals, restarts) is in `disagg.cli`;
+The foreground launcher that supervises a server (`disagg serve`: signals, restarts) is in `disagg_tools.cli`;
 this module is the library it and the tests use.
 
 The configuration names (`ServerConfig`, `server_config`, ...) are re-exported from `disagg.serverconfig`.

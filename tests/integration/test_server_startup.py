@@ -28,7 +28,7 @@ from triton_support import (
 from disagg.paths import resolve_model_dir
 from disagg.server import ENV_ADMIN_KEY, ServerError
 
-SERVE = "import sys; from disagg.cli import serve_main; sys.exit(serve_main(sys.argv[1:]))"
+SERVE = "import sys; from disagg_tools.cli import serve_main; sys.exit(serve_main(sys.argv[1:]))"
 
 
 def test_model_failing_to_initialize_stops_startup_with_a_clear_error(triton_factory: TritonFactory) -> None:

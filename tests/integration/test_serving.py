@@ -52,9 +52,9 @@ from triton_support import (
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import SequenceState
 from disagg.kv.secret import load_secret
+from disagg.protocol.messages import Failed
 from disagg.server import TritonServer
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.messages import Failed
 from disagg.triton import wire
 
 MAX_TOKENS = 12

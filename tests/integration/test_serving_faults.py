@@ -46,9 +46,9 @@ from triton_support import (
 
 from disagg.kv.secret import load_secret
 from disagg.procfs import stub_pids
+from disagg.protocol.messages import Prefilled
 from disagg.server import TritonServer
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.messages import Prefilled
 from disagg.triton import wire
 
 ERROR_BOUND_S = 30.0  # probe after 5 s overdue, probe deadline 10 s, plus slack for a loaded CI machine

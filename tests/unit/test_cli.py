@@ -12,8 +12,8 @@ import pytest
 import torch
 from checkpoints import comparable_prefix
 
-from disagg.cli import main
 from disagg.paths import default_model_dir, resolve_model_dir
+from disagg_tools.cli import main
 
 
 def _last_json(stdout: str) -> dict:
@@ -105,7 +105,7 @@ def test_subcommands_are_wired(command, capsys):
 
 
 def test_serve_spec_refuses_an_invalid_spec_or_a_folder_it_did_not_write(tmp_path, monkeypatch, capsys):
-    from disagg.cli import SPEC_REPOSITORY, serve_main
+    from disagg_tools.cli import SPEC_REPOSITORY, serve_main
 
     monkeypatch.chdir(tmp_path)
     bad = tmp_path / "bad.yaml"

@@ -202,7 +202,16 @@ def test_profile_and_plan_commands(tmp_path, tiny_model_dir, capsys):
 
     out = tmp_path / "p1.json"
     # in a process of its own: the engine pins the process that runs it to the profiled cores
-    command = [sys.executable, "-m", "disagg.cli", "profile", "--model", str(tiny_model_dir), "--cores", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "disagg_tools.cli",
+        "profile",
+        "--model",
+        str(tiny_model_dir),
+        "--cores",
+        "0",
+    ]
     # float32: what an AVX2-only CPU computes fastest (bf16 there is 5x slower); the fit is what is tested
     command += ["--quick", "--repeats", "1", "--dtype", "float32", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)

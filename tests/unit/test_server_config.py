@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cli import serve_main
 from disagg.server import (
     ADMIN_HEADER,
     ENV_ADMIN_KEY,
@@ -36,6 +35,7 @@ from disagg.serverconfig import (
     parse_cpus,
 )
 from disagg.tritonbin import TritonFiles, TritonFilesError, prepare_backend_directory, project_backend_source
+from disagg_tools.cli import serve_main
 
 KEY = "k" * 32
 

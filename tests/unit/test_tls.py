@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cli import pool_tls
 from disagg.config import build
 from disagg.serverconfig import ServerConfig, build_command
 from disagg.serving.orchestrator import OrchestratorConfig
 from disagg.tls import GrpcTls, grpc_tls
 from disagg.tritonbin import TritonFiles
+from disagg_tools.cli import pool_tls
 from disagg_tools.repository import write_owned
 
 SPEC = "remote:\n  prefill: 10.0.0.2:8001\n  decode: 10.0.0.3:8001\n  tls: certs\n"

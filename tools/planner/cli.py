@@ -96,7 +96,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=64, help="the knee's largest batch")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    from disagg.paths import ensure_model, resolve_model_dir
+    from disagg.paths import resolve_model_dir
+    from disagg_tools.checkpoints import ensure_model
 
     cores = tuple(int(c) for c in args.cores.split(","))
     profile = measure(

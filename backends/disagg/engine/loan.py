@@ -37,14 +37,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from disagg import loanpath
 from disagg.engine import kernel
 from disagg.kv.stale import owner_alive
-from disagg.scheduling.pacing import Pacing
 
 log = logging.getLogger(__name__)
+
+
+class Pacing(Protocol):
+    """How long a lender lends after a step (``disagg.scheduling.pacing.Pacing``, the policy; the
+    engine takes it as this protocol, below the schedulers)."""
+
+    def lend_s(self, step_s: float, reclaim_s: float, prompts_waiting: bool) -> float: ...
+
 
 SHM = loanpath.SHM
 SEGMENT_BYTES = 64  # kernels/team.c's struct loan_segment

@@ -12,10 +12,10 @@ the weights once for both.
 
 from __future__ import annotations
 
+from disagg.protocol.messages import GenerateJob
 from disagg.role import Role
 from disagg.scheduling.plan import Plan
 from disagg.scheduling.scheduler import Scheduler
-from disagg.serving.messages import GenerateJob
 
 
 class ColocatedScheduler(Scheduler[GenerateJob]):

@@ -14,11 +14,11 @@ allow), then decoded with the rest of the batch."""
 from __future__ import annotations
 
 from disagg.engine.backend import EngineLimits
+from disagg.protocol.errors import INVALID_ARG, ServingError
+from disagg.protocol.messages import DecodeJob, GenerateJob, Job, prompt_tokens
 from disagg.role import Operation, Role
 from disagg.scheduling.plan import Plan
 from disagg.scheduling.scheduler import Scheduler, SchedulerConfig
-from disagg.serving.errors import INVALID_ARG, ServingError
-from disagg.serving.messages import DecodeJob, GenerateJob, Job, prompt_tokens
 
 
 class DecodeScheduler(Scheduler[DecodeJob | GenerateJob]):

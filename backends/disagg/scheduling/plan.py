@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from disagg.engine.backend import Exported
 from disagg.engine.sequence import StepOutput
-from disagg.serving.errors import ServingError
-from disagg.serving.messages import DecodeJob, Event, GenerateJob, Job, PrefillJob
+from disagg.protocol.errors import ServingError
+from disagg.protocol.messages import DecodeJob, Event, GenerateJob, Job, PrefillJob
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ too), then decoded here, one decode step over those sequences per iteration, bet
 from __future__ import annotations
 
 from disagg.engine.backend import EngineLimits
+from disagg.protocol.errors import UNAVAILABLE, ServingError
+from disagg.protocol.messages import GenerateJob, Prefilled, PrefillJob
 from disagg.role import Operation, Role
 from disagg.scheduling.plan import Emission, Handed, Plan, Removal
 from disagg.scheduling.scheduler import Scheduler, SchedulerConfig
-from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.messages import GenerateJob, Prefilled, PrefillJob
 
 
 class PrefillScheduler(Scheduler[PrefillJob | GenerateJob]):

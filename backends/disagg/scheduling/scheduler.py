@@ -11,6 +11,8 @@ from typing import ClassVar, Generic, TypeVar
 
 from disagg.engine.backend import EngineLimits
 from disagg.engine.sequence import StepOutput
+from disagg.protocol.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import Failed, Job, PrefillJob, Token, prompt_tokens
 from disagg.role import Role
 from disagg.scheduling.ledger import BlockLedger
 from disagg.scheduling.plan import (
@@ -26,8 +28,6 @@ from disagg.scheduling.plan import (
     Started,
     Stepped,
 )
-from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import Failed, Job, PrefillJob, Token, prompt_tokens
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from disagg.serving.errors import UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import PoolLoad
+from disagg.protocol.errors import UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import PoolLoad
 
 SMOOTHING = 0.3  # weight of the newest throughput sample
 MIN_BUSY_S = 0.05  # engine seconds between two probes below which a sample is too noisy to use

@@ -17,7 +17,7 @@ import hmac
 import time
 from collections.abc import Callable
 
-from disagg.serving.errors import ServingError, invalid
+from disagg.protocol.errors import ServingError, invalid
 
 PARAMETER = "disagg_auth"
 DEFAULT_TTL_S = 60.0

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from disagg.serving.messages import Event, Job
+from disagg.protocol.messages import Event, Job
 
 log = logging.getLogger(__name__)
 

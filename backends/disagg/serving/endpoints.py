@@ -21,7 +21,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from disagg.serving.errors import UNAVAILABLE, ServingError
+from disagg.protocol.errors import UNAVAILABLE, ServingError
 
 REFRESH_S = 5.0  # the most often a dns: entry is resolved again
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")

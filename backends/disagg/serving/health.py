@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
-from disagg.serving.messages import PoolLoad
+from disagg.protocol.messages import PoolLoad
 
 DEAD = "dead"
 """The reason of a pool found dead: its stub is gone (a call was told so), or Triton reports it ready

@@ -10,9 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from disagg.engine.sequence import Request, SequenceState
-from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.loop import EngineLoop
-from disagg.serving.messages import (
+from disagg.protocol.errors import UNAVAILABLE, ServingError
+from disagg.protocol.messages import (
     DecodeJob,
     Event,
     Failed,
@@ -23,6 +22,7 @@ from disagg.serving.messages import (
     PrefillJob,
     Token,
 )
+from disagg.serving.loop import EngineLoop
 
 
 class QueueSink:

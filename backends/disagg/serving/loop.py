@@ -1,7 +1,7 @@
 """The engine loop of a pool instance: one thread owns the engine and serves every job.
 
 Triton's ``execute`` only parses a request and calls ``submit``. This thread takes the inbox's typed
-messages (``disagg.serving.messages``), then runs one iteration::
+messages (``disagg.protocol.messages``), then runs one iteration::
 
     plan = scheduler.schedule(); results = runner.run(plan); emissions = scheduler.postprocess(results)
 
@@ -24,12 +24,8 @@ from typing import Any
 from disagg.engine.backend import EngineBackend
 from disagg.engine.loan import Loans, LoanStats
 from disagg.kv.errors import KVError
-from disagg.scheduling import Scheduler
-from disagg.scheduling.plan import Emission, Plan
-from disagg.scheduling.tuner import BatchTuner
-from disagg.serving.dispatcher import Dispatcher
-from disagg.serving.errors import CANCELLED, UNAVAILABLE, ServingError
-from disagg.serving.messages import (
+from disagg.protocol.errors import CANCELLED, UNAVAILABLE, ServingError
+from disagg.protocol.messages import (
     Cancelled,
     DecodeJob,
     Failed,
@@ -42,6 +38,10 @@ from disagg.serving.messages import (
     Submit,
     prompt_tokens,
 )
+from disagg.scheduling import Scheduler
+from disagg.scheduling.plan import Emission, Plan
+from disagg.scheduling.tuner import BatchTuner
+from disagg.serving.dispatcher import Dispatcher
 from disagg.serving.renewal import Renewals
 from disagg.serving.runner import Runner
 
@@ -90,7 +90,7 @@ class LoopStats:
         return sum(loan.borrowed_s for loan in self.loans) if self.role == "prefill" else 0.0
 
     def load(self) -> PoolLoad:
-        """What a ping answers (``disagg.serving.messages.PoolLoad``)."""
+        """What a ping answers (``disagg.protocol.messages.PoolLoad``)."""
         return PoolLoad(
             self.queued,
             self.queued_prompt_tokens,

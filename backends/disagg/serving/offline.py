@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import OutOfBlocks
 from disagg.engine.sequence import Request
+from disagg.protocol.messages import Event, Failed, GenerateJob, Token
 from disagg.scheduling import ColocatedScheduler, SchedulerConfig
-from disagg.serving.messages import Event, Failed, GenerateJob, Token
 from disagg.serving.runner import Runner
 
 

@@ -26,11 +26,7 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
-from disagg.serving.admission import Admission, AdmissionConfig, Ticket
-from disagg.serving.bucket import BucketConfig, TokenBucket
-from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
-from disagg.serving.endpoints import parse_remote_pools
-from disagg.serving.errors import (
+from disagg.protocol.errors import (
     CANCELLED,
     DEADLINE,
     UNAVAILABLE,
@@ -38,6 +34,11 @@ from disagg.serving.errors import (
     ServingError,
     classify,
 )
+from disagg.protocol.messages import PoolLoad, Prefilled, Token
+from disagg.serving.admission import Admission, AdmissionConfig, Ticket
+from disagg.serving.bucket import BucketConfig, TokenBucket
+from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
+from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.hotness import GroupRate, Heat, HotConfig, HotPrompts
 from disagg.serving.ladder import (
@@ -51,7 +52,6 @@ from disagg.serving.ladder import (
     ladder_pools,
     parse_ladder,
 )
-from disagg.serving.messages import PoolLoad, Prefilled, Token
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
 from disagg.serving.throttle import Throttle, ThrottleConfig

@@ -18,9 +18,9 @@ from disagg.engine.errors import SequenceFailed
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, StepOutput
 from disagg.kv.errors import IncompatibleKV
+from disagg.protocol.errors import INTERNAL, ServingError, classify
+from disagg.protocol.messages import DecodeJob, PrefillJob
 from disagg.scheduling.plan import Chunk, Handed, Joined, Plan, Progressed, Refused, Result, Started, Stepped
-from disagg.serving.errors import INTERNAL, ServingError, classify
-from disagg.serving.messages import DecodeJob, PrefillJob
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from disagg.engine.params import SamplingParams
-from disagg.serving.errors import invalid
+from disagg.protocol.errors import invalid
 
 
 @dataclass(frozen=True)

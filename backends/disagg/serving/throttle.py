@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disagg.serving.messages import PoolLoad
+from disagg.protocol.messages import PoolLoad
 
 DECREASE, INCREASE, HOLD, RECOVER = "decrease", "increase", "hold", "recover"
 DECISIONS = (

@@ -28,7 +28,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from disagg.serving.errors import ServingError
+from disagg.protocol.errors import ServingError
 from disagg.serving.health import DEAD, NOT_READY, Change, PoolState
 from disagg.serving.orchestrator import Orchestrator
 

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from disagg.engine.sequence import Request, SequenceState
-from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import (
+from disagg.protocol.errors import (
     INTERNAL,
     PROBE_UNANSWERED,
     STUB_DEAD,
@@ -46,7 +45,8 @@ from disagg.serving.errors import (
     Reason,
     ServingError,
 )
-from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.protocol.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.routing import pinned_version
 from disagg.triton import glue, wire
 from disagg.triton.graveyard import Graveyard

@@ -12,7 +12,7 @@ import numpy as np
 
 from disagg.kv.errors import SecretError
 from disagg.kv.secret import load_secret
-from disagg.serving.errors import (
+from disagg.protocol.errors import (
     CANCELLED,
     CODES,
     DEADLINE,

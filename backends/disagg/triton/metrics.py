@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from disagg.protocol.errors import ServingError
 from disagg.serving.auth import REFUSALS
-from disagg.serving.errors import ServingError
 from disagg.serving.hotness import GroupRate
 from disagg.serving.orchestrator import HOT_ROUTES, Outcome
 from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains

@@ -22,9 +22,9 @@ from disagg.config import build
 from disagg.control import ModelControl, loadable_config
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
+from disagg.protocol.errors import UNAVAILABLE, Reason, ServingError, classify, invalid
 from disagg.serverconfig import ENV_SERVER_HTTP
 from disagg.serving.auth import TokenSigner
-from disagg.serving.errors import UNAVAILABLE, Reason, ServingError, classify, invalid
 from disagg.serving.health import DEAD, Change, PoolState
 from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from disagg.engine.sequence import Request, SequenceState
-from disagg.serving.messages import PoolLoad, Prefilled, Token
+from disagg.protocol.messages import PoolLoad, Prefilled, Token
 from disagg.triton.bls import TritonPools
 from disagg.triton.graveyard import Graveyard
 from disagg.triton.remote import RemotePools

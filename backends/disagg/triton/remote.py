@@ -41,10 +41,10 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from disagg.engine.sequence import Request, SequenceState
+from disagg.protocol.errors import DEADLINE, INTERNAL, UNAVAILABLE, ServingError
+from disagg.protocol.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.endpoints import Endpoint, Endpoints, Resolve, resolve_host
-from disagg.serving.errors import DEADLINE, INTERNAL, UNAVAILABLE, ServingError
-from disagg.serving.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.tls import GrpcTls
 from disagg.triton import glue, wire
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from disagg.engine.tokenizer import Tokenizer
 from disagg.paths import resolve_model_dir
-from disagg.serving.errors import INVALID_ARG, classify, invalid
+from disagg.protocol.errors import INVALID_ARG, classify, invalid
 from disagg.serving.text_api import INPUT_NAMES, OUTPUT_NAME, parse_text_request
 from disagg.triton import glue, wire
 from disagg.triton.metrics import Families

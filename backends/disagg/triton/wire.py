@@ -30,9 +30,8 @@ import numpy as np
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
-from disagg.role import Operation, Role
-from disagg.serving.errors import CODES, INTERNAL, ServingError, invalid, reason_named
-from disagg.serving.messages import (
+from disagg.protocol.errors import CODES, INTERNAL, ServingError, invalid, reason_named
+from disagg.protocol.messages import (
     AbortLease,
     Control,
     DecodeJob,
@@ -48,6 +47,7 @@ from disagg.serving.messages import (
     Stop,
     Token,
 )
+from disagg.role import Operation, Role
 from disagg.triton.glue import first_bytes
 
 POOL_INPUTS = ("input_ids", "sampling", "state", "descriptor", "handle", "control")

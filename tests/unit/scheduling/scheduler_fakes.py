@@ -13,7 +13,7 @@ from disagg.engine.backend import BlockUsage, EngineLimits, Exported, Imported
 from disagg.engine.errors import BatchFull, InvalidRequest, OutOfBlocks
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import FINISH_LENGTH, Request, SequenceState, StepOutput
-from disagg.serving.messages import DecodeJob, Event, GenerateJob, PrefillJob
+from disagg.protocol.messages import DecodeJob, Event, GenerateJob, PrefillJob
 
 
 @dataclass

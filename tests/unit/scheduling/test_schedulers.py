@@ -10,6 +10,8 @@ import pytest
 from scheduler_fakes import FakeBackend, decode_job, generate_job, prefill_job
 
 from disagg.engine.errors import SequenceFailed
+from disagg.protocol.errors import INVALID_ARG, UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import Failed, Prefilled, Token
 from disagg.scheduling import (
     ColocatedScheduler,
     DecodeScheduler,
@@ -18,8 +20,6 @@ from disagg.scheduling import (
     SchedulerConfig,
     create_scheduler,
 )
-from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import Failed, Prefilled, Token
 from disagg.serving.runner import Runner
 
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from disagg.protocol.errors import UNAVAILABLE, ServingError
+from disagg.protocol.messages import PoolLoad
 from disagg.serving.admission import MAX_RETRY_S, Admission, AdmissionConfig
-from disagg.serving.errors import UNAVAILABLE, ServingError
-from disagg.serving.messages import PoolLoad
 
 
 def _load(queued_tokens: int, done: int, busy_s: float) -> PoolLoad:

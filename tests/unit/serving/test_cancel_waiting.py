@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
-from disagg.serving.errors import CANCELLED
-from disagg.serving.messages import PoolLoad, Prefilled, Token
+from disagg.protocol.errors import CANCELLED
+from disagg.protocol.messages import PoolLoad, Prefilled, Token
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
 

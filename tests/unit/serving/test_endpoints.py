@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.protocol.errors import UNAVAILABLE, ServingError
 from disagg.serving import endpoints
 from disagg.serving.endpoints import REFRESH_S, Endpoint, Endpoints, Entry, parse_remote_pools, parse_spec
-from disagg.serving.errors import UNAVAILABLE, ServingError
 
 
 class _Dns:

@@ -9,7 +9,7 @@ import pytest
 
 from disagg.engine.errors import InvalidRequest, OutOfBlocks
 from disagg.kv.errors import DescriptorError, LeaseExpired, LeaseGone
-from disagg.serving.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError, classify, invalid
+from disagg.protocol.errors import INTERNAL, INVALID_ARG, UNAVAILABLE, ServingError, classify, invalid
 
 
 @pytest.mark.parametrize(

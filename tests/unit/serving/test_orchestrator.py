@@ -11,7 +11,7 @@ from recorder import Recorder
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG
+from disagg.protocol.errors import CANCELLED, DEADLINE, INVALID_ARG
 from disagg.serving.offline import generate
 from disagg.serving.text_api import TextRequest
 

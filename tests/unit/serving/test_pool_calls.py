@@ -17,9 +17,9 @@ import pytest
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
+from disagg.protocol.errors import CANCELLED, STUB_DEAD, UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import Event, Failed, PoolLoad, Token
 from disagg.serving.auth import TokenSigner
-from disagg.serving.errors import CANCELLED, STUB_DEAD, UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import Event, Failed, PoolLoad, Token
 from disagg.triton import bls, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.pool_model import TritonSink

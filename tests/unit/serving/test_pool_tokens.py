@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from kv_support import Clock
 
+from disagg.protocol.errors import INVALID_ARG, ServingError
+from disagg.protocol.messages import AbortLease, Stop
 from disagg.serving.auth import EXPIRED, MALFORMED, MISMATCH, TokenSigner
-from disagg.serving.errors import INVALID_ARG, ServingError
-from disagg.serving.messages import AbortLease, Stop
 from disagg.triton import wire
 
 SECRET = b"s" * 32

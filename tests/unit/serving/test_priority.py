@@ -10,8 +10,8 @@ import pytest
 from recorder import Recorder
 
 from disagg.engine.params import SamplingParams
-from disagg.serving.errors import INVALID_ARG, UNAVAILABLE, ServingError
-from disagg.serving.messages import PoolLoad
+from disagg.protocol.errors import INVALID_ARG, UNAVAILABLE, ServingError
+from disagg.protocol.messages import PoolLoad
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest, parse_text_request
 from disagg.triton import wire

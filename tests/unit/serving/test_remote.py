@@ -18,9 +18,19 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
+from disagg.protocol.errors import CANCELLED, DEADLINE, INVALID_ARG, UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import (
+    AbortLease,
+    Control,
+    Event,
+    Failed,
+    Ping,
+    PoolLoad,
+    Prefilled,
+    Stop,
+    Token,
+)
 from disagg.serving.auth import PARAMETER, TokenSigner
-from disagg.serving.errors import CANCELLED, DEADLINE, INVALID_ARG, UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import AbortLease, Control, Event, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.triton import remote, wire
 from disagg.triton.remote import CONTROL_TIMEOUT_S, RemotePools
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from disagg.protocol.errors import INVALID_ARG, ServingError
 from disagg.serving import text_api
-from disagg.serving.errors import INVALID_ARG, ServingError
 from disagg.serving.text_api import MAX_STOP_WORD_BYTES, MAX_STOP_WORDS, parse_text_request
 
 BASE = {"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[4]], dtype=np.int32)}

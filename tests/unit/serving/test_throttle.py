@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.serving.messages import PoolLoad
+from disagg.protocol.messages import PoolLoad
 from disagg.serving.throttle import DECISIONS, Throttle, ThrottleConfig
 
 MAX = 2.0

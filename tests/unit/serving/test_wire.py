@@ -11,9 +11,8 @@ import pytest
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
-from disagg.role import Role
-from disagg.serving.errors import INTERNAL, INVALID_ARG, STUB_DEAD, UNAVAILABLE, Reason, ServingError
-from disagg.serving.messages import (
+from disagg.protocol.errors import INTERNAL, INVALID_ARG, STUB_DEAD, UNAVAILABLE, Reason, ServingError
+from disagg.protocol.messages import (
     AbortLease,
     DecodeJob,
     Failed,
@@ -25,6 +24,7 @@ from disagg.serving.messages import (
     Stop,
     Token,
 )
+from disagg.role import Role
 from disagg.triton import glue, wire
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))

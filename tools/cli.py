@@ -22,7 +22,7 @@ from disagg.kv.secret import ENV_VAR as ENV_SECRET
 from disagg.openai.auth import ENV_API_KEY, load_key
 from disagg.openai.config import DEFAULT_PORT, ENV_PORT, parse_port
 from disagg.openai.launcher import FrontendError, FrontendLaunch, FrontendProcess
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
 from disagg.restart import RestartPolicy
 from disagg.server import KILL_GRACE_S, ServerTimeout, TritonServer
 from disagg.serverconfig import (
@@ -40,6 +40,7 @@ from disagg.serverconfig import (
     server_config,
 )
 from disagg.tls import GrpcTls
+from disagg_tools.checkpoints import ensure_model
 
 SPEC_REPOSITORY = "spec-repository"  # under STATE_DIR: what `disagg serve --spec` serves
 

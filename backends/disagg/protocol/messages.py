@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from disagg.engine.sequence import Request, SequenceState
+from disagg.protocol.errors import ServingError
 from disagg.role import Operation
-from disagg.serving.errors import ServingError
 
 # ---------------------------------------------------------------- events (pool -> orchestrator)
 
