@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
-from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
+from disagg.engine.sequence import FINISH_LENGTH, Request, SequenceState
 from disagg.protocol.errors import (
     CANCELLED,
     DEADLINE,
@@ -37,7 +37,6 @@ from disagg.protocol.errors import (
 from disagg.protocol.messages import PoolLoad, Prefilled, Token
 from disagg.serving.admission import Admission, AdmissionConfig, Ticket
 from disagg.serving.bucket import BucketConfig, TokenBucket
-from disagg.serving.detokenizer import IncrementalDetokenizer, StopStrings
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.hotness import GroupRate, Heat, HotConfig, HotPrompts
@@ -51,6 +50,24 @@ from disagg.serving.ladder import (
     Route,
     ladder_pools,
     parse_ladder,
+)
+from disagg.serving.reply import Reply
+from disagg.serving.router import (
+    HOT_BUCKET,
+    HOT_POOL_ROUTE,
+    Action,
+    Disaggregate,
+    Finish,
+    Generate,
+    GiveUp,
+    Migrate,
+    PoolsView,
+    RequestState,
+    Router,
+    RouterConfig,
+    Shed,
+    SkipLocal,
+    hot_refusal,
 )
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
@@ -296,6 +313,16 @@ class OrchestratorConfig:
         )
 
     @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            self.local_max_tokens,
+            self.migration_limit,
+            self.shed_sheddable_when_degraded,
+            self.conditional_prefill_tokens,
+            self.conditional_backlog_s,
+        )
+
+    @property
     def bucket(self) -> BucketConfig:
         return BucketConfig(self.hot_group_rate, self.hot_group_burst, self.hot_max_wait_s)
 
@@ -394,6 +421,7 @@ class Orchestrator:
             colocated_first_when_decode_gone=config.colocated_first_when_decode_gone,
         )
         self.admission = Admission(config.admission)
+        self.router = Router(config.router)
         self._listeners: list[Callable[[Change], None]] = [] if on_change is None else [on_change]
         # hot prompts: counted on the event loop, read by the metrics thread too
         self.hotness = HotPrompts(config.hot)
@@ -403,6 +431,17 @@ class Orchestrator:
         self._buckets: dict[str, TokenBucket] = {}
         self._hot_lock = threading.Lock()
         self.waiting = 0  # requests waiting for a pool's first answer or a token (event loop only)
+
+    def view(self, prompt: Sequence[int]) -> PoolsView:
+        """The pools as a decision about ``prompt`` sees them now (its predicted TTFT on the prefill
+        pool only where conditional disaggregation could take it)."""
+        decode = self.health.get("decode")
+        healthy = decode is not None and decode.state is PoolState.HEALTHY
+        bound = self.config.conditional_prefill_tokens
+        predicted = None
+        if bound and len(prompt) <= bound and healthy:
+            predicted = self.admission.predict_ttft("prefill", len(prompt))
+        return PoolsView(self.ladder, healthy, predicted)
 
     def cancel_poll_s(self) -> float:
         """How long a waiting request waits between two checks of its client now."""
@@ -520,163 +559,125 @@ class _Run:
     ) -> None:
         self.owner = owner
         self.pools = owner.pools
-        self.mode = owner.config.mode
         self.handle = handle
         self.prompt = prompt
         self.text = text
         self.out = out
-        self.detok = IncrementalDetokenizer(owner._decode_text)
-        self.stops = StopStrings(text.stop_words)
-        self.pieces: list[str] = []
-        self.outcome = Outcome(handle, self.mode, arrival, prompt_tokens=len(prompt))
+        self.outcome = Outcome(handle, owner.config.mode, arrival, prompt_tokens=len(prompt))
+        self.reply = Reply(out, text, owner._decode_text, self.outcome)
         self.lease_id: str | None = None  # held by the prefill pool until decode imports
         self.running_on: str | None = None  # pool to send a stop to
-        self.finished = False
-        self.sent_tokens = 0  # output tokens accounted for in responses already sent
         self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
         self.admitted = False  # passed admission by capacity
         self.ticket: Ticket | None = None  # its place in a pool's backlog while its prompt waits there
         self.decode_pool = "decode"  # the disaggregated rung's decode pool: "decode" or the hot pool
 
     async def go(self) -> None:
-        """Serve on the ladder's rung; when the rung's pool fails, move down and resume there."""
-        config = self.owner.config
-        route = self._shed_if_sheddable(self.owner.ladder.route())
+        """Serve on the route the router gives; when a leg's pool fails, carry out the router's
+        failover (a migration resumes the stream on the next rung)."""
+        owner = self.owner
+        route = owner.router.start(owner.ladder, self.state())
         if route.rung != SHED:
             await self._isolate(route)
         while True:
-            if route.rung == DISAGGREGATED and self.tokens:  # a resumed stream is re-prefilled in one pool
-                route = self.owner.ladder.route(after=DISAGGREGATED, reason=route.reason or "resumed")
+            route = owner.router.resume(owner.ladder, route, self.state())
             if route.fell_from is not None:
                 self.outcome.fallbacks.append(route)
             self.outcome.rung = route.rung
             try:
-                await self._serve_on(route)
+                await self._run(
+                    owner.router.action(route, self.state(), owner.view(self.prompt), self.decode_pool)
+                )
                 return
             except ServingError as error:
                 self.leave_backlog()  # it waits no more where it failed; a retry is not admitted again
                 pool = self.running_on
-                if route.rung == LOCAL and error.reason is Reason.UNSUPPORTED and not self.finished:
-                    self.owner.ladder.local = False  # the prefill pool was deployed without it
-                    route = self.owner.ladder.route(after=LOCAL, reason="prefill_no_local_generate")
+                failover = owner.router.on_failure(route, self.state(), error, pool)
+                if isinstance(failover, SkipLocal):
+                    owner.ladder.local = False  # the prefill pool was deployed without it
+                    route = owner.ladder.route(after=LOCAL, reason="prefill_no_local_generate")
                     continue
-                if error.code != UNAVAILABLE or pool is None or self.finished:
+                if failover.blame is not None:
+                    owner.pool_failed(failover.blame, error)
+                if isinstance(failover, GiveUp):
                     raise
-                self.owner.pool_failed(pool, error)
-                if self.outcome.migrations >= config.migration_limit:
-                    raise
-                self.running_on = None  # no stop to the failed pool: it may never answer
-                if pool == "prefill":
-                    self.lease_id = None  # its leases went with it
-                await self.cleanup()
-                self._check_cancelled()
-                self.outcome.migrations += 1
-                # the next attempt's jobs get a handle of their own: a pool may still hold the last
-                # attempt's (a prefill lease whose importer died before its ack keeps it until expiry)
-                self.handle = f"{self.outcome.handle}~{self.outcome.migrations}"
-                log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
-                lost = error.reason is Reason.LEASE_LOST  # the decode pool is fine; the KV must be made again
-                route = self.owner.ladder.route(
-                    after=route.rung, reason="kv_lease_lost" if lost else f"{pool}_failed"
-                )
+                route = await self._migrate(route, failover, error)
+
+    def state(self) -> RequestState:
+        params = self.text.params
+        return RequestState(
+            len(self.prompt),
+            params.max_tokens,
+            params.min_length,
+            self.text.priority,
+            len(self.tokens),
+            self.admitted,
+            self.outcome.migrations,
+            self.finished,
+        )
+
+    async def _migrate(self, route: Route, failover: Migrate, error: ServingError) -> Route:
+        """Leave the failed pool (its leases with it, for the prefill pool), and take the next rung;
+        the next attempt's jobs get a handle of their own: a pool may still hold the last attempt's
+        (a prefill lease whose importer died before its ack keeps it until expiry)."""
+        self.running_on = None  # no stop to the failed pool: it may never answer
+        if failover.blame == "prefill":
+            self.lease_id = None  # its leases went with it
+        await self.cleanup()
+        self._check_cancelled()
+        self.outcome.migrations += 1
+        self.handle = f"{self.outcome.handle}~{self.outcome.migrations}"
+        log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
+        return self.owner.ladder.route(after=route.rung, reason=failover.reason)
 
     async def _isolate(self, route: Route) -> None:
         """A new request of a hot group decodes on the hot pool (disaggregated, the pool healthy), or
         waits for its group's token bucket (refused when the wait is too long); others go as usual."""
         owner, outcome = self.owner, self.outcome
         outcome.heat = heat = owner.heat(self.prompt, time.monotonic())
-        if heat.group is None:
-            outcome.hot_route = "cold"
-            return
         hot_pool = owner.health.get(HOT_POOL)
-        if route.rung == DISAGGREGATED and hot_pool is not None and hot_pool.state is PoolState.HEALTHY:
-            self.decode_pool, outcome.hot_route = HOT_POOL, "hot_pool"
-            return
-        if not owner.bucket.enabled:
-            outcome.hot_route = "hot_shared"
+        healthy = hot_pool is not None and hot_pool.state is PoolState.HEALTHY
+        outcome.hot_route = owner.router.hot(route, heat.group is not None, healthy, owner.bucket.enabled)
+        if outcome.hot_route == HOT_POOL_ROUTE:
+            self.decode_pool = HOT_POOL
+        if outcome.hot_route != HOT_BUCKET or heat.group is None:
             return
         wait = owner.hot_wait(heat.group, time.monotonic())
         if wait is None:
             outcome.hot_route = "hot_refused"
-            retry = max(owner.config.retry_after_s, owner.config.hot_max_wait_s)
-            raise ServingError(
-                UNAVAILABLE,
-                f"too many similar requests (a hot prompt group over {owner.hot_rate()[0]:.3g} "
-                f"requests/s); retry after {retry:g} s",
-                Reason.SHED,
+            raise hot_refusal(
+                owner.hot_rate()[0], max(owner.config.retry_after_s, owner.config.hot_max_wait_s)
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
         if wait > 0:
             await self._unless_cancelled(asyncio.sleep(wait))
 
-    def _shed_if_sheddable(self, route: Route) -> Route:
-        """A sheddable request (negative priority) goes no lower than the first rung: lower-priority
-        traffic is shed first while the server is degraded."""
-        if route.fell_from is None or route.rung == SHED or self.text.priority >= 0:
-            return route
-        if not self.owner.config.shed_sheddable_when_degraded:
-            return route
-        return Route(SHED, route.fell_from, "sheddable_while_degraded")
-
-    async def _serve_on(self, route: Route) -> None:
-        if route.rung == SHED:
+    async def _run(self, action: Action) -> None:
+        """Carry out the router's action on the pools."""
+        if isinstance(action, Shed):
             self.running_on = None
-            why = route.reason.replace("_", " ") if route.reason else "no pool can serve"
-            raise ServingError(
-                UNAVAILABLE,
-                f"server is degraded ({why}); retry after {self.owner.config.retry_after_s:g} s",
-                Reason.SHED,
-            )
-        if route.rung == DISAGGREGATED and not self.tokens and not self.admitted and self._conditional():
-            await self._on_decode_pool()
-            return
-        if not self.tokens and not self.admitted:  # a new request: is there capacity for its TTFT?
-            self._check_cancelled()  # a client already gone is never dispatched (C1)
-            self.ticket = self.owner.admission.admit(route.pools[0], len(self.prompt), self.text.priority)
-            self.admitted = True
-        if route.rung == DISAGGREGATED:
-            await self._disaggregated()
-            return
-        params = self.text.params
-        if route.rung == LOCAL:
-            cap = len(self.tokens) + self.owner.config.local_max_tokens
-            if cap < params.max_tokens:  # a minimum length above the degraded cap is lowered with it
-                params = replace(params, max_tokens=cap, min_length=min(params.min_length, cap))
-                self.outcome.capped = True
-        if len(self.tokens) >= params.max_tokens:  # the cap leaves nothing more to generate
+            raise action.error(self.owner.config.retry_after_s)
+        if isinstance(action, Finish):
             self.outcome.finish_reason = FINISH_LENGTH
             self._finish()
             return
+        if action.admit_on is not None or (isinstance(action, Generate) and action.conditional):
+            self._check_cancelled()  # a client already gone is never dispatched (C1)
+        if action.admit_on is not None:  # a new request: is there capacity for its TTFT?
+            self.ticket = self.owner.admission.admit(action.admit_on, len(self.prompt), self.text.priority)
+        self.admitted = True  # a conditional one is kept off the prefill pool's admission (no wait there)
+        if isinstance(action, Disaggregate):
+            await self._disaggregated(action.decode_pool)
+            return
+        if action.conditional:  # counted as the route ``disaggregated -> conditional``
+            self.outcome.fallbacks.append(Route(CONDITIONAL, DISAGGREGATED, "prefill_backlog"))
+        self.outcome.capped = self.outcome.capped or action.capped
+        params = replace(self.text.params, max_tokens=action.max_tokens, min_length=action.min_length)
         request = Request(tuple(self.prompt), params, tuple(self.tokens))
-        pool = "prefill" if route.rung == LOCAL else COLOCATED
-        self.running_on = pool
-        await self._relay(self.pools.generate(self.handle, request, pool))
+        self.running_on = action.pool
+        await self._relay(self.pools.generate(self.handle, request, action.pool))
 
-    def _conditional(self) -> bool:
-        """Conditional disaggregation's rule: a short prompt, a healthy decode pool that prefills
-        short prompts, and a prefill pool whose backlog would delay this one past the threshold."""
-        owner = self.owner
-        config = owner.config
-        if not config.conditional_prefill_tokens or len(self.prompt) > config.conditional_prefill_tokens:
-            return False
-        decode = owner.health.get("decode")
-        if decode is None or decode.state is not PoolState.HEALTHY:
-            return False
-        predicted = owner.admission.predict_ttft("prefill", len(self.prompt))
-        return predicted is not None and predicted > config.conditional_backlog_s
-
-    async def _on_decode_pool(self) -> None:
-        """The whole request on the decode pool: prefilled there, no KV moves (counted as the route
-        ``disaggregated -> conditional``). A failure of the decode pool moves it down the ladder as
-        any disaggregated stream's would."""
-        self._check_cancelled()
-        self.admitted = True  # kept off the prefill pool's admission: it does not wait there
-        self.outcome.fallbacks.append(Route(CONDITIONAL, DISAGGREGATED, "prefill_backlog"))
-        self.running_on = "decode"
-        request = Request(tuple(self.prompt), self.text.params)
-        await self._relay(self.pools.generate(self.handle, request, "decode"))
-
-    async def _disaggregated(self) -> None:
+    async def _disaggregated(self, decode_pool: str) -> None:
         request = Request(tuple(self.prompt), self.text.params)
         self.running_on = "prefill"
         first = await self._unless_cancelled(self.pools.prefill(self.handle, request))
@@ -690,8 +691,8 @@ class _Run:
         self._check_cancelled()
         if first.state is None or first.descriptor is None:
             raise ServingError("INTERNAL", "prefill pool returned no KV descriptor")
-        pool = self.running_on = self.decode_pool
-        await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, pool))
+        self.running_on = decode_pool
+        await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, decode_pool))
 
     async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
         """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:
@@ -749,37 +750,13 @@ class _Run:
             self.leave_backlog()
         self.outcome.last_token_at = now
         self.outcome.output_tokens += 1
-        piece = self.stops.feed(self.detok.add(token_id))
-        self._emit(piece)
-        return self.stops.stopped
+        return self.reply.add(token_id)
 
     def leave_backlog(self) -> None:
         """The prompt no longer waits on the pool it was admitted to: out of that pool's backlog."""
         ticket, self.ticket = self.ticket, None
         if ticket is not None:
             self.owner.admission.release(ticket)
-
-    def _emit(self, piece: str) -> None:
-        if not piece:
-            return
-        if self.text.stream:
-            self.out.send(piece, final=False, tokens=self._unsent())
-        else:
-            self.pieces.append(piece)
-
-    def _unsent(self) -> int:
-        """Output tokens not yet reported in a response; from now on they count as reported."""
-        count = self.outcome.output_tokens - self.sent_tokens
-        self.sent_tokens = self.outcome.output_tokens
-        return count
-
-    def _finish_reason(self) -> str:
-        """Why the output ended: a stop string or what the engine said, else inferred from the count."""
-        if self.stops.stopped:
-            return FINISH_STOP
-        if self.outcome.finish_reason in (FINISH_STOP, FINISH_LENGTH):
-            return self.outcome.finish_reason
-        return FINISH_LENGTH if self.outcome.output_tokens >= self.text.params.max_tokens else FINISH_STOP
 
     def _check_cancelled(self) -> None:
         if self.out.is_cancelled():
@@ -803,25 +780,12 @@ class _Run:
             except Exception:
                 log.warning("lease abort failed; the lease expires on its own", exc_info=True)
 
+    @property
+    def finished(self) -> bool:
+        return self.reply.finished
+
     def _finish(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
-        reason = self.outcome.finish_reason = self._finish_reason()
-        if self.text.stream:
-            if tail:
-                self.out.send(tail, final=False, tokens=self._unsent())
-            self.out.send("", final=True, tokens=self._unsent(), finish_reason=reason)
-        else:
-            body = "".join(self.pieces) + tail
-            if not self.text.exclude_input_in_output:
-                body = self.text.prompt + body
-            self.out.send(body, final=True, tokens=self._unsent(), finish_reason=reason)
+        self.reply.finish()
 
     def fail(self, error: ServingError) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.outcome.error = error
-        self.out.fail(error)
+        self.reply.fail(error)
