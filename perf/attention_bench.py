@@ -34,7 +34,8 @@ from benchlib.timing import median_time
 from disagg.engine import kernel
 from disagg.engine.device import kernel_threads
 from disagg.engine.engine import Engine, EngineConfig
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCENARIOS = {

@@ -35,7 +35,8 @@ import torch._dynamo
 import torch._inductor.config as inductor
 from engine_bench import EngineRunner, _interleaved, cpu_flags, table_row
 
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_1core"
 

@@ -58,7 +58,8 @@ from disagg.engine.device import onednn_bf16
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

@@ -84,7 +84,7 @@ def _oracle(model_dir: Path, dtype: str, max_tokens: int) -> dict[str, str]:
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer
-    from disagg.serving.offline import generate
+    from disagg.pool.offline import generate
 
     tokenizer = Tokenizer(model_dir)
     engine = Engine(EngineConfig(model_dir=model_dir, device="cuda:0", dtype=dtype, kv_cache_mb=64))
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from disagg.paths import ensure_model, resolve_model_dir
+    from disagg.paths import resolve_model_dir
+    from disagg_tools.checkpoints import ensure_model
 
     model_dir = ensure_model(resolve_model_dir())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ hot ones by `codegen`'s). Setups, each a fresh Triton on a repository of `disagg
 - `both`: the two;
 - `adaptive`: `both` with `--hot-rate-adaptive`: R is the group rate's maximum, and it halves while
   the decode pool's mean step time is over 1.1x its step time before the burst
-  (`disagg.serving.throttle`);
+  (`disagg.hot.throttle`);
 - `hot_pool` (with `--hot-pool`): `--prefix-cache --hot-decode-cores 1`, hot groups decoded on a
   second decode pool sharing the decode core at nice 5: what two cores allow of a dedicated pool.
 

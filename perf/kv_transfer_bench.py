@@ -40,7 +40,7 @@ def config(prefix: str) -> TransportConfig:
 
 
 QUIET = "nixl-quiet"
-"""NIXL as the pools run it (``disagg.serving.instance.transport_options``): no progress thread on
+"""NIXL as the pools run it (``disagg.pool.instance.transport_options``): no progress thread on
 either side; the exporter's transfers are progressed by its reaper, every 10 ms."""
 
 

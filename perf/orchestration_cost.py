@@ -55,11 +55,12 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
-from disagg.paths import REPO_ROOT, ensure_model, resolve_model_dir
+from disagg.paths import REPO_ROOT, resolve_model_dir
+from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob
-from disagg.serving.instance import PoolConfig, build_instance
 from disagg_tools.autoscaler.snapshot import parse_exposition
 from disagg_tools.autoscaler.source import http_get
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFILL_CORE, DECODE_CORE = 0, 1  # as in the default repository

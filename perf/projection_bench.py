@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import load_config
 from disagg.engine.device import kernel_threads
-from disagg.paths import ensure_model, resolve_model_dir
+from disagg.paths import resolve_model_dir
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ONEDNN_FP32_HINT = 256  # oneDNN's batch-size hint for fp32: the fastest at 8 to 300 rows here

@@ -32,9 +32,10 @@ import tritonclient.grpc as grpcclient
 from benchlib.cliutil import REPO_ROOT, log, machine, write_json
 from benchlib.deploy import start_triton
 
-from disagg.paths import ensure_model, tiny_model_dir
+from disagg.paths import tiny_model_dir
 from disagg.procfs import read_stat
 from disagg.server import process_group_members
+from disagg_tools.checkpoints import ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_ERROR = "decode pool stopped responding"

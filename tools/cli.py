@@ -64,7 +64,7 @@ def _generate(argv: list[str]) -> int:
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer
-    from disagg.serving.offline import generate
+    from disagg.pool.offline import generate
 
     model_dir = ensure_model(resolve_model_dir(args.model))
     tokenizer = Tokenizer(model_dir)

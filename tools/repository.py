@@ -82,7 +82,7 @@ class Layout:
     # earlier one (``disagg.engine.kvcache``; on, as vLLM's: perf/results/defaults shows the quick
     # benchmark no lower with it)
     prefix_cache: bool = True
-    # hot prompts (disagg.serving.hotness): requests of a hot prompt group decode on a pool of their
+    # hot prompts (disagg.hot.hotness): requests of a hot prompt group decode on a pool of their
     # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
     # an MPS thread percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5:
     # about a quarter of a contended core against a nice-0 decode pool)
@@ -90,7 +90,7 @@ class Layout:
     hot_decode_nice: int = 5
     # where no hot pool takes them, each hot group starts at most this many requests per second (0: off);
     # adaptive: that rate is the maximum, lowered while the shared decode pool's mean step time is over
-    # hot_step_ratio x its step time while no group was hot (disagg.serving.throttle)
+    # hot_step_ratio x its step time while no group was hot (disagg.hot.throttle)
     hot_group_rate: float = 0.0
     hot_rate_adaptive: bool = False
     hot_step_ratio: float = 1.1

@@ -30,7 +30,7 @@ REPOSITORY = REPO_ROOT / "model_repository"
 # behind, which the leak probe would count, so cancelling clients run in processes of their own):
 # its imports, and `long_request(max_tokens, seed=0)`, the inputs of a "Hello world" streaming request
 # that generates exactly `max_tokens` tokens (with sampling seed `seed`, which names an injected fault:
-# disagg.serving.faults). The script's own part follows it.
+# disagg.pool.faults). The script's own part follows it.
 CLIENT_SCRIPT_PREAMBLE = """
 import json, queue, sys
 import numpy as np
@@ -81,8 +81,8 @@ def engine_greedy(
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
     from disagg.engine.tokenizer import Tokenizer
+    from disagg.pool.offline import generate
     from disagg.serving.detokenizer import IncrementalDetokenizer
-    from disagg.serving.offline import generate
 
     class MarginEngine(Engine):
         margin = math.inf

@@ -1,5 +1,5 @@
 """Hand-off and engine faults injected into a running server (RELIABILITY.md B1, B2, B3, B5, B6, C2, C3,
-D3), through `disagg.serving.faults`: the server starts with `DISAGG_FAULTS` (and the test flag
+D3), through `disagg.pool.faults`: the server starts with `DISAGG_FAULTS` (and the test flag
 `DISAGG_ALLOW_FAULTS=1`), and each fault strikes only the requests whose sampling seed names it, so
 one server serves several faults and clean requests beside them.
 
@@ -31,8 +31,8 @@ from serving_support import (
 )
 from triton_support import GrpcStream, LeakProbe, TritonFactory, http_json, timed_stream, wait_until
 
+from disagg.pool.faults import ENV_ALLOW, ENV_FAULTS
 from disagg.server import TritonServer
-from disagg.serving.faults import ENV_ALLOW, ENV_FAULTS
 from disagg_tools.repository import main as write_repository
 
 PROMPT = "Hello world"
@@ -43,7 +43,7 @@ LATE_DELAY_S = 6.0  # B2: twice the lease
 CHUNK_TOKENS = 16  # C2: the prefill pool's chunk
 LONG_PROMPT = " ".join(["word"] * 60)  # C2: four chunks or more
 PUBLISHED_S = 0.25  # how often a pool publishes its gauges (disagg.triton.metrics.PoolReporter)
-SEEDS = {  # seed -> fault (the grammar of disagg.serving.faults)
+SEEDS = {  # seed -> fault (the grammar of disagg.pool.faults)
     901: "drop_ack",
     902: f"delay:{LATE_DELAY_S}",
     903: "fail_copy",

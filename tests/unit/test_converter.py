@@ -15,7 +15,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 from disagg_tools import catalog, converter
 
 TEXTS = [

@@ -74,7 +74,7 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
     instance's GPU, CUDA IPC between prefill and decode. Rendered and validated here; NOT run on a GPU."""
     import re
 
-    from disagg.serving.instance import transport_options
+    from disagg.pool.instance import transport_options
     from disagg.triton import glue
     from disagg.triton.pool_model import pool_config
 
@@ -246,7 +246,7 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
 
 def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
     """`--hot-group-rate 2 --hot-rate-adaptive --hot-step-ratio 1.3`: the entry points' caps adapt
-    (disagg.serving.throttle) under a maximum of 2 req/s; without the flags, no such parameter."""
+    (disagg.hot.throttle) under a maximum of 2 req/s; without the flags, no such parameter."""
     import re
 
     from disagg.serving.orchestrator import OrchestratorConfig
@@ -279,7 +279,7 @@ def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tm
     its pool alone, its KV over NIXL without the progress thread (PoolConfig.nixl_progress_thread)."""
     import re
 
-    from disagg.serving.instance import transport_options
+    from disagg.pool.instance import transport_options
     from disagg.serving.orchestrator import OrchestratorConfig
     from disagg.triton.pool_model import pool_config
 

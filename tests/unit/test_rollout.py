@@ -165,7 +165,7 @@ def test_manifest_and_probe(tmp_path, tiny_model_dir):
     tokenizer = Tokenizer(tiny_model_dir)
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
-    from disagg.serving.offline import generate
+    from disagg.pool.offline import generate
 
     tokens, _ = generate(engine, Request(tuple(tokenizer.encode("The river")), SamplingParams(max_tokens=4)))
     good = Probe("The river", tokenizer.decode(tokens), 4)

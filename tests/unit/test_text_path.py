@@ -57,7 +57,7 @@ CASES = {
     "pool core": [
         "disagg.scheduling",
         "disagg.protocol.messages",
-        "disagg.serving.runner",
+        "disagg.pool.runner",
         "disagg.engine.backend",
         "disagg.triton.wire",
         "disagg.config",

@@ -149,7 +149,7 @@ class Segment:
 
 
 class Loans:
-    """What an engine loop tells its side of the loans (``disagg.serving.loop``). The base lends and
+    """What an engine loop tells its side of the loans (``disagg.pool.loop``). The base lends and
     borrows nothing; a side keeps its cores' segments in ``_segments``."""
 
     def __init__(self) -> None:

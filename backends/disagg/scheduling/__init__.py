@@ -3,7 +3,7 @@
 A scheduler never calls the engine. Each engine-loop iteration is::
 
     plan = scheduler.schedule()                  # what to run: prefills, KV imports, a decode step
-    results = runner.run(plan)                   # the engine runs it (disagg.serving.runner)
+    results = runner.run(plan)                   # the engine runs it (disagg.pool.runner)
     emissions = scheduler.postprocess(results)   # the events each job gets
 
 Capacity limits a scheduler enforces: decode batch slots (``max_batch_size``), KV blocks (a ledger of

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, Request, SequenceState
+from disagg.hot.bucket import BucketConfig, TokenBucket
+from disagg.hot.hotness import GroupRate, Heat, HotConfig, HotPrompts
+from disagg.hot.throttle import Throttle, ThrottleConfig
 from disagg.protocol.errors import (
     CANCELLED,
     DEADLINE,
@@ -36,10 +39,8 @@ from disagg.protocol.errors import (
 )
 from disagg.protocol.messages import PoolLoad, Prefilled, Token
 from disagg.serving.admission import Admission, AdmissionConfig, Ticket
-from disagg.serving.bucket import BucketConfig, TokenBucket
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
-from disagg.serving.hotness import GroupRate, Heat, HotConfig, HotPrompts
 from disagg.serving.ladder import (
     COLOCATED,
     CONDITIONAL,
@@ -71,7 +72,6 @@ from disagg.serving.router import (
 )
 from disagg.serving.telemetry import time_per_output_token
 from disagg.serving.text_api import TextRequest
-from disagg.serving.throttle import Throttle, ThrottleConfig
 from disagg.tls import grpc_tls
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class OrchestratorConfig:
     trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
     checks less often, so a backlog does not spend its core on asking whether clients left."""
     hot_threshold: int = 4
-    """Hot prompts (``disagg.serving.hotness``): requests in ``hot_window_s`` that share a prefix of at
+    """Hot prompts (``disagg.hot.hotness``): requests in ``hot_window_s`` that share a prefix of at
     least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off), if that prefix's
     share of the window's requests is ``hot_surge`` times its share over ``hot_baseline_s``."""
     hot_window_s: float = 10.0
@@ -210,7 +210,7 @@ class OrchestratorConfig:
     hot_group_burst: int = 1
     hot_max_wait_s: float = 30.0
     hot_rate_adaptive: bool = False
-    """The group rate adapts (``disagg.serving.throttle``): ``hot_group_rate`` is its maximum; while a
+    """The group rate adapts (``disagg.hot.throttle``): ``hot_group_rate`` is its maximum; while a
     group is hot, the cap halves (``hot_rate_decrease``, down to ``hot_rate_min``) after each probe
     interval whose mean decode step time exceeds ``hot_step_ratio`` x the step time learnt while no
     group was hot, and grows by ``hot_rate_increase`` after each interval within it. The shared decode

@@ -13,18 +13,18 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from disagg.hot.hotness import GroupRate
+from disagg.hot.throttle import DECISIONS as HOT_RATE_DECISIONS
 from disagg.protocol.errors import ServingError
 from disagg.serving.auth import REFUSALS
-from disagg.serving.hotness import GroupRate
 from disagg.serving.orchestrator import HOT_ROUTES, Outcome
 from disagg.serving.telemetry import TIME_BUCKETS, TOKEN_BUCKETS, SloWindow, attains
-from disagg.serving.throttle import DECISIONS as HOT_RATE_DECISIONS
 
 if TYPE_CHECKING:
     # Types only: both import torch, and the text models that use this module must not.
     from disagg.engine.loan import LoanStats
     from disagg.kv.transport import Transport
-    from disagg.serving.loop import EngineLoop
+    from disagg.pool.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

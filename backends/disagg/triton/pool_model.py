@@ -8,10 +8,10 @@ from typing import Any
 
 from disagg.affinity import pin_process
 from disagg.engine.tokenizer import Tokenizer
+from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.errors import UNAVAILABLE, ServingError, classify
 from disagg.protocol.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
 from disagg.serving.auth import PARAMETER, TokenSigner, refused
-from disagg.serving.instance import PoolConfig, build_instance
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
 from disagg.triton.readiness import ServerReadiness

@@ -62,7 +62,7 @@ def read_manifest(model_folder: str | Path, version: int | str) -> Manifest:
 
 def run_probe(engine: EngineBackend, tokenizer: Any, probe: Probe, version: int) -> None:
     """Generate the probe greedily on ``engine``; CheckpointError when its text is not the expected."""
-    from disagg.serving.offline import generate
+    from disagg.pool.offline import generate
 
     ids = tokenizer.encode(probe.prompt)
     tokens, _ = generate(engine, Request(tuple(ids), SamplingParams(max_tokens=probe.max_tokens)))

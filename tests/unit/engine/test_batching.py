@@ -6,7 +6,7 @@ import random
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.serving.offline import OfflineRun, generate
+from disagg.pool.offline import OfflineRun, generate
 
 
 def _requests(n: int, seed: int = 0, sampled: bool = False) -> list[Request]:

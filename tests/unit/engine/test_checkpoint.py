@@ -108,7 +108,7 @@ def test_engine_config_rejects_unknown_and_bad_settings(tmp_path):
 def test_bfloat16_engine_runs(make_engine):
     from disagg.engine.params import SamplingParams
     from disagg.engine.sequence import Request
-    from disagg.serving.offline import generate
+    from disagg.pool.offline import generate
 
     request = Request((1, 30, 31, 32), SamplingParams(max_tokens=16))
     fp32 = generate(make_engine(), request)[0]

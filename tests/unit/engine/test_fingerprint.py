@@ -16,8 +16,8 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.kv.errors import IncompatibleKV
 from disagg.kv.layout import KVLayout, LayoutError
+from disagg.pool.offline import generate
 from disagg.protocol.errors import KV_INCOMPATIBLE, UNAVAILABLE, classify
-from disagg.serving.offline import generate
 
 REQUEST = Request((1, 5, 6, 7, 8, 9, 10), SamplingParams(max_tokens=8))
 

@@ -14,7 +14,7 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.errors import IncompatibleKV
 from disagg.kv.layout import KVLayout
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 
 PROMPTS = [(1, 7, 9, 11), (1, *range(20, 63))]
 

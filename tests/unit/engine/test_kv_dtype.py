@@ -14,7 +14,7 @@ from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.kv.errors import IncompatibleKV
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 
 PROMPT = (1, *range(20, 47))  # 27 tokens: 7 blocks of 4, the last one partial
 

@@ -237,7 +237,7 @@ def test_pacing_lends_what_the_budget_leaves() -> None:
 
 def test_pool_settings_of_loans_name_what_is_wrong(tiny_model_dir) -> None:
     from disagg.engine.engine import EngineConfig
-    from disagg.serving.instance import PoolConfig
+    from disagg.pool.instance import PoolConfig
 
     def engine(*cores: int) -> EngineConfig:
         return EngineConfig(model_dir=tiny_model_dir, cores=cores)
@@ -258,7 +258,7 @@ def test_a_borrowing_pool_reports_its_load_in_its_own_cores_time() -> None:
     """Admission and the autoscaler read a pool's speed from its busy seconds: the seconds its borrowed
     helper computed are added back, so borrowed throughput never counts as the pool's own."""
     from disagg.engine.loan import LoanStats
-    from disagg.serving.loop import LoopStats
+    from disagg.pool.loop import LoopStats
 
     borrowed = (LoanStats(1, "decode", 0.4, 10, 0.0, 0, 0.0),)
     fields = dict(queued=0, queued_prompt_tokens=0, active_sequences=0, held_leases=0, blocks_used=0)

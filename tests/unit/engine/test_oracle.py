@@ -9,7 +9,7 @@ from checkpoints import comparable_prefix, reference_greedy
 
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 
 KINDS = ["llama-mha", "llama-gqa", "llama-tied", "qwen2-bias", "mistral", "llama3-rope", "legacy-rope"]
 NEW_TOKENS = 40

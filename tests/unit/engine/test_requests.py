@@ -10,7 +10,7 @@ import pytest
 from disagg.engine.errors import InvalidRequest, OutOfBlocks
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.serving.offline import OfflineRun, generate
+from disagg.pool.offline import OfflineRun, generate
 
 PROMPT = (1, 40, 41, 42, 43)
 

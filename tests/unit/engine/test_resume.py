@@ -12,7 +12,7 @@ from margins import TIE, record_margins
 from disagg.engine.errors import InvalidRequest
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import FINISH_LENGTH, FINISH_STOP, Request, SequenceState
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 
 PROMPT = (1, 5, 9, 13, 17, 21, 25)
 

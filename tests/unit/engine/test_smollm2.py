@@ -11,7 +11,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 from disagg_tools.catalog import SMOLLM2, package_file
 
 pytestmark = pytest.mark.slow

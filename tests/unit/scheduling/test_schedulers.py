@@ -10,6 +10,7 @@ import pytest
 from scheduler_fakes import FakeBackend, decode_job, generate_job, prefill_job
 
 from disagg.engine.errors import SequenceFailed
+from disagg.pool.runner import Runner
 from disagg.protocol.errors import INVALID_ARG, UNAVAILABLE, Reason, ServingError
 from disagg.protocol.messages import Failed, Prefilled, Token
 from disagg.scheduling import (
@@ -20,7 +21,6 @@ from disagg.scheduling import (
     SchedulerConfig,
     create_scheduler,
 )
-from disagg.serving.runner import Runner
 
 
 def _drive(scheduler: Scheduler, backend: FakeBackend, steps: int = 1) -> list:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from scheduler_fakes import FakeBackend, decode_job
 
+from disagg.pool.runner import Runner
 from disagg.protocol.errors import UNAVAILABLE
 from disagg.protocol.messages import Failed
 from disagg.scheduling import DecodeScheduler
 from disagg.scheduling.tuner import BatchTuner, TunerConfig, batch_knee
-from disagg.serving.runner import Runner
 
 SLO = 0.050
 

@@ -9,9 +9,9 @@ import pytest
 
 from disagg.engine.engine import EngineConfig
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.local import LocalPools
-from disagg.serving.loop import EngineLoop
+from disagg.pool.instance import PoolConfig, build_instance
+from disagg.pool.local import LocalPools
+from disagg.pool.loop import EngineLoop
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 
 

@@ -16,11 +16,11 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
+from disagg.pool.instance import PoolConfig, build_instance
+from disagg.pool.local import LocalPools
+from disagg.pool.offline import generate
 from disagg.protocol.messages import PoolLoad
-from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.ladder import Route
-from disagg.serving.local import LocalPools
-from disagg.serving.offline import generate
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
 

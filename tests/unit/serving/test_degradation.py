@@ -17,14 +17,14 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
+from disagg.pool.instance import PoolConfig, build_instance
+from disagg.pool.local import LocalPools
+from disagg.pool.offline import generate
 from disagg.protocol.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, Reason, ServingError
 from disagg.protocol.messages import PoolLoad, Token
 from disagg.serving import health
 from disagg.serving.health import PoolState
-from disagg.serving.instance import PoolConfig, build_instance
 from disagg.serving.ladder import Route
-from disagg.serving.local import LocalPools
-from disagg.serving.offline import generate
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
 from disagg.serving.watcher import PoolWatcher

@@ -1,4 +1,4 @@
-"""Injected faults (disagg.serving.faults): the list read from the environment only with the test flag,
+"""Injected faults (disagg.pool.faults): the list read from the environment only with the test flag,
 and the backend that strikes only the requests of a fault's seed."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.kv.faulty import FaultConfig, FaultHooks
 from disagg.kv.hooks import TransferHooks
+from disagg.pool.faults import ENV_ALLOW, ENV_FAULTS, EngineFault, Fault, FaultError, FaultyBackend, parse
+from disagg.pool.faults import from_environment as faults_from
 from disagg.role import Role
-from disagg.serving.faults import ENV_ALLOW, ENV_FAULTS, EngineFault, Fault, FaultError, FaultyBackend, parse
-from disagg.serving.faults import from_environment as faults_from
 
 
 def state(seed: int, max_tokens: int = 8) -> SequenceState:

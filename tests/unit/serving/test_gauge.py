@@ -149,8 +149,8 @@ def test_the_hot_group_cap_and_its_decisions_are_published_from_the_orchestrator
     """``disagg_hot_group_rate_limit`` is the cap now; ``disagg_hot_rate_decisions_total{action,reason}``
     counts what the adaptive cap decided, by increments of what is new at each refresh; every decision
     series exists from the start (at 0), and a stopped instance takes its share of the gauge out."""
+    from disagg.hot.throttle import DECISIONS
     from disagg.serving.telemetry import SloConfig, SloWindow
-    from disagg.serving.throttle import DECISIONS
 
     series: dict[tuple[str, tuple[tuple[str, str], ...]], FakeMetric] = {}
 

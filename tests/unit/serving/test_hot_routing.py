@@ -17,11 +17,11 @@ from disagg.config import build
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.tokenizer import Tokenizer
+from disagg.pool.instance import PoolConfig, build_instance
+from disagg.pool.local import LocalPools
 from disagg.protocol.errors import UNAVAILABLE
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.health import PoolState
-from disagg.serving.instance import PoolConfig, build_instance
-from disagg.serving.local import LocalPools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
 from disagg.serving.text_api import TextRequest
 from disagg.serving.watcher import PoolWatcher

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from disagg.engine.prefix import block_keys
-from disagg.serving.bucket import BucketConfig, TokenBucket
-from disagg.serving.hotness import HotConfig, HotPrompts
-from disagg.serving.minhash import MinHasher
-from disagg.serving.sketch import WindowedCountMin
+from disagg.hot.bucket import BucketConfig, TokenBucket
+from disagg.hot.hotness import HotConfig, HotPrompts
+from disagg.hot.minhash import MinHasher
+from disagg.hot.sketch import WindowedCountMin
 
 
 def _key(i: int) -> bytes:

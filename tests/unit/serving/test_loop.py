@@ -12,9 +12,9 @@ import pytest
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
+from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.errors import UNAVAILABLE, ServingError
 from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob, Token
-from disagg.serving.instance import PoolConfig, build_instance
 
 
 class Sink:

@@ -11,8 +11,8 @@ from recorder import Recorder
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
+from disagg.pool.offline import generate
 from disagg.protocol.errors import CANCELLED, DEADLINE, INVALID_ARG
-from disagg.serving.offline import generate
 from disagg.serving.text_api import TextRequest
 
 PROMPTS = ["The quick brown fox", "naïve café — 日本語 🙂 and more", "x"]
@@ -186,8 +186,8 @@ def test_request_is_frozen():
 @pytest.fixture(scope="module")
 def chunked_colocated(tiny_model_dir):
     """A colocated pool that prefills at most 5 prompt tokens per step, in chunks."""
-    from disagg.serving.instance import PoolConfig, build_instance
-    from disagg.serving.local import LocalPools
+    from disagg.pool.instance import PoolConfig, build_instance
+    from disagg.pool.local import LocalPools
 
     engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
     config = PoolConfig(role="colocated", engine=engine, max_prefill_tokens=5, chunked_prefill=True)

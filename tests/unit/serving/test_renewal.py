@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.serving.renewal import Renewals
+from disagg.pool.renewal import Renewals
 
 
 def test_an_import_is_due_once_less_than_half_its_lease_is_left_and_again_after_each_renewal():

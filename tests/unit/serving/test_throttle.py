@@ -1,4 +1,4 @@
-"""The adaptive hot-group cap (``disagg.serving.throttle``): a baseline step time learnt while no group
+"""The adaptive hot-group cap (``disagg.hot.throttle``): a baseline step time learnt while no group
 is hot, AIMD on the cap while one is, recovery after the burst; idle intervals and restarts decide
 nothing."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.hot.throttle import DECISIONS, Throttle, ThrottleConfig
 from disagg.protocol.messages import PoolLoad
-from disagg.serving.throttle import DECISIONS, Throttle, ThrottleConfig
 
 MAX = 2.0
 

@@ -13,7 +13,7 @@ from recorder import Recorder
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
-from disagg.serving.offline import generate
+from disagg.pool.offline import generate
 from disagg.serving.text_api import TextRequest
 
 PROMPT = "Once upon a time"

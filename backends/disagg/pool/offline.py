@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from disagg.engine.backend import EngineBackend
 from disagg.engine.errors import OutOfBlocks
 from disagg.engine.sequence import Request
+from disagg.pool.runner import Runner
 from disagg.protocol.messages import Event, Failed, GenerateJob, Token
 from disagg.scheduling import ColocatedScheduler, SchedulerConfig
-from disagg.serving.runner import Runner
 
 
 @dataclass(frozen=True)

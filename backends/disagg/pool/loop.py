@@ -5,7 +5,7 @@ messages (``disagg.protocol.messages``), then runs one iteration::
 
     plan = scheduler.schedule(); results = runner.run(plan); emissions = scheduler.postprocess(results)
 
-and hands the emissions to the dispatcher thread (``disagg.serving.dispatcher``), which delivers
+and hands the emissions to the dispatcher thread (``disagg.pool.dispatcher``), which delivers
 them and watches for cancellation. Every job gets exactly one final event (its last token, its
 prefill result, or a failure), whatever happens: cancellation, a stop request, an engine fault or
 shutdown. The schedulers (``disagg.scheduling``) own admission and every capacity limit.
@@ -24,6 +24,9 @@ from typing import Any
 from disagg.engine.backend import EngineBackend
 from disagg.engine.loan import Loans, LoanStats
 from disagg.kv.errors import KVError
+from disagg.pool.dispatcher import Dispatcher
+from disagg.pool.renewal import Renewals
+from disagg.pool.runner import Runner
 from disagg.protocol.errors import CANCELLED, UNAVAILABLE, ServingError
 from disagg.protocol.messages import (
     Cancelled,
@@ -41,9 +44,6 @@ from disagg.protocol.messages import (
 from disagg.scheduling import Scheduler
 from disagg.scheduling.plan import Emission, Plan
 from disagg.scheduling.tuner import BatchTuner
-from disagg.serving.dispatcher import Dispatcher
-from disagg.serving.renewal import Renewals
-from disagg.serving.runner import Runner
 
 log = logging.getLogger(__name__)
 

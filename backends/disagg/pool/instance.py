@@ -13,12 +13,12 @@ from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.engine.loan import Borrower, Lender, Loans
 from disagg.kv.transport import Transport, TransportConfig, create_transport
 from disagg.loanpath import loan_scope
+from disagg.pool import faults
+from disagg.pool.loop import EngineLoop
 from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
-from disagg.serving import faults
-from disagg.serving.loop import EngineLoop
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Off unless ``DISAGG_FAULTS`` names some, and refused unless ``DISAGG_ALLOW_FAULTS=1`` is set too (a
 test's flag: a production server never starts with faults by mistake). Read once, when a pool
-instance is built (``disagg.serving.instance.build_instance``); nothing switches them later.
+instance is built (``disagg.pool.instance.build_instance``); nothing switches them later.
 
 ``DISAGG_FAULTS`` is a comma-separated list of ``SEED=FAULT[:SECONDS][@POOL]``: the fault strikes only
 the requests whose sampling ``seed`` (the ``random_seed`` input, the OpenAI ``seed``) is SEED, so that

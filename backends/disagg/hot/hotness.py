@@ -11,7 +11,7 @@ Two detectors watch every new request, over one sliding window:
   busy the server gets; a burst is a prefix whose share jumped. A group is hot from then until its
   count falls below ``threshold x cool_ratio`` (hysteresis), then it cools down.
 - **near-duplicate groups** (reported only): MinHash bands over token shingles
-  (``disagg.serving.minhash``), counted the same way, find prompts that are similar without sharing a
+  (``disagg.hot.minhash``), counted the same way, find prompts that are similar without sharing a
   prefix (a varying first line, reordered parts).
 
 Why the router uses prefix groups: requests of one prefix group are exactly those whose KV the
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.engine.prefix import block_keys
-from disagg.serving.minhash import MinHasher
-from disagg.serving.sketch import WindowedCountMin
+from disagg.hot.minhash import MinHasher
+from disagg.hot.sketch import WindowedCountMin
 
 _ANY = bytes(4)  # the one key of the request counters
 SIMILARITY_TOKENS = 512  # prompt tokens the near-duplicate signature covers (its cost is linear)

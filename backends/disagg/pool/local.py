@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from disagg.engine.sequence import Request, SequenceState
+from disagg.pool.loop import EngineLoop
 from disagg.protocol.errors import UNAVAILABLE, ServingError
 from disagg.protocol.messages import (
     DecodeJob,
@@ -22,7 +23,6 @@ from disagg.protocol.messages import (
     PrefillJob,
     Token,
 )
-from disagg.serving.loop import EngineLoop
 
 
 class QueueSink:

@@ -4,7 +4,7 @@ A bucket holds at most ``burst`` tokens and refills at ``rate`` per second; each
 A request that finds the bucket empty is not refused at once: it reserves the next token and waits
 for it, so a burst is spread out at ``rate`` instead of landing on the shared pools together. A
 reservation that would wait longer than ``max_wait_s`` is refused instead (and takes nothing). The
-rate may change (``set_rate``: the adaptive cap of ``disagg.serving.throttle``); the time before a
+rate may change (``set_rate``: the adaptive cap of ``disagg.hot.throttle``); the time before a
 change refills at the old rate. Pure: the caller passes the time, and sleeps.
 """
 
