@@ -486,7 +486,7 @@ def reading(results: dict[str, Any]) -> str:
             + "; ".join(steps)
             + ". The step from shm to NIXL on one server is the transport's cost on these two cores "
             "(the pools run NIXL without its progress thread unless nixl_progress_thread is set: see "
-            "README, KV hand-off); the step from one server to three is the gRPC hop and the extra "
+            "docs/kv-handoff.md); the step from one server to three is the gRPC hop and the extra "
             "servers."
         )
     return " ".join([*parts, tail])

@@ -290,7 +290,7 @@ class TritonClient:
             done.set()  # half-closes the request side; the server then ends the stream
         with contextlib.suppress(Exception):
             # read to the server's end of the stream rather than cancel it: on Triton 2.51, streams
-            # cancelled after their final response leave the model live at volume (README: Serving)
+            # cancelled after their final response leave the model live at volume (docs/serving.md)
             async for _ in responses:
                 pass
         return pieces.outcome(None)

@@ -1,6 +1,6 @@
 """Checks that need a CUDA device: skipped where none is present (CI has none).
 
-They run on a lent GPU machine through ``perf/gpu_check.sh``; README's GPU status gives their last result.
+They run on a lent GPU machine through ``perf/gpu_check.sh``; docs/gpu.md gives their last result.
 """
 
 from __future__ import annotations

@@ -315,7 +315,7 @@ def test_attainment_and_goodput_fall_when_the_targets_are_tightened(
         print(f"attainment/goodput: generous ({attainment}, {goodput:.3f}) -> impossible {tight}")
     finally:
         try:
-            # back to the orchestrator's defaults (README: Metrics); the repository sets none of them
+            # back to the orchestrator's defaults (docs/metrics.md); the repository sets none of them
             reload_llm(server, {"slo_ttft_s": "1.0", "slo_tpot_s": "0.1", "slo_window_s": "60"})
         finally:
             # A reload replaces the model's Python backend stub, and with it the stub's shared-memory

@@ -629,7 +629,7 @@ def test_sigterm_with_streams_in_flight_drains_and_exits_cleanly(
     try:
         # `llm` only: on Triton 2.51 an `ensemble` stream in flight at SIGTERM gets no further pieces
         # (the ensemble's later steps refuse new work once shutdown starts) and holds the exit until
-        # the exit timeout; README "Serving on Triton" documents it.
+        # the exit timeout; docs/serving.md documents it.
         for stream, model in zip(streams, ("llm", "llm", "llm"), strict=True):
             stream.send(model, text_inputs("Hello world", 200, stream=True))
         for stream in streams:

@@ -351,7 +351,7 @@ def test_server_process_starts_on_its_cpus(tmp_path: Path, files: TritonFiles) -
 def test_server_leads_its_own_group_in_the_callers_session(tmp_path: Path, files: TritonFiles) -> None:
     """The server is stopped by its process group, and stays in the caller's session: a session of its
     own would be a scheduler autogroup of its own, and a client beside it (a benchmark, a test) would
-    then wait hundreds of milliseconds to run under load (README, "Measuring on one machine")."""
+    then wait hundreds of milliseconds to run under load (docs/degradation.md, "Measuring on one machine")."""
     report = tmp_path / "ids"
     files.server.write_text(f"#!/bin/sh\necho $$ $(cut -d' ' -f5,6 /proc/$$/stat) > {report}\n")
     files.server.chmod(0o755)

@@ -26,7 +26,7 @@ beside its own (the 2-core profile's over the 1-core's) and ``f`` the share of t
 when the step starts (1 idle, ``lend / (step + lend)`` decoding): an approximation, since the share
 moves during the step.
 
-Pure and deterministic: the same jobs give the same results. What it leaves out is said in README
+Pure and deterministic: the same jobs give the same results. What it leaves out is said in docs/sizing.md
 (the orchestrator's cost apart from the relay, CPU contention between pools sharing a core).
 """
 
@@ -101,7 +101,7 @@ class Deployment:
     ``least_loaded`` (the fewest prompt tokens waiting, plus sequences where colocated; the decode
     instance with the fewest sequences) or ``random`` (uniform, seeded): Triton's own assignment, which
     hands a model's calls to its instances in turn, the entry points' pings among them, so that
-    which instance a request meets is close to random (README, "Checked against real runs")."""
+    which instance a request meets is close to random (docs/sizing.md, "Checked against real runs")."""
 
     def __post_init__(self) -> None:
         for name in ("relay_s_per_token", "prefill_relay_s_per_token"):

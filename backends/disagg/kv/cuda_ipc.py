@@ -1,4 +1,4 @@
-"""CUDA IPC transport for GPUs of one node: run on one GPU (README, GPU status), never between two.
+"""CUDA IPC transport for GPUs of one node: run on one GPU (docs/gpu.md), never between two.
 
 The exporter's pool, tags and acks are CUDA allocations; their IPC handles travel in the
 descriptor (base64 inside the signed JSON, never pickled). The importer opens them once
