@@ -79,8 +79,9 @@ class MemoryWatch(Sampler):
 # A process of its own that sleeps 5 ms at a time and writes down every wake-up late by over 20 ms:
 # the scheduling stalls during the run, which bound any latency measured on it. Seen on this 2-vCPU
 # VM: 100-900 ms with 40 % of the CPU idle, all of it run-queue wait, while the server ran in a
-# session (a scheduler autogroup) of its own; none since it runs in the caller's (docs/degradation.md, "Measuring
-# on one machine"). Started beside the load, not in the client's process (its GIL would stall it).
+# session (a scheduler autogroup) of its own; none since it runs in the caller's
+# (docs/degradation.md, "Measuring on one machine"). Started beside the load, not in the client's
+# process (its GIL would stall it).
 STALL_PROBE = """
 import json, sys, time
 late, end = [], time.monotonic() + float(sys.argv[1])

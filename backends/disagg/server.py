@@ -209,7 +209,8 @@ class TritonServer:
                 # session is a new scheduler autogroup (sched_autogroup_enabled, on by default), and
                 # the kernel then shares the cores between groups, not tasks: a client beside the
                 # server (a benchmark, a test, a co-located front end) waited up to 0.3-0.9 s to run
-                # under load while its cores had idle time (see docs/degradation.md, "Measuring on one machine")
+                # under load while its cores had idle time (docs/degradation.md, "Measuring on one
+                # machine")
                 process_group=0,
                 preexec_fn=_pinning(self.config.cpus),
             )

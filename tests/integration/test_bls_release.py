@@ -28,7 +28,8 @@ def test_dropping_finished_iterators_kills_the_relay_stub(tmp_path: Path) -> Non
     run = bls_release_stress.one_run(tmp_path, "drop", ARGS)
     assert run["crashed"], (
         "no process died in 15 s of dropping finished BLS iterators: the Python backend may have been "
-        f"fixed (python_backend r24.12 takes the GIL); update docs/degradation.md and graveyard.py. Run: {run}"
+        "fixed (python_backend r24.12 takes the GIL); update docs/degradation.md and graveyard.py. "
+        f"Run: {run}"
     )
 
 

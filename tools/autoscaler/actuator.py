@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from disagg.broker import BrokerClient, BrokerError, TritonRepository
 from disagg.control import ModelControl, loadable_config
 from disagg_tools.autoscaler.clock import Clock
-from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, PoolConfig
+from disagg_tools.autoscaler.config import ActuatorConfig, ConfigError, ScaledPool
 
 
 class ActuatorError(RuntimeError):
@@ -51,9 +51,9 @@ class DrainTimeout(ActuatorError):
 
 
 class Actuator(Protocol):
-    def current(self, pool: PoolConfig) -> int: ...
+    def current(self, pool: ScaledPool) -> int: ...
 
-    def apply(self, pool: PoolConfig, current: int, desired: int) -> None: ...
+    def apply(self, pool: ScaledPool, current: int, desired: int) -> None: ...
 
 
 class LogActuator:
@@ -62,10 +62,10 @@ class LogActuator:
     def __init__(self) -> None:
         self._sizes: dict[str, int] = {}
 
-    def current(self, pool: PoolConfig) -> int:
+    def current(self, pool: ScaledPool) -> int:
         return self._sizes.setdefault(pool.name, pool.min_size)
 
-    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+    def apply(self, pool: ScaledPool, current: int, desired: int) -> None:
         self._sizes[pool.name] = desired
 
 
@@ -99,7 +99,7 @@ class TritonActuator:
         self,
         config: ActuatorConfig,
         clock: Clock,
-        inflight: Callable[[PoolConfig], float | None],
+        inflight: Callable[[ScaledPool], float | None],
         environ: dict[str, str] | None = None,
         control: ModelControl | None = None,
         broker: BrokerClient | None = None,
@@ -132,16 +132,16 @@ class TritonActuator:
         except BrokerError as exc:
             raise ActuatorError(str(exc)) from None
 
-    def _model_config(self, pool: PoolConfig) -> dict[str, Any]:
+    def _model_config(self, pool: ScaledPool) -> dict[str, Any]:
         found = self._ask("config", pool.name)
         if not isinstance(found, dict):
             raise ActuatorError("model config is not an object")
         return found
 
-    def current(self, pool: PoolConfig) -> int:
+    def current(self, pool: ScaledPool) -> int:
         return instance_count(self._model_config(pool))
 
-    def _drain(self, pool: PoolConfig) -> None:
+    def _drain(self, pool: ScaledPool) -> None:
         if pool.drain_max_inflight is None:
             return  # the removed instance drains itself
         deadline = self._clock.monotonic() + self._config.drain_timeout_s
@@ -154,7 +154,7 @@ class TritonActuator:
             if self._clock.wait(self._config.drain_poll_s):
                 raise DrainTimeout(f"{pool.name}: stopping while waiting for drain")
 
-    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+    def apply(self, pool: ScaledPool, current: int, desired: int) -> None:
         if desired < current:
             self._drain(pool)
         if self._broker is not None:  # it re-reads the live config and loads under the lock
@@ -195,7 +195,7 @@ class KubernetesActuator:
             status = getattr(exc, "status", None)
             raise ActuatorError(f"Kubernetes {what} failed ({status or type(exc).__name__})") from None
 
-    def current(self, pool: PoolConfig) -> int:
+    def current(self, pool: ScaledPool) -> int:
         name = pool.deployment or pool.name
         scale = self._call(
             "read scale", lambda: self._api.read_namespaced_deployment_scale(name, self._namespace)
@@ -205,7 +205,7 @@ class KubernetesActuator:
             raise ActuatorError("Deployment scale has no replicas")
         return replicas
 
-    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+    def apply(self, pool: ScaledPool, current: int, desired: int) -> None:
         name = pool.deployment or pool.name
         body = {"spec": {"replicas": desired}}
         self._call(

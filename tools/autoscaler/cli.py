@@ -18,7 +18,7 @@ from disagg_tools.autoscaler.source import make_source
 from disagg_tools.autoscaler.telemetry import Telemetry
 
 _POOL_FLAGS = {
-    # flag dest -> (role, PoolConfig field)
+    # flag dest -> (role, ScaledPool field)
     "ttft_target": ("prefill", "ttft_target_s"),
     "prefill_model": ("prefill", "name"),
     "prefill_min": ("prefill", "min_size"),

@@ -48,7 +48,7 @@ class SourceConfig:
 
 
 @dataclass(frozen=True)
-class PoolConfig:
+class ScaledPool:
     """One pool (a Triton model, or one Deployment running it) and the targets it is sized for."""
 
     name: str
@@ -304,7 +304,7 @@ class AutoscalerConfig:
     """The whole autoscaler: the pools and their reactive rules, where metrics come from, how sizes
     are applied, and optionally a time-of-day `schedule` and the `planner` in the loop."""
 
-    pools: tuple[PoolConfig, ...]
+    pools: tuple[ScaledPool, ...]
     source: SourceConfig = field(default_factory=SourceConfig)
     actuator: ActuatorConfig = field(default_factory=ActuatorConfig)
     schedule: ScheduleConfig | None = None
@@ -321,7 +321,7 @@ def _positive(value: float, key: str) -> None:
         raise ConfigError(f"{key}: must be > 0")
 
 
-def _check_pool(pool: PoolConfig, where: str, interval_s: float) -> None:
+def _check_pool(pool: ScaledPool, where: str, interval_s: float) -> None:
     if pool.min_size < 1:
         # Zero would let missing data (or a quiet night) turn a pool off; scale-to-zero is not offered.
         raise ConfigError(f"{where}.min_size: must be >= 1")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import cast
 
-from disagg_tools.autoscaler.config import AutoscalerConfig, PoolConfig
+from disagg_tools.autoscaler.config import AutoscalerConfig, ScaledPool
 from disagg_tools.autoscaler.governor import HOLD, Decision, Governor
 from disagg_tools.autoscaler.histogram import Histogram, HistogramWindow, histogram_delta
 from disagg_tools.autoscaler.policy import DecodePolicy, DecodeSignals, PrefillPolicy, PrefillSignals
@@ -57,13 +57,13 @@ def gauge(snapshot: Snapshot, name: str, **match: str) -> float:
     return sum(values.values())
 
 
-def kv_match(pool: PoolConfig) -> dict[str, str]:
+def kv_match(pool: ScaledPool) -> dict[str, str]:
     """Labels selecting a pool's KV block gauges: `pool=<kv_pool>` when configured, else `model=<name>`
     (the server labels them with both; `pool` carries the role, which two decode pools would share)."""
     return {"pool": pool.kv_pool} if pool.kv_pool else {"model": pool.name}
 
 
-def inflight(snapshot: Snapshot, pool: PoolConfig) -> float:
+def inflight(snapshot: Snapshot, pool: ScaledPool) -> float:
     """The pool's in-flight work, as scale-in draining reads it (see contract.py for the meanings)."""
     if pool.role == "prefill":
         return gauge(snapshot, PENDING, model=pool.name) + gauge(snapshot, QUEUE, model=pool.name)
@@ -71,7 +71,7 @@ def inflight(snapshot: Snapshot, pool: PoolConfig) -> float:
 
 
 class _PoolState:
-    def __init__(self, pool: PoolConfig, window_s: float) -> None:
+    def __init__(self, pool: ScaledPool, window_s: float) -> None:
         self.pool = pool
         self.governor = Governor(pool)
         self.latency = HistogramWindow(window_s)
@@ -96,7 +96,7 @@ class Controller:
         """The planner's answer if it ran in the last step, else None."""
 
     @staticmethod
-    def _delta(prev: Snapshot, cur: Snapshot, family: str, pool: PoolConfig) -> Histogram:
+    def _delta(prev: Snapshot, cur: Snapshot, family: str, pool: ScaledPool) -> Histogram:
         """A request-level family over the pool's paths, summed over the entry points (`model` label:
         the model that served the request, not the pool) or over `request_models` when given."""
         found = None
@@ -167,7 +167,7 @@ class Controller:
         )
         return st.governor.decide(policy.propose(signals, size), size, now, lowest)
 
-    def _stale(self, cur: Snapshot, pool: PoolConfig) -> bool:
+    def _stale(self, cur: Snapshot, pool: ScaledPool) -> bool:
         if not cur.sample_times:
             return False  # a direct scrape is fresh when it succeeds
         match = kv_match(pool) if pool.role == "decode" else {"model": pool.name}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_tools.autoscaler.config import PoolConfig
+from disagg_tools.autoscaler.config import ScaledPool
 from disagg_tools.autoscaler.policy import IN, OUT, Proposal
 
 SCALE_OUT = "scale_out"
@@ -56,7 +56,7 @@ class Decision:
 class Governor:
     """Per-pool state between intervals: the time of the last change and the confirmation streaks."""
 
-    def __init__(self, pool: PoolConfig) -> None:
+    def __init__(self, pool: ScaledPool) -> None:
         self._pool = pool
         self._last_change: float | None = None
         self._out_streak = 0

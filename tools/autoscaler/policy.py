@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_tools.autoscaler.config import PoolConfig
+from disagg_tools.autoscaler.config import ScaledPool
 
 OUT, HOLD, IN = 1, 0, -1
 
@@ -88,7 +88,7 @@ class PrefillPolicy:
     (EWMA) from intervals in which the pool stayed busy; without either, only the TTFT rule applies.
     """
 
-    def __init__(self, pool: PoolConfig) -> None:
+    def __init__(self, pool: ScaledPool) -> None:
         if pool.ttft_target_s is None:
             raise ValueError("a prefill policy needs ttft_target_s")
         self._pool = pool
@@ -162,7 +162,7 @@ class DecodePolicy:
     util x size / (size - 1), stays below kv_low. Otherwise hold.
     """
 
-    def __init__(self, pool: PoolConfig) -> None:
+    def __init__(self, pool: ScaledPool) -> None:
         if pool.tpot_target_s is None:
             raise ValueError("a decode policy needs tpot_target_s")
         self._pool = pool

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.config import ConfigError
-from disagg_tools.autoscaler.config import AutoscalerConfig, PlannerConfig, PoolConfig
+from disagg_tools.autoscaler.config import AutoscalerConfig, PlannerConfig, ScaledPool
 from disagg_tools.autoscaler.histogram import Histogram
 from disagg_tools.planner.lengths import LengthDist, from_buckets
 from disagg_tools.planner.profile import Profile
@@ -182,8 +182,8 @@ class Recommender:
     def __init__(
         self,
         config: PlannerConfig,
-        prefill: PoolConfig,
-        decode: PoolConfig,
+        prefill: ScaledPool,
+        decode: ScaledPool,
         prefill_profile: Profile,
         decode_profile: Profile | None = None,
         routing: str = "least_loaded",
@@ -253,7 +253,7 @@ class Recommender:
         )
         return self.last
 
-    def floor_for(self, pool: PoolConfig) -> int | None:
+    def floor_for(self, pool: ScaledPool) -> int | None:
         """In floor mode, the last recommendation's count for `pool` (None: no floor)."""
         if not self.floor_mode or self.last is None:
             return None

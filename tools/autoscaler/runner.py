@@ -13,7 +13,7 @@ from typing import Any
 
 from disagg_tools.autoscaler.actuator import Actuator, ActuatorError, DrainTimeout
 from disagg_tools.autoscaler.clock import Clock
-from disagg_tools.autoscaler.config import AutoscalerConfig, PoolConfig
+from disagg_tools.autoscaler.config import AutoscalerConfig, ScaledPool
 from disagg_tools.autoscaler.controller import Controller, MissingMetric, inflight
 from disagg_tools.autoscaler.governor import HOLD, Decision
 from disagg_tools.autoscaler.recommender import Recommendation, Recommender
@@ -26,10 +26,10 @@ def print_json_line(record: dict[str, Any]) -> None:
     print(json.dumps(record, sort_keys=True), file=sys.stdout, flush=True)
 
 
-def inflight_probe(source: Source) -> Callable[[PoolConfig], float | None]:
+def inflight_probe(source: Source) -> Callable[[ScaledPool], float | None]:
     """A fresh read of a pool's in-flight gauge for scale-in draining; None when it cannot be read."""
 
-    def probe(pool: PoolConfig) -> float | None:
+    def probe(pool: ScaledPool) -> float | None:
         try:
             return inflight(source.fetch(), pool)
         except (SourceError, GarbageMetrics, MissingMetric):

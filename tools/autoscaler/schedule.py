@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from disagg_tools.autoscaler.config import PoolConfig, ScheduleConfig, ScheduleWindow
+from disagg_tools.autoscaler.config import ScaledPool, ScheduleConfig, ScheduleWindow
 from disagg_tools.autoscaler.governor import HOLD, SCALE_IN, SCALE_OUT, Decision
 from disagg_tools.autoscaler.policy import OUT_SIGNALS
 
@@ -87,7 +87,7 @@ def targets(schedule: ScheduleConfig, wall: float) -> dict[str, Target]:
     }
 
 
-def bounded(pool: PoolConfig, size: int) -> tuple[int, str]:
+def bounded(pool: ScaledPool, size: int) -> tuple[int, str]:
     """`size` within the pool's bounds, and the rule that set it."""
     if size < pool.min_size:
         return pool.min_size, GUARDRAIL_MIN
@@ -96,7 +96,7 @@ def bounded(pool: PoolConfig, size: int) -> tuple[int, str]:
     return size, SCHEDULED
 
 
-def slo_breach(pool: PoolConfig, decision: Decision) -> bool | None:
+def slo_breach(pool: ScaledPool, decision: Decision) -> bool | None:
     """Whether the pool's windowed latency quantile is above its target, as its policy measured it
     for this decision (TTFT for prefill, TPOT for decode); a window with fewer than `min_samples`
     observations is no breach (the policy does not trust it either). None when the inputs were not
@@ -120,7 +120,7 @@ def slo_breach(pool: PoolConfig, decision: Decision) -> bool | None:
     return bool(quantile > target)
 
 
-def floor(pool: PoolConfig, target: Target | None, planned: int | None) -> int | None:
+def floor(pool: ScaledPool, target: Target | None, planned: int | None) -> int | None:
     """The lowest size the reactive rules may scale the pool in to: the bounded scheduled size and the
     planner's count, whichever is higher; None when neither applies."""
     found = [bounded(pool, target.scheduled)[0]] if target is not None else []
@@ -130,7 +130,7 @@ def floor(pool: PoolConfig, target: Target | None, planned: int | None) -> int |
 
 
 def guard(
-    pool: PoolConfig,
+    pool: ScaledPool,
     reactive: Decision,
     target: Target | None,
     planned: int | None = None,

@@ -26,7 +26,7 @@ from autoscale_factory import (
 )
 
 from disagg_tools.autoscaler.actuator import LogActuator
-from disagg_tools.autoscaler.config import AutoscalerConfig, ConfigError, PoolConfig, build_config
+from disagg_tools.autoscaler.config import AutoscalerConfig, ConfigError, ScaledPool, build_config
 from disagg_tools.autoscaler.controller import OUTPUT
 from disagg_tools.autoscaler.governor import HOLD, SCALE_OUT
 from disagg_tools.autoscaler.histogram import Histogram
@@ -133,7 +133,7 @@ class CountingActuator(LogActuator):
         super().__init__()
         self.applied: list[tuple[str, int, int]] = []
 
-    def apply(self, pool: PoolConfig, current: int, desired: int) -> None:
+    def apply(self, pool: ScaledPool, current: int, desired: int) -> None:
         self.applied.append((pool.name, current, desired))
         super().apply(pool, current, desired)
 
