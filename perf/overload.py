@@ -43,6 +43,7 @@ from benchlib.deploy import pool_parameter, start_triton, with_orchestrator_para
 from benchlib.gauges import IDLE_GAUGES, scrape, settle
 from benchlib.loadgen import LoadConfig, run_clients, run_trace
 from benchlib.metrics import RequestRecord, Slo, percentile
+from benchlib.modelstats import delta, model_stats, table
 from benchlib.sampler import Sampler
 from benchlib.slo import SLO_FILE, load_frozen
 from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
@@ -193,6 +194,7 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
     await run_trace(client, warm, LoadConfig(max_duration_s=60), factory.count_output)
     settle(server.config.metrics_url, dict.fromkeys(IDLE_GAUGES, 0.0), timeout_s=30)  # idle again
     baseline = scrape(server.config.metrics_url)
+    stats_before = model_stats(server.config.http_url)
     memory = MemoryWatch(server.pid).start()  # the server leads its own process group
     stalls = await stall_probe(args.duration)
     started = time.perf_counter()
@@ -207,6 +209,8 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
         memory.stop()
         probed, _ = await stalls.communicate()
         await client.close()
+    # where the time went inside Triton (every request of the run, refused and served together)
+    models = delta(stats_before, model_stats(server.config.http_url))
     if args.records is not None:  # every request, one JSON object a line, for a closer look
         with args.records.open("w") as f:
             for record in records:
@@ -232,6 +236,7 @@ async def run(args: argparse.Namespace, server: Any, slo: Slo) -> dict[str, Any]
         **stall_summary(probed),
         "settle_s": settle_s,
         "leftover": leftover,
+        "models": models,
         "machine": machine(),
     }
 
@@ -293,6 +298,9 @@ def markdown(out: dict[str, Any], command: str) -> str:
         for kind, k in out["refusal_kinds"].items():
             lines.append(f"| `{kind}` | {k['count']} | {k['ms_p50']:.1f} / {k['ms_p99']:.1f} |")
         lines.append("")
+    if out.get("models"):
+        lines += ["Inside Triton, per model over the run (Triton's model statistics):", ""]
+        lines += [*table(out["models"]), ""]
     for error, count in out["other_errors"].items():
         lines.append(f"- {count} x `{error}`")
     return "\n".join(lines) + "\n"
