@@ -40,18 +40,16 @@ def delta(
     out = {}
     for model, phases in sorted(after.items()):
         old = before.get(model, dict.fromkeys(PHASES, (0, 0)))
-
-        def grew(phase: str) -> tuple[int, int]:
-            return phases[phase][0] - old[phase][0], phases[phase][1] - old[phase][1]  # noqa: B023
-
-        requests = grew("success")[0] + grew("fail")[0]
+        count = {p: phases[p][0] - old[p][0] for p in PHASES}
+        ns = {p: phases[p][1] - old[p][1] for p in PHASES}
+        requests = count["success"] + count["fail"]
         if requests <= 0:
             continue
-        queue_ns = grew("queue")[1]
-        compute_ns = sum(grew(p)[1] for p in ("compute_input", "compute_infer", "compute_output"))
+        queue_ns = ns["queue"]
+        compute_ns = ns["compute_input"] + ns["compute_infer"] + ns["compute_output"]
         out[model] = {
             "requests": requests,
-            "failed": grew("fail")[0],
+            "failed": count["fail"],
             "queue_ms": queue_ns / requests / 1e6,
             "compute_ms": compute_ns / requests / 1e6,
         }

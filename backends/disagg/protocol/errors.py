@@ -48,10 +48,12 @@ class Reason(StrEnum):
 
 def reason_named(name: object) -> Reason | None:
     """The reason called ``name`` on the wire; None for anything else (a peer that sent none)."""
-    return Reason(name) if isinstance(name, str) and name in _REASON_NAMES else None
+    try:
+        return Reason(name)
+    except ValueError:
+        return None
 
 
-_REASON_NAMES = frozenset(reason.value for reason in Reason)
 _DEFAULT_REASONS = {
     INVALID_ARG: Reason.BAD_REQUEST,
     UNAVAILABLE: Reason.LOST,

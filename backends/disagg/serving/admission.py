@@ -183,6 +183,6 @@ class Admission:
             raise ServingError(
                 UNAVAILABLE,
                 f"server is warming up: {backlog} prompt tokens already wait on a pool whose speed is "
-                f"not measured yet; retry after 1 s",
+                f"not measured yet; retry after {MIN_RETRY_S:g} s",
                 Reason.SHED,
             )

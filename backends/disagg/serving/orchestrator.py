@@ -433,15 +433,10 @@ class Orchestrator:
         self.waiting = 0  # requests waiting for a pool's first answer or a token (event loop only)
 
     def view(self, prompt: Sequence[int]) -> PoolsView:
-        """The pools as a decision about ``prompt`` sees them now (its predicted TTFT on the prefill
-        pool only where conditional disaggregation could take it)."""
+        """The pools as a decision about ``prompt`` sees them now (the router applies the rules)."""
         decode = self.health.get("decode")
         healthy = decode is not None and decode.state is PoolState.HEALTHY
-        bound = self.config.conditional_prefill_tokens
-        predicted = None
-        if bound and len(prompt) <= bound and healthy:
-            predicted = self.admission.predict_ttft("prefill", len(prompt))
-        return PoolsView(self.ladder, healthy, predicted)
+        return PoolsView(self.ladder, healthy, self.admission.predict_ttft("prefill", len(prompt)))
 
     def cancel_poll_s(self) -> float:
         """How long a waiting request waits between two checks of its client now."""
