@@ -19,7 +19,9 @@ one prompt's prefill apart, in the order they were refused, from the time the ba
 With one hint for all ("retry after 1 s"), 64 clients refused together came back together, were
 refused together again, and the refusals alone (about 50 a second through the tokenizer and the
 orchestrator) took the cores from the prompts (0.93 req/s served, refusals 334 ms p99). Slots are
-capped at ``MAX_RETRY_S`` ahead.
+capped at ``MAX_RETRY_S`` ahead; the refusals beyond that horizon are spread over its second half
+(a golden-ratio sequence, so no two land together). Held at the cap, they all came back at once: ten
+clients in 0.1 s, 30 s into a 64-client run, their refusals up to 210 ms behind each other.
 
 Before a pool's throughput is known (a pool never probed, or one that has computed nothing yet) its
 backlog is held to ``cold_backlog_tokens``: a flood arriving at a cold pool is
@@ -44,6 +46,7 @@ SMOOTHING = 0.3  # weight of the newest throughput sample
 MIN_BUSY_S = 0.05  # engine seconds between two probes below which a sample is too noisy to use
 MIN_RETRY_S = 1.0  # the soonest a refused request is told to come back
 MAX_RETRY_S = 30.0  # the latest (the OpenAI SDK honours a Retry-After of up to 60 s)
+SPREAD = (math.sqrt(5) - 1) / 2  # the golden ratio's step: the spread slots beyond the horizon
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class _Pool:
     left: int = 0  # prompt tokens admitted before the last probe that left the pool since
     epoch: int = 0  # probes seen
     retry_at: float = 0.0  # clock time the last slot handed to a refused request ends
+    beyond: int = 0  # refusals handed a spread slot since the slots last reached past the horizon
 
 
 class Admission:
@@ -162,11 +166,16 @@ class Admission:
     def _retry_slot(self, pool: str, prompt_tokens: int, wait: float) -> float:
         """Seconds until a refused request's slot: ``wait`` (until the backlog has room for it) or,
         if later, the end of the last slot handed out, which this one then extends by its prefill.
+        A slot past the horizon (``MAX_RETRY_S``) is spread over the horizon's second half instead.
         Rounded up to 0.1 s, within [MIN_RETRY_S, MAX_RETRY_S]."""
         state, now = self._pools[pool], self._clock()
-        start = min(max(now + max(MIN_RETRY_S, wait), state.retry_at), now + MAX_RETRY_S)
-        state.retry_at = start + prompt_tokens / (state.throughput or 1.0)
-        return math.ceil(round((start - now) * 10, 6)) / 10
+        start = max(now + max(MIN_RETRY_S, wait), state.retry_at)
+        if start <= now + MAX_RETRY_S:
+            state.retry_at, state.beyond = start + prompt_tokens / (state.throughput or 1.0), 0
+        else:  # the slots are taken as far as clients wait: spread, and leave the slots as they are
+            state.beyond += 1
+            start = now + MAX_RETRY_S * (1 + (state.beyond * SPREAD) % 1) / 2
+        return min(max(math.ceil(round((start - now) * 10, 6)) / 10, MIN_RETRY_S), MAX_RETRY_S)
 
     def backlog(self, pool: str) -> int:
         """Prompt tokens waiting on ``pool``: at its last probe less those of this orchestrator's

@@ -39,6 +39,15 @@ def test_refusals_are_counted_apart_and_timed_from_send_to_error():
     assert out["admitted_attainment"] == 0.5 and out["goodput_rps"] == 0.1  # the 0.9 s TTFT misses
 
 
+def test_the_opening_bursts_refusals_are_also_reported_apart():
+    """Every client's first request goes out at once; the refusals sent in the first second are left
+    out of the second figure, those after it are in."""
+    records = [_refused(0.01, 0.200), _refused(0.02, 0.150), _refused(2.0, 0.010), _refused(3.0, 0.020)]
+    out = overload.summary(records, SLO, duration_s=10.0)
+    assert out["refused"] == 4 and out["refused_after_opening"] == 2
+    assert out["refusal_ms_p99"] > 140.0 and 10.0 <= out["refusal_after_opening_ms_p99"] <= 20.0
+
+
 def test_a_stream_that_failed_after_its_first_token_is_not_a_refusal():
     broken = RequestRecord(0, 0.0, 0.0, 0.1, 0.1, 1, 1, 300, 10, "triton: UNAVAILABLE pool lost", ended=0.2)
     assert not overload.refused(broken)

@@ -162,6 +162,28 @@ def test_refused_requests_are_given_retry_slots_one_prefill_apart():
     assert hint() == 1.3
     now[0] += 60.0  # slots long past: back to the backlog's own wait, at least MIN_RETRY_S
     assert hint() == 1.0
-    for _ in range(200):
-        last = hint()
-    assert last == MAX_RETRY_S, "a slot is never further ahead than MAX_RETRY_S"
+    hints = [hint() for _ in range(200)]
+    assert max(hints) <= MAX_RETRY_S, "a slot is never further ahead than MAX_RETRY_S"
+
+
+def test_refusals_beyond_the_horizon_are_spread_not_heaped_at_it():
+    """Once the slots reach MAX_RETRY_S ahead, each further refusal gets a different time in the
+    horizon's second half, and the slots themselves stop growing: when time has passed, the next
+    refusal is one prefill after the last slot handed out, not after the spread ones."""
+    now = [0.0]
+    admission = Admission(AdmissionConfig(margin=1.0, ttft_slo_s=1.0), clock=lambda: now[0])
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(5000, 1000, 1.0))  # 5 s waiting at 1,000 tokens/s
+
+    def hint() -> float:
+        with pytest.raises(ServingError) as refused:
+            admission.admit("prefill", 1000)  # slots 1 s apart
+        return float(re.search(r"retry after (\S+) s", refused.value.message).group(1))
+
+    slots = [hint() for _ in range(26)]
+    assert slots == [float(s) for s in range(5, 31)], "one prefill apart up to the horizon"
+    spread = [hint() for _ in range(40)]
+    assert all(MAX_RETRY_S / 2 <= s <= MAX_RETRY_S for s in spread), spread
+    assert len(set(spread)) >= 35, f"spread, not heaped at the cap: {sorted(spread)}"
+    now[0] += 10.0  # the last slot (30 s) ended 31 s after the start: 21 s from now
+    assert hint() == 21.0
