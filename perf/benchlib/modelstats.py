@@ -36,7 +36,9 @@ def delta(
     before: dict[str, dict[str, tuple[int, int]]], after: dict[str, dict[str, tuple[int, int]]]
 ) -> dict[str, dict[str, float]]:
     """Per model that executed requests in between: ``requests`` (succeeded + failed) and the mean
-    milliseconds per request of its queue and of its compute (input + execute + output)."""
+    milliseconds per request of its queue and of its compute (input + execute + output), and of a
+    failed request from its arrival to its error (``failed_ms``; for the ensemble, a refusal's time
+    inside the server)."""
     out = {}
     for model, phases in sorted(after.items()):
         old = before.get(model, dict.fromkeys(PHASES, (0, 0)))
@@ -52,14 +54,19 @@ def delta(
             "failed": count["fail"],
             "queue_ms": queue_ns / requests / 1e6,
             "compute_ms": compute_ns / requests / 1e6,
+            "failed_ms": ns["fail"] / count["fail"] / 1e6 if count["fail"] > 0 else None,
         }
     return out
 
 
 def table(models: dict[str, dict[str, float]]) -> list[str]:
     """Markdown rows for ``delta``'s result."""
-    lines = ["| model | requests (failed) | queue, ms each | compute, ms each |", "|---|---:|---:|---:|"]
+    lines = [
+        "| model | requests (failed) | queue, ms each | compute, ms each | a failed one, ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for model, m in models.items():
         counts = f"{m['requests']:.0f} ({m['failed']:.0f})"
-        lines.append(f"| `{model}` | {counts} | {m['queue_ms']:.2f} | {m['compute_ms']:.2f} |")
+        failed = "–" if m.get("failed_ms") is None else f"{m['failed_ms']:.1f}"
+        lines.append(f"| `{model}` | {counts} | {m['queue_ms']:.2f} | {m['compute_ms']:.2f} | {failed} |")
     return lines

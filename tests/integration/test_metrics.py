@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Iterator
 
 import pytest
 from triton_support import (
@@ -31,6 +32,7 @@ from triton_support import (
     metric_sum,
     scrape_metrics,
     shm_entries,
+    stop_checked,
     text_request,
     timed_stream,
     wait_until,
@@ -64,8 +66,13 @@ def resolved(dtype: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(triton_factory: TritonFactory) -> TritonServer:
-    return triton_factory.start(REPO_ROOT / "model_repository", exit_timeout_s=10)
+def server(triton_factory: TritonFactory) -> Iterator[TritonServer]:
+    server = triton_factory.start(REPO_ROOT / "model_repository", exit_timeout_s=10)
+    triton_factory.release(server)  # `llm` is reloaded here: its exit is checked by stop_checked
+    try:
+        yield server
+    finally:
+        stop_checked(server)
 
 
 def http(server: TritonServer, path: str) -> str:

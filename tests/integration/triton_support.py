@@ -438,6 +438,21 @@ def http_sse(url: str, body: Mapping[str, Any], timeout_s: float = 30) -> list[A
 # ---- servers ---------------------------------------------------------------------------------------
 
 
+def stop_checked(server: Any) -> None:
+    """Stop `server` (one `TritonFactory.release`d); nothing of it may be left. Its exit status may be
+    1 for one reason only: Triton 2.51 sometimes keeps a reference to `llm` after traffic through it
+    (seen after a client cancelled a stream mid-request, after `llm` was reloaded with streams in
+    between, and about one run in five without either), and then cannot unload it at shutdown: `llm`'s
+    stub has exited, its model finalize never runs, and the server exits after its exit timeout
+    ("Exit timeout expired"). Not a leak of ours (nothing of ours holds Triton's model); not
+    understood further yet."""
+    status = server.stop(grace_s=5)
+    if status != 0:
+        assert "Exit timeout expired" in server.log_tail(5), server.log_tail(40)
+    assert not live_group_members(server.pid), "no process of the server is left"
+    assert not shm_entries(server.config.shm_prefix), "no shared memory of the server is left"
+
+
 class TritonFactory:
     """Starts Triton servers for one test module; see the module docstring."""
 

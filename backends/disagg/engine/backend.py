@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from disagg.engine.sequence import Request, SequenceState, StepOutput
+from disagg.kv.descriptor import Descriptor
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,12 @@ class EngineBackend(Protocol):
     def export_sequence(self, seq_id: int, transport: Any) -> Exported:
         """Offer a held, prefilled sequence's KV under a lease; it stays held until ``free``."""
 
-    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Any) -> Imported:
-        """Take over a sequence prefilled elsewhere: pull its KV, add it to the decode batch."""
+    def import_sequence(
+        self, state: SequenceState, descriptor: bytes | Descriptor, transport: Any
+    ) -> Imported:
+        """Take over a sequence prefilled elsewhere: pull its KV, add it to the decode batch.
+        ``descriptor``: the ``Descriptor`` the pool verified on submission, or the token as it came
+        (one its transport does not read, such as an engine's own sealed envelope)."""
 
     def free(self, seq_id: int) -> bool:
         """Drop a sequence and give back its KV; False when it was already gone (idempotent)."""

@@ -35,6 +35,7 @@ from disagg.engine.sequence import (
     StepOutput,
 )
 from disagg.engine.transformer import DecodeRows, PromptChunk, Transformer
+from disagg.kv.descriptor import Descriptor
 from disagg.kv.errors import IncompatibleKV
 from disagg.kv.layout import KVLayout
 
@@ -510,9 +511,14 @@ class Engine:
         token = transport.export_blocks(self.kv.memory, blocks, layout)
         return Exported(token, transport.verify(token).lease_id, state)
 
-    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Transport) -> Imported:
-        """Pull a sequence's KV through ``transport`` into free blocks (one copy), then decode it."""
-        layout = transport.verify(descriptor).layout
+    def import_sequence(
+        self, state: SequenceState, descriptor: bytes | Descriptor, transport: Transport
+    ) -> Imported:
+        """Pull a sequence's KV through ``transport`` into free blocks (one copy), then decode it.
+        ``descriptor``: as the pool verified it on submission, or a token still to verify."""
+        if not isinstance(descriptor, Descriptor):
+            descriptor = transport.verify(descriptor)
+        layout = descriptor.layout
         seconds: list[float] = []
 
         def fill(memory: torch.Tensor, dest: list[int]) -> None:

@@ -132,6 +132,15 @@ def _int(value: Any, what: str, lo: int, hi: int) -> int:
     return value
 
 
+def check_live(
+    lease_id: str, expires_at: float, now: float, renewed: Mapping[str, float] | None = None
+) -> None:
+    """Raise LeaseExpired when the lease has ended at ``now`` (wall clock), counting the later
+    expiry its importer asked for (``renewed``: lease id -> until)."""
+    if now >= max(expires_at, (renewed or {}).get(lease_id, expires_at)):
+        raise LeaseExpired("descriptor lease has expired")
+
+
 def parse_descriptor(
     token: bytes | str,
     secret: bytes,
@@ -202,8 +211,7 @@ def parse_descriptor(
     expires = _num(body["expires_at"], "expiry")
     if expires <= issued or expires - issued > limits.max_ttl_s or issued > now + limits.clock_skew_s:
         raise DescriptorError("descriptor lifetime is out of range")
-    if now >= max(expires, (renewed or {}).get(body["lease_id"], expires)):
-        raise LeaseExpired("descriptor lease has expired")
+    check_live(body["lease_id"], expires, now, renewed)
     return Descriptor(
         transport=body["transport"],
         origin=body["origin"],

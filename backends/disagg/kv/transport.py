@@ -37,6 +37,7 @@ from disagg.config import ConfigError, build
 from disagg.kv.descriptor import (
     Descriptor,
     DescriptorLimits,
+    check_live,
     new_lease_id,
     parse_ack,
     parse_descriptor,
@@ -285,22 +286,40 @@ class Transport(ABC):
     # ---- importer side ------------------------------------------------------------------
 
     def verify(self, token: bytes) -> Descriptor:
-        """Check a descriptor without touching memory: signature, schema, limits, expiry, replay."""
+        """Check a descriptor without touching memory: signature, schema, limits, expiry, replay.
+        The pool does this once, when the import is submitted; the import and the renewals then
+        take the ``Descriptor`` and check only what time changes (``_live``)."""
         now = self._clock()
         try:
-            with self._lock:
-                renewed = {lid: until for lid, (_, until) in self._renewed.items()}
-            desc = parse_descriptor(token, self.config.secret, self.config.limits, now, self.kind, renewed)
+            desc = parse_descriptor(
+                token, self.config.secret, self.config.limits, now, self.kind, self._until()
+            )
             self._check_location(desc)
-            with self._lock:
-                if desc.lease_id in self._consumed:
-                    raise LeaseGone("descriptor was already used")
         except DescriptorError:
             self.stats.add(refused=1)
             raise
+        self._check_unused(desc)
         return desc
 
-    def renew(self, token: bytes) -> float:
+    def _until(self) -> dict[str, float]:
+        with self._lock:
+            return {lid: until for lid, (_, until) in self._renewed.items()}
+
+    def _check_unused(self, desc: Descriptor) -> None:
+        with self._lock:
+            if desc.lease_id in self._consumed:
+                raise LeaseGone("descriptor was already used")
+
+    def _live(self, descriptor: bytes | Descriptor) -> Descriptor:
+        """``descriptor`` verified: a token in full, a ``Descriptor`` (verified by ``verify``) for
+        what time changes since, its lease's expiry and whether it was used."""
+        if not isinstance(descriptor, Descriptor):
+            return self.verify(descriptor)
+        check_live(descriptor.lease_id, descriptor.expires_at, self._clock(), self._until())
+        self._check_unused(descriptor)
+        return descriptor
+
+    def renew(self, token: bytes | Descriptor) -> float:
         """Ask the exporter to keep this descriptor's blocks for one more lifetime: the request
         still waits for destination blocks to copy into. Returns the expiry this side now assumes
         (``verify`` and ``import_blocks`` accept the descriptor until then). Raises like ``verify``
@@ -308,7 +327,7 @@ class Transport(ABC):
         the renewal in time has dropped its tags, so a late import still fails cleanly (LeaseGone).
         """
         self._check_open()
-        desc = self.verify(token)
+        desc = self._live(token)
         until = self._clock() + (desc.expires_at - desc.issued_at)
         with self._lock:
             seq = self._renewed.get(desc.lease_id, (0, 0.0))[0] + 1
@@ -317,8 +336,11 @@ class Transport(ABC):
         self.stats.add(renewals_sent=1)
         return until
 
-    def import_blocks(self, token: bytes, pool: torch.Tensor, block_ids: Sequence[int]) -> ImportResult:
-        """Verify ``token`` and copy its blocks into ``block_ids`` of ``pool`` (one copy).
+    def import_blocks(
+        self, token: bytes | Descriptor, pool: torch.Tensor, block_ids: Sequence[int]
+    ) -> ImportResult:
+        """Verify ``token`` (given a ``Descriptor`` from ``verify``: its lease's life only) and copy
+        its blocks into ``block_ids`` of ``pool`` (one copy).
 
         Raises DescriptorError (refused, nothing copied), LeaseGone / LeaseExpired (the
         exporter no longer holds the blocks), TransferError / ChecksumMismatch (destination
@@ -327,7 +349,7 @@ class Transport(ABC):
         """
         self._check_open()
         start = time.perf_counter()
-        desc = self.verify(token)
+        desc = self._live(token)
         dest = as_block_bytes(pool)
         if dest.shape[1] != desc.layout.block_bytes:
             raise ValueError("destination pool block size does not match the descriptor")

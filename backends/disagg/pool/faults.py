@@ -41,6 +41,7 @@ from typing import Any
 from disagg.engine.backend import EngineBackend, Imported
 from disagg.engine.errors import SequenceFailed
 from disagg.engine.sequence import Request, SequenceState, StepOutput
+from disagg.kv.descriptor import Descriptor
 from disagg.kv.faulty import FaultConfig, FaultHooks
 from disagg.role import Role
 
@@ -163,7 +164,9 @@ class FaultyBackend:
             self._joined(seq_id)
         return output
 
-    def import_sequence(self, state: SequenceState, descriptor: bytes, transport: Any) -> Imported:
+    def import_sequence(
+        self, state: SequenceState, descriptor: bytes | Descriptor, transport: Any
+    ) -> Imported:
         fault = self.faults.get(state.params.seed)
         kv = fault.kv if fault is not None else None
         if kv is None:

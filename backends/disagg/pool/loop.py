@@ -23,6 +23,7 @@ from typing import Any
 
 from disagg.engine.backend import EngineBackend
 from disagg.engine.loan import Loans, LoanStats
+from disagg.kv.descriptor import Descriptor
 from disagg.kv.errors import KVError
 from disagg.pool.dispatcher import Dispatcher
 from disagg.pool.renewal import Renewals
@@ -299,12 +300,14 @@ class EngineLoop:
 
     def _take(self, message: Message) -> None:
         if isinstance(message, Submit):
-            refusal = self.scheduler.add(message.job)
+            job = self._verified(message.job)
+            refusal = self.scheduler.add(job)
             if refusal is not None:
                 self._send(refusal)
             else:
-                self.dispatcher.watch(message.job)
-                self._watch_lease(message.job)
+                self.dispatcher.watch(job)
+                if isinstance(job, DecodeJob) and isinstance(job.descriptor, Descriptor):
+                    self._renewals.watch(job.handle, job.descriptor)
         elif isinstance(message, (Stop, Cancelled)):
             self._renewals.forget(message.handle)
             removal = self.scheduler.remove(message.handle)
@@ -340,14 +343,16 @@ class EngineLoop:
         )  # fmt: skip
         self.scheduler.batch_limit = decision.limit
 
-    def _watch_lease(self, job: Job) -> None:
-        if not isinstance(job, DecodeJob) or self.transport is None:
-            return
+    def _verified(self, job: Job) -> Job:
+        """A decode job with its descriptor verified, here and once: the import and the renewals
+        take the ``Descriptor``. One the transport refuses is left as it came, to be refused at its
+        import with the transport's own error (as are the envelopes of engines that seal their own)."""
+        if not isinstance(job, DecodeJob) or self.transport is None or isinstance(job.descriptor, Descriptor):
+            return job
         try:
-            desc = self.transport.verify(job.descriptor)
+            return replace(job, descriptor=self.transport.verify(job.descriptor))
         except KVError:
-            return  # refused when its import is tried, with the transport's own error
-        self._renewals.watch(job.handle, job.descriptor, desc.issued_at, desc.expires_at)
+            return job
 
     def _renew_waiting(self) -> None:
         """Keep the KV of imports still waiting for blocks: a lease never ends because of the wait."""

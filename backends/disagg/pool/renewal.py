@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.kv.descriptor import Descriptor
+
 
 @dataclass
 class _Watched:
-    descriptor: bytes
+    descriptor: Descriptor
     expires_at: float
     lifetime_s: float
 
@@ -29,9 +31,10 @@ class Renewals:
     def __len__(self) -> int:
         return len(self._watched)
 
-    def watch(self, handle: str, descriptor: bytes, issued_at: float, expires_at: float) -> None:
-        """An import is queued: its lease was issued at ``issued_at`` and ends at ``expires_at``."""
-        self._watched[handle] = _Watched(descriptor, expires_at, max(expires_at - issued_at, 0.0))
+    def watch(self, handle: str, descriptor: Descriptor) -> None:
+        """An import is queued with its verified descriptor (its lease's issue and expiry)."""
+        lifetime = max(descriptor.expires_at - descriptor.issued_at, 0.0)
+        self._watched[handle] = _Watched(descriptor, descriptor.expires_at, lifetime)
 
     def forget(self, handle: str) -> None:
         """The import left the queue (admitted, refused, stopped, cancelled). Idempotent."""
@@ -40,7 +43,7 @@ class Renewals:
     def clear(self) -> None:
         self._watched.clear()
 
-    def due(self, now: float) -> list[tuple[str, bytes]]:
+    def due(self, now: float) -> list[tuple[str, Descriptor]]:
         """``(handle, descriptor)`` of every watched import whose lease has less than ``fraction`` of
         its lifetime left at ``now``."""
         return [

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from disagg.engine.sequence import Request, SequenceState
+from disagg.kv.descriptor import Descriptor
 from disagg.protocol.errors import ServingError
 from disagg.role import Operation
 
@@ -67,13 +68,15 @@ class PrefillJob:
 
 @dataclass(frozen=True, eq=False)
 class DecodeJob:
-    """Import a sequence prefilled elsewhere (its state and signed KV descriptor) and decode it."""
+    """Import a sequence prefilled elsewhere (its state and signed KV descriptor) and decode it.
+    ``descriptor``: the signed token as it came; the pool's loop replaces it with the verified
+    ``Descriptor`` when it takes the job, so that it is verified once."""
 
     operation: ClassVar[Operation] = Operation.DECODE
     handle: str
     sink: Sink
     state: SequenceState
-    descriptor: bytes
+    descriptor: bytes | Descriptor
     submitted: float = field(default_factory=time.monotonic)
 
     @property

@@ -12,6 +12,7 @@ from kvpeer import fill
 
 from disagg.kv import ChecksumMismatch, DescriptorError, SecretError, TransferError, TransportConfig
 from disagg.kv.envelope import open_sealed, seal
+from disagg.kv.errors import LeaseExpired, LeaseGone
 from disagg.kv.fake import fake_regions
 from disagg.kv.faulty import FaultConfig
 from disagg.kv.lease import LeaseConfig, LeaseTable
@@ -192,3 +193,36 @@ def test_a_lease_is_extended_only_forward_and_never_past_its_longest_life():
     assert not table.extend("a", 300.0, max_life_s=10.0)
     assert not table.extend("missing", 300.0, max_life_s=10.0)
     assert table.expire(109.9) == [] and table.expire(110.0) == ["a"]
+
+
+def test_a_verified_descriptor_is_imported_without_a_second_verification(make, clock, monkeypatch):
+    """The decode pool verifies a descriptor once, when the import is submitted; the import (and a
+    renewal) given that ``Descriptor`` re-check only what time changes: its lease's expiry, and
+    whether it was used. The signature and schema are not parsed again."""
+    from disagg.kv import transport as transport_module
+
+    exp, imp = make("shm", ttl_s=5.0), make("shm")
+    layout = small_layout(32)
+    src = exp.allocate_memory(8, layout.block_bytes)
+    dst = imp.allocate_memory(8, layout.block_bytes)
+    fill(src, 3)
+    parsed: list[bytes] = []
+    real = transport_module.parse_descriptor
+    monkeypatch.setattr(
+        transport_module,
+        "parse_descriptor",
+        lambda token, *a, **k: parsed.append(token) or real(token, *a, **k),
+    )
+    token = exp.export_blocks(src, [0, 1, 2, 3], layout)
+    desc = imp.verify(token)
+    imp.renew(desc)
+    imp.import_blocks(desc, dst, [4, 5, 6, 7])
+    assert parsed == [token], "parsed once, by verify"
+    assert torch.equal(dst[4:8], src[0:4])
+    with pytest.raises(LeaseGone):  # used: refused without parsing
+        imp.import_blocks(desc, dst, [0, 1, 2, 3])
+    late = imp.verify(exp.export_blocks(src, [4, 5], small_layout(16)))
+    clock.advance(5.0 * 2 + 1)  # past its lease, and past the longest renewal
+    with pytest.raises(LeaseExpired):
+        imp.import_blocks(late, dst, [0, 1])
+    assert len(parsed) == 2, "the expiry was found without parsing it again"

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from local_pools import LocalPools
 
 from disagg.engine.engine import EngineConfig
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
-from disagg.pool.local import LocalPools
 from disagg.pool.loop import EngineLoop
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
 

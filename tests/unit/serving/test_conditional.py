@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
+from local_pools import LocalPools
 from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
@@ -17,7 +18,6 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
-from disagg.pool.local import LocalPools
 from disagg.pool.offline import generate
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.ladder import Route

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from local_pools import LocalPools
 from recorder import Recorder
 
 from disagg.engine.engine import Engine, EngineConfig
@@ -18,7 +19,6 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
-from disagg.pool.local import LocalPools
 from disagg.pool.offline import generate
 from disagg.protocol.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, Reason, ServingError
 from disagg.protocol.messages import PoolLoad, Token

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from local_pools import LocalPools
 from recorder import Recorder
 
 from disagg.config import build
@@ -18,7 +19,6 @@ from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
-from disagg.pool.local import LocalPools
 from disagg.protocol.errors import UNAVAILABLE
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.health import PoolState

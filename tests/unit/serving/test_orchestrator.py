@@ -186,8 +186,9 @@ def test_request_is_frozen():
 @pytest.fixture(scope="module")
 def chunked_colocated(tiny_model_dir):
     """A colocated pool that prefills at most 5 prompt tokens per step, in chunks."""
+    from local_pools import LocalPools
+
     from disagg.pool.instance import PoolConfig, build_instance
-    from disagg.pool.local import LocalPools
 
     engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
     config = PoolConfig(role="colocated", engine=engine, max_prefill_tokens=5, chunked_prefill=True)

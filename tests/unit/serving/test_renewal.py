@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from disagg.pool.renewal import Renewals
@@ -9,17 +11,19 @@ from disagg.pool.renewal import Renewals
 
 def test_an_import_is_due_once_less_than_half_its_lease_is_left_and_again_after_each_renewal():
     table = Renewals()
-    table.watch("a", b"desc-a", issued_at=100.0, expires_at=110.0)
-    table.watch("b", b"desc-b", issued_at=103.0, expires_at=113.0)
+    a = SimpleNamespace(issued_at=100.0, expires_at=110.0)  # what Renewals reads of a Descriptor
+    b = SimpleNamespace(issued_at=103.0, expires_at=113.0)
+    table.watch("a", a)
+    table.watch("b", b)
     assert table.due(104.9) == []
-    assert table.due(105.1) == [("a", b"desc-a")]
+    assert table.due(105.1) == [("a", a)]
     table.renewed("a", 115.1)
-    assert table.due(108.1) == [("b", b"desc-b")]
-    assert table.due(110.2) == [("a", b"desc-a"), ("b", b"desc-b")]
+    assert table.due(108.1) == [("b", b)]
+    assert table.due(110.2) == [("a", a), ("b", b)]
     table.forget("b")
     table.forget("b")  # idempotent
     table.renewed("b", 999.0)  # a renewal answered after the import left: ignored
-    assert table.due(111.0) == [("a", b"desc-a")] and len(table) == 1
+    assert table.due(111.0) == [("a", a)] and len(table) == 1
     table.clear()
     assert table.due(1e9) == []
 

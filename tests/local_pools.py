@@ -1,8 +1,6 @@
-"""Pools reached in-process: EngineLoops behind the orchestrator's PoolClient interface.
-
-Used by tests, by benchmarks that measure the serving path without Triton, and as the reference
-behaviour the Triton BLS client (``disagg.triton``) must match.
-"""
+"""Pools reached in-process: EngineLoops behind the orchestrator's PoolClient interface, for the
+orchestrator's unit tests (the reference behaviour the Triton BLS client, ``disagg.triton.pools``,
+must match). Served pools are always reached through Triton."""
 
 from __future__ import annotations
 
