@@ -142,6 +142,13 @@ def test_a_release_after_a_probe_takes_the_request_out_of_the_probed_queue():
     assert admission.predict_ttft("prefill", 0) == pytest.approx(0.01)
 
 
+def _hint(admission: Admission, prompt_tokens: int) -> float:
+    """The retry hint of a request ``admission`` refuses, in seconds."""
+    with pytest.raises(ServingError) as refused:
+        admission.admit("prefill", prompt_tokens)
+    return float(re.search(r"retry after (\S+) s", refused.value.message).group(1))
+
+
 def test_refused_requests_are_given_retry_slots_one_prefill_apart():
     """Requests refused together are not all told "1 s": each gets the next slot, one prompt's
     prefill after the last (here 300 tokens at 1,000 tokens/s), from when the backlog has room."""
@@ -151,9 +158,7 @@ def test_refused_requests_are_given_retry_slots_one_prefill_apart():
     admission.observe("prefill", _load(2700, 1000, 1.0))  # 2.7 s waiting at 1,000 tokens/s
 
     def hint() -> float:
-        with pytest.raises(ServingError) as refused:
-            admission.admit("prefill", 300)
-        return float(re.search(r"retry after (\S+) s", refused.value.message).group(1))
+        return _hint(admission, 300)
 
     assert [hint() for _ in range(3)] == [2.0, 2.3, 2.6]  # room after 3.0 - 1.0 s, then a slot each
     now[0] += 2.0
@@ -176,9 +181,7 @@ def test_refusals_beyond_the_horizon_are_spread_not_heaped_at_it():
     admission.observe("prefill", _load(5000, 1000, 1.0))  # 5 s waiting at 1,000 tokens/s
 
     def hint() -> float:
-        with pytest.raises(ServingError) as refused:
-            admission.admit("prefill", 1000)  # slots 1 s apart
-        return float(re.search(r"retry after (\S+) s", refused.value.message).group(1))
+        return _hint(admission, 1000)  # slots 1 s apart
 
     slots = [hint() for _ in range(26)]
     assert slots == [float(s) for s in range(5, 31)], "one prefill apart up to the horizon"
