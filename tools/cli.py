@@ -223,6 +223,14 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         f"{STATE_DIR / SPEC_REPOSITORY} (instead of --model-repository)",
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set one of the spec's keys by its path (kv.prefix_cache=false), on --spec's file or on the "
+        "defaults; the repository is then written afresh as with --spec; repeatable",
+    )
+    parser.add_argument(
         "--role",
         choices=("frontend", "prefill", "decode"),
         default=None,
@@ -243,15 +251,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     if args.remote_pools and (args.role != "frontend" or args.spec is not None):
         parser.error("--remote-pools goes with --role frontend (a spec says them in its remote section)")
     grpc_tls: Path | None = None
-    if args.spec is not None:
+    if args.set and args.spec is None and args.role is not None:
+        parser.error("--set with --role goes on a spec: give --spec")
+    if args.spec is not None or args.set:
         if args.model_repository != DEFAULT_REPOSITORY:
-            parser.error("--spec names the repository to serve; drop --model-repository")
+            parser.error("--spec and --set name the repository to serve; drop --model-repository")
         from disagg_tools.repository import write_owned
 
         folder = STATE_DIR / (SPEC_REPOSITORY if args.role is None else f"{SPEC_REPOSITORY}-{args.role}")
         try:
-            args.model_repository = write_owned(args.spec, folder, args.role or "all")
-            grpc_tls = pool_tls(args.spec, args.role)
+            args.model_repository = write_owned(args.spec, folder, args.role or "all", args.set)
+            grpc_tls = pool_tls(args.spec, args.role) if args.spec is not None else None
         except ValueError as exc:
             print(f"disagg serve: {exc}", file=sys.stderr)
             return 2

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,6 +68,7 @@ class Layout:
     dtype: str = "auto"
     prefill_dtype: str = ""  # "": dtype
     decode_dtype: str = ""  # "": dtype
+    colocated_dtype: str = ""  # "": dtype
     kv_dtype: str = ""  # of the prefill/decode pair; "": the decode pool's compute dtype
     kv_cache_mb: int = 256
     block_size: int = 16
@@ -130,7 +131,7 @@ class Layout:
     admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
 
     def __post_init__(self) -> None:
-        for field in ("dtype", "prefill_dtype", "decode_dtype", "kv_dtype"):
+        for field in ("dtype", "prefill_dtype", "decode_dtype", "colocated_dtype", "kv_dtype"):
             value = getattr(self, field)
             if value not in DTYPES and not (value == "" and field != "dtype"):
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}; got {value!r}")
@@ -221,7 +222,12 @@ class Layout:
 
     def pool_dtype(self, pool: str) -> str:
         """The compute dtype of a pool."""
-        return {"prefill": self.prefill_dtype, "decode": self.decode_dtype}.get(pool, "") or self.dtype
+        dtypes = {
+            "prefill": self.prefill_dtype,
+            "decode": self.decode_dtype,
+            "colocated": self.colocated_dtype,
+        }
+        return dtypes.get(pool, "") or self.dtype
 
     def pair_kv_dtype(self) -> str:
         """The KV cache dtype the prefill and decode pools share."""
@@ -565,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("model_repository"))
     defaults = Layout()
     fields = ("prefill_cores", "decode_cores", "colocated_cores", "frontend_cores", "dtype")
-    fields += ("prefill_dtype", "decode_dtype", "kv_dtype")
+    fields += ("prefill_dtype", "decode_dtype", "colocated_dtype", "kv_dtype")
     for field in (*fields, "prefill_gpus", "decode_gpus", "colocated_gpus"):
         parser.add_argument("--" + field.replace("_", "-"), default=getattr(defaults, field))
     parser.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_mb)
@@ -685,13 +691,30 @@ def main(argv: list[str] | None = None) -> int:
         help="write the repository a deployment spec (YAML, see deploy/spec.yaml) describes; the "
         "layout flags above are then refused",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set one of the spec's keys, by its path (pools.decode.lend_tpot_s=0.03, kv.prefix_cache=false, "
+        "pools.prefill.borrow=[]), on --spec's file or on the defaults; repeatable",
+    )
     args = parser.parse_args(argv)
-    if args.spec is not None:
-        given = [a for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")]
-        extra = [a for a in given if a.split("=")[0] not in ("--spec", "--out", "--role")]
+    given = [a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")]
+    if args.spec is not None or args.set:
+        extra = [a for a in given if a not in ("--spec", "--out", "--role", "--set")]
         if extra:
-            parser.error(f"--spec says the whole layout (and --role which part); drop {', '.join(extra)}")
-        return write_spec(args.spec, args.out, args.role)
+            parser.error(
+                f"--spec and --set say the whole layout (and --role which part); drop {', '.join(extra)}"
+            )
+        return write_spec(args.spec, args.out, args.role, args.set)
+    for flag in given:
+        if flag in DEPRECATED_FLAGS:
+            print(
+                f"disagg repository: {flag} is deprecated and goes in the next release; "
+                f"use --set {DEPRECATED_FLAGS[flag]}=... (the spec's key)",
+                file=sys.stderr,
+            )
     try:
         layout = _layout(args)
     except ValueError as exc:
@@ -701,15 +724,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# The layout flags, each with the spec key that says the same (`--set KEY=VALUE`). They keep working
+# for this release, with a message naming the key.
+DEPRECATED_FLAGS = {
+    "--prefill-cores": "pools.prefill.cores",
+    "--decode-cores": "pools.decode.cores",
+    "--colocated-cores": "pools.colocated.cores",
+    "--frontend-cores": "entry_points.cores",
+    "--dtype": "dtype",
+    "--prefill-dtype": "pools.prefill.dtype",
+    "--decode-dtype": "pools.decode.dtype",
+    "--colocated-dtype": "pools.colocated.dtype",
+    "--kv-dtype": "kv.dtype",
+    "--prefill-gpus": "pools.prefill.gpus",
+    "--decode-gpus": "pools.decode.gpus",
+    "--colocated-gpus": "pools.colocated.gpus",
+    "--kv-cache-mb": "kv.cache_mb",
+    "--lease-ttl-s": "kv.lease_ttl_s",
+    "--request-timeout-s": "entry_points.request_timeout_s",
+    "--colocated-chunk-tokens": "pools.colocated.chunk_tokens",
+    "--conditional-prefill-tokens": "pools.decode.conditional_prefill_tokens",
+    "--conditional-chunk-tokens": "pools.decode.conditional_chunk_tokens",
+    "--decode-batch-tpot-slo": "pools.decode.batch_tpot_slo_s",
+    "--decode-batch-start": "pools.decode.batch_start",
+    "--prefill-borrow": "pools.prefill.borrow",
+    "--decode-lend-tpot": "pools.decode.lend_tpot_s",
+    "--prefix-cache": "kv.prefix_cache",
+    "--no-prefix-cache": "kv.prefix_cache",
+    "--admission-margin": "entry_points.admission_margin",
+    "--hot-decode-cores": "hot_prompts.pool.cores",
+    "--hot-decode-nice": "hot_prompts.pool.nice",
+    "--hot-group-rate": "hot_prompts.group_rate",
+    "--hot-rate-adaptive": "hot_prompts.rate_adaptive",
+    "--hot-step-ratio": "hot_prompts.step_ratio",
+    "--no-local-decode": "pools.prefill.local_decode",
+    "--transport": "kv.transport",
+}
+
 OWNED_MARKER = ".disagg-spec-repository"  # in a folder this module created for `disagg serve --spec`
 
 
-def write_owned(spec_path: Path, out: Path, role: str = "all") -> Path:
-    """Write the spec's repository (for a server of ``role``) afresh into ``out``, a folder this
-    function creates and owns: one it finds without its marker (someone else's) is never touched.
-    ValueError when the spec is not valid, has not that role, or ``out`` is not ours."""
-    parts = _from_spec(spec_path, role)  # before anything is removed: an invalid spec changes nothing
-    _own(out, f"generated from {Path(spec_path).resolve()} for role {role}")
+def write_owned(spec_path: Path | None, out: Path, role: str = "all", overrides: Sequence[str] = ()) -> Path:
+    """Write the spec's repository (None: the default spec's; ``overrides`` set on it, as
+    ``--set``), for a server of ``role``, afresh into ``out``, a folder this function creates and
+    owns: one it finds without its marker (someone else's) is never touched. ValueError when the spec
+    is not valid, has not that role, or ``out`` is not ours."""
+    parts = _from_spec(
+        spec_path, role, overrides
+    )  # before anything is removed: an invalid spec changes nothing
+    origin = Path(spec_path).resolve() if spec_path is not None else "the default spec"
+    _own(out, f"generated from {origin} with {list(overrides)} for role {role}")
     write(out, *parts)
     return out
 
@@ -736,11 +800,12 @@ def _own(out: Path, origin: str) -> None:
     (out / OWNED_MARKER).write_text(origin + "\n")
 
 
-def write_spec(spec_path: Path, out: Path, role: str = "all") -> int:
-    """Write the repository of the spec at ``spec_path`` (for a server of ``role``) into ``out``; 2
-    with the error when the spec is not valid or has not that role."""
+def write_spec(spec_path: Path | None, out: Path, role: str = "all", overrides: Sequence[str] = ()) -> int:
+    """Write the repository of the spec at ``spec_path`` (None: the defaults), with ``overrides``
+    (``KEY=VALUE``, the spec's keys) set on it, for a server of ``role`` into ``out``; 2 with the
+    error when the spec is not valid or has not that role."""
     try:
-        parts = _from_spec(spec_path, role)
+        parts = _from_spec(spec_path, role, overrides)
     except ValueError as exc:  # ConfigError included
         print(f"disagg repository: {exc}", file=sys.stderr)
         return 2
@@ -750,14 +815,15 @@ def write_spec(spec_path: Path, out: Path, role: str = "all") -> int:
 
 
 def _from_spec(
-    spec_path: Path, role: str = "all"
+    spec_path: Path | None, role: str = "all", overrides: Sequence[str] = ()
 ) -> tuple[Layout, tuple[ModelVersion, ...], tuple[int, ...]]:
-    """What ``write`` takes, from the spec at ``spec_path`` (relative checkpoints from its folder) for
-    a server of ``role``; ValueError (a ConfigError) when the spec is not valid or has not that role."""
+    """What ``write`` takes, from the spec at ``spec_path`` (None: the defaults; relative checkpoints
+    from its folder) with ``overrides`` set, for a server of ``role``; ValueError (a ConfigError) when
+    the spec is not valid or has not that role."""
     from disagg_tools.spec import load_spec
 
-    spec = load_spec(spec_path)
-    base = Path(spec_path).resolve().parent
+    spec = load_spec(spec_path, overrides)
+    base = Path(spec_path).resolve().parent if spec_path is not None else Path.cwd()
     layout = spec.layout(role)
     if role == "frontend":  # it dials the pools: over TLS when the spec's remote section asks
         layout = dataclasses.replace(layout, remote_tls=spec.tls_folder(base))
@@ -773,6 +839,7 @@ def _layout(args: argparse.Namespace) -> Layout:
         dtype=args.dtype,
         prefill_dtype=args.prefill_dtype,
         decode_dtype=args.decode_dtype,
+        colocated_dtype=args.colocated_dtype,
         kv_dtype=args.kv_dtype,
         kv_cache_mb=args.kv_cache_mb,
         lease_ttl_s=args.lease_ttl_s,

@@ -29,6 +29,7 @@ objects of such a spec.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -318,6 +319,7 @@ class Spec:
             dtype=self.dtype,
             prefill_dtype=p.dtype,
             decode_dtype=d.dtype,
+            colocated_dtype=c.dtype,
             kv_dtype=self.kv.dtype,
             kv_cache_mb=self.kv.cache_mb,
             block_size=self.kv.block_size,
@@ -382,6 +384,38 @@ class Spec:
         return [prefill, decode]
 
 
+def with_overrides(data: Any, overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` (a parsed spec, or None) with each ``KEY=VALUE`` of ``overrides`` set: KEY is a dotted
+    path of the spec's keys (``pools.decode.lend_tpot_s``), VALUE a YAML value (``0.03``, ``[1]``,
+    ``null``, ``false``). Later overrides win; the keys are checked when the spec is built (an unknown
+    one is refused naming its path). ValueError for an override that is not KEY=VALUE."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data) if data is not None else {}
+    if not isinstance(out, dict):
+        raise ValueError("the spec must be a mapping")
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ValueError(f"--set {override!r}: expected KEY=VALUE, e.g. pools.decode.lend_tpot_s=0.03")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise ValueError(f"--set {override!r}: the value is not YAML") from None
+    return out
+
+
 def parse_spec(data: Any) -> Spec:
     """A spec from its parsed YAML; ConfigError naming the key path when it is not valid."""
     if data is None:
@@ -389,9 +423,13 @@ def parse_spec(data: Any) -> Spec:
     return build(Spec, data)
 
 
-def load_spec(path: Path) -> Spec:
-    """Read and validate a spec file; ConfigError (prefixed with the file) when it is not valid."""
+def load_spec(path: Path | None, overrides: Sequence[str] = ()) -> Spec:
+    """Read and validate a spec file (None: the defaults, which deploy/spec.yaml spells out), with
+    ``overrides`` (``with_overrides``) set on it; ConfigError (prefixed with the file) when the result
+    is not valid."""
+    where = str(path) if path is not None else "the default spec"
     try:
-        return parse_spec(load_file(Path(path)))
+        data = load_file(Path(path)) if path is not None else {}
+        return parse_spec(with_overrides(data, overrides))
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None

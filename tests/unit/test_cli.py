@@ -121,3 +121,17 @@ def test_serve_spec_refuses_an_invalid_spec_or_a_folder_it_did_not_write(tmp_pat
     assert [p.name for p in (tmp_path / ".triton" / SPEC_REPOSITORY).iterdir()] == ["mine"]
     with pytest.raises(SystemExit):
         serve_main(["--spec", str(good), "--model-repository", "elsewhere"])
+
+
+def test_serve_set_is_checked_like_a_spec_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """`disagg serve --set KEY=VALUE` on the defaults: an invalid value is refused with its key's path
+    before the spec folder is made; with --role it needs a spec (the remote section)."""
+    from disagg_tools.cli import SPEC_REPOSITORY, serve_main
+
+    monkeypatch.chdir(tmp_path)
+    assert serve_main(["--set", "pools.decode.cores=[0]", "--openai-port", "0"]) == 2
+    assert "the default spec: pools.decode.cores: overlaps prefill.cores" in capsys.readouterr().err
+    assert not (tmp_path / ".triton" / SPEC_REPOSITORY).exists()
+    with pytest.raises(SystemExit):
+        serve_main(["--set", "kv.prefix_cache=false", "--role", "decode"])
+    assert "--set with --role goes on a spec" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""Every key of the deployment spec reaches what is deployed: a walk over the spec's schema finds each
+key, sets it through `disagg repository --set` to a value other than its default, and the written
+repository (or, for the autoscaler's keys, its pools) changes. A key added to the spec without a way
+into the repository fails here until it has one (or is listed, with why, as the autoscaler's or a
+role's). And `--set` itself: paths, YAML values, errors, and the layout flags' deprecation."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from disagg.config import ConfigError
+from disagg_tools.repository import DEPRECATED_FLAGS
+from disagg_tools.repository import main as repository_main
+from disagg_tools.spec import Spec, load_spec, with_overrides
+
+# spec key -> (the overrides that set it to another value, the overrides of the baseline it is compared
+# with: the companions that key needs to have an effect, without it)
+CHANGES: dict[str, tuple[list[str], list[str]]] = {
+    "dtype": (["dtype=float32"], []),
+    "entry_points.cores": (["entry_points.cores=[1]"], []),
+    "entry_points.request_timeout_s": (["entry_points.request_timeout_s=300"], []),
+    "entry_points.slo.ttft_s": (["entry_points.slo.ttft_s=2"], []),
+    "entry_points.slo.tpot_s": (["entry_points.slo.tpot_s=0.2"], []),
+    "entry_points.admission_margin": (["entry_points.admission_margin=3"], []),
+    "pools.prefill.cores": (["pools.prefill.cores=[2]"], []),
+    "pools.prefill.gpus": (
+        ["pools.prefill.gpus=[0]", "pools.decode.gpus=[1]"],
+        ["pools.prefill.gpus=[2]", "pools.decode.gpus=[1]"],  # GPU pools go together: another GPU
+    ),
+    "pools.prefill.instances": (["pools.prefill.instances=2"], []),
+    "pools.prefill.dtype": (["pools.prefill.dtype=float32"], []),
+    "pools.prefill.nice": (["pools.prefill.nice=5"], []),
+    "pools.prefill.local_decode": (["pools.prefill.local_decode=false"], []),
+    "pools.prefill.borrow": (["pools.prefill.borrow=[]"], []),
+    "pools.decode.cores": (["pools.decode.cores=[2]"], []),
+    "pools.decode.gpus": (
+        ["pools.prefill.gpus=[0]", "pools.decode.gpus=[1]"],
+        ["pools.prefill.gpus=[0]", "pools.decode.gpus=[2]"],
+    ),
+    "pools.decode.instances": (["pools.decode.instances=2"], []),
+    "pools.decode.dtype": (["pools.decode.dtype=float32"], []),
+    "pools.decode.conditional_prefill_tokens": (["pools.decode.conditional_prefill_tokens=64"], []),
+    "pools.decode.conditional_chunk_tokens": (
+        ["pools.decode.conditional_prefill_tokens=64", "pools.decode.conditional_chunk_tokens=32"],
+        ["pools.decode.conditional_prefill_tokens=64"],
+    ),
+    "pools.decode.batch_tpot_slo_s": (["pools.decode.batch_tpot_slo_s=0.05"], []),
+    "pools.decode.batch_start": (
+        ["pools.decode.batch_tpot_slo_s=0.05", "pools.decode.batch_start=8"],
+        ["pools.decode.batch_tpot_slo_s=0.05"],
+    ),
+    "pools.decode.lend_tpot_s": (["pools.decode.lend_tpot_s=0.03"], []),
+    "pools.colocated.cores": (["pools.colocated.cores=[1]"], []),
+    "pools.colocated.gpus": (["pools.colocated.gpus=[0]"], []),
+    "pools.colocated.instances": (["pools.colocated.instances=2"], []),
+    "pools.colocated.dtype": (["pools.colocated.dtype=float32"], []),
+    "pools.colocated.chunk_tokens": (["pools.colocated.chunk_tokens=64"], []),
+    "kv.dtype": (["kv.dtype=float32"], []),
+    "kv.cache_mb": (["kv.cache_mb=128"], []),
+    "kv.block_size": (["kv.block_size=32"], []),
+    "kv.lease_ttl_s": (["kv.lease_ttl_s=10"], []),
+    "kv.transport": (["kv.transport=nixl"], []),
+    "kv.prefix_cache": (["kv.prefix_cache=false"], []),
+    "hot_prompts.pool": (["hot_prompts.pool={cores: [1], nice: 5}"], []),
+    "hot_prompts.group_rate": (["hot_prompts.group_rate=2"], []),
+    "hot_prompts.rate_adaptive": (
+        ["hot_prompts.group_rate=2", "hot_prompts.rate_adaptive=true"],
+        ["hot_prompts.group_rate=2"],
+    ),
+    "hot_prompts.step_ratio": (["hot_prompts.step_ratio=1.5"], []),
+    "model.versions": (["model.versions=[{version: 1}, {version: 2}]"], []),
+    "model.serving": (
+        ["model.versions=[{version: 1}, {version: 2}]", "model.serving=2"],
+        ["model.versions=[{version: 1}, {version: 2}]"],
+    ),
+}
+AUTOSCALER = {  # read by `disagg autoscale --spec`, not by the repository
+    "pools.prefill.autoscale.min_size": ["pools.prefill.autoscale={min_size: 2, max_size: 3}"],
+    "pools.prefill.autoscale.max_size": ["pools.prefill.autoscale.max_size=3"],
+    "pools.decode.autoscale.min_size": ["pools.decode.autoscale={min_size: 2, max_size: 3}"],
+    "pools.decode.autoscale.max_size": ["pools.decode.autoscale.max_size=3"],
+}
+ELSEWHERE = {
+    "schedule": "the autoscaler's day/night split (disagg autoscale --spec), tested in tests/unit/autoscaler",
+    "remote": "served by role (disagg serve --spec --role), tested in test_spec.py and the topology tests",
+}
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key of the schema below ``cls``: a nested section's keys, a leaf's own (an optional
+    section, such as a hot pool, is one key: it is set whole)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _keys(hint, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _written(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
+    out = tmp_path / str(len(list(tmp_path.iterdir())))
+    assert repository_main(["--out", str(out), *(a for o in overrides for a in ("--set", o))]) == 0
+    return _tree(out)
+
+
+def test_the_walk_finds_every_key_and_each_is_accounted_for():
+    keys = _keys(Spec)
+    assert len(keys) >= 40 and "pools.decode.lend_tpot_s" in keys and "entry_points.slo.ttft_s" in keys
+    accounted = {*CHANGES, *AUTOSCALER, *ELSEWHERE}
+    assert sorted(set(keys) - accounted) == [], "a spec key with no test of its way into the deployment"
+    assert sorted(accounted - set(keys)) == [], "a key listed here that the spec no longer has"
+
+
+@pytest.mark.parametrize("key", sorted(CHANGES))
+def test_each_key_changes_the_written_repository(tmp_path: Path, key: str):
+    changed, baseline = CHANGES[key]
+    assert _written(tmp_path, changed) != _written(tmp_path, baseline), f"{key} changed nothing"
+
+
+@pytest.mark.parametrize("key", sorted(AUTOSCALER))
+def test_each_autoscaler_key_changes_the_autoscalers_pools(key: str):
+    assert load_spec(None, AUTOSCALER[key]).autoscaler_pools() != Spec().autoscaler_pools()
+
+
+def test_overrides_set_nested_keys_to_yaml_values_and_the_last_wins():
+    data = with_overrides({"kv": {"cache_mb": 64}}, ["kv.prefix_cache=false", "pools.prefill.borrow=[]"])
+    assert data == {"kv": {"cache_mb": 64, "prefix_cache": False}, "pools": {"prefill": {"borrow": []}}}
+    assert with_overrides(None, ["dtype=float32", "dtype=auto"]) == {"dtype": "auto"}
+    assert with_overrides({}, ["pools.decode.lend_tpot_s=null"]) == {
+        "pools": {"decode": {"lend_tpot_s": None}}
+    }
+    spec = load_spec(None, ["pools.decode.lend_tpot_s=0.03", "hot_prompts.pool={cores: [1]}"])
+    assert spec.pools.decode.lend_tpot_s == 0.03 and spec.hot_prompts.pool.cores == (1,)
+    original = {"kv": {"cache_mb": 64}}
+    with_overrides(original, ["kv.cache_mb=1"])
+    assert original == {"kv": {"cache_mb": 64}}, "the parsed spec is not changed in place"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("kv.prefix_cache", "expected KEY=VALUE"),
+        ("=1", "expected KEY=VALUE"),
+        ("kv..cache_mb=1", "expected KEY=VALUE"),
+        ("dtype.x=1", "dtype is not a section"),
+        ("kv.cache_mb=[1", "not YAML"),
+    ],
+)
+def test_a_malformed_override_is_refused(override: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        with_overrides({"dtype": "auto"}, [override])
+
+
+def test_an_unknown_or_invalid_key_is_refused_naming_its_path(tmp_path: Path, capsys):
+    with pytest.raises(ConfigError, match=r"pools\.decode: unknown key\(s\) lend_tpot"):
+        load_spec(None, ["pools.decode.lend_tpot=0.03"])
+    assert repository_main(["--out", str(tmp_path / "r"), "--set", "kv.block_size=7"]) == 2
+    assert "kv.block_size" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_set_with_a_layout_flag_is_refused_and_a_layout_flag_names_its_key(tmp_path: Path, capsys):
+    with pytest.raises(SystemExit):
+        repository_main(["--out", str(tmp_path / "a"), "--set", "kv.cache_mb=64", "--kv-cache-mb", "64"])
+    capsys.readouterr()
+    assert repository_main(["--out", str(tmp_path / "b"), "--kv-cache-mb", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "--kv-cache-mb is deprecated" in err and "--set kv.cache_mb=" in err
+    # the flag and the key write the same repository
+    assert repository_main(["--out", str(tmp_path / "c"), "--set", "kv.cache_mb=64"]) == 0
+    assert _tree(tmp_path / "b") == _tree(tmp_path / "c")
+
+
+def test_every_deprecated_flag_names_a_key_of_the_spec():
+    keys = set(_keys(Spec))
+    for flag, key in DEPRECATED_FLAGS.items():
+        assert key in keys or key.rsplit(".", 1)[0] in keys, (flag, key)
