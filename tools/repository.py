@@ -341,7 +341,7 @@ def _pool(
     if nice:
         params["nice"] = str(nice)
     if role == "prefill" and layout.local_decode:
-        params["local_generate"] = "true"
+        params["local_decode"] = "true"
     if role == "decode" and layout.conditional_prefill_tokens:
         params["local_prefill_tokens"] = str(layout.conditional_prefill_tokens)
         params["chunked_prefill"] = "true"

@@ -22,6 +22,10 @@ default is ``""``.
 for tuples; ``""`` means ``None`` for an optional field, ``()`` for a tuple and "not given" (the default)
 for any other field. Values that are not strings are checked as in the default mode.
 
+A dataclass that renamed a key declares ``RENAMED: ClassVar[dict[str, str]]`` (old name -> new):
+the old name still works for one release, with a warning naming the new one (both at once are
+refused).
+
 Torch-free on purpose: the autoscaler and the command line use it too.
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import os
 import types
@@ -40,6 +45,8 @@ from typing import Any, Literal, TypeVar
 __all__ = ["ConfigError", "build"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 TRUE_WORDS = ("1", "true", "yes")
 FALSE_WORDS = ("0", "false", "no")
@@ -59,6 +66,7 @@ def build(cls: type[T], data: Mapping[str, Any], *, strings: bool = False, where
         raise TypeError(f"build() needs a dataclass type, got {cls!r}")
     if not isinstance(data, Mapping):
         raise ConfigError(_at(where, "must be a mapping"))
+    data = _renamed(cls, data, where)
     hints = typing.get_type_hints(cls)
     settable = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(str(k) for k in data if k not in settable)
@@ -85,6 +93,24 @@ def build(cls: type[T], data: Mapping[str, Any], *, strings: bool = False, where
         raise
     except ValueError as exc:  # the dataclass's own range checks
         raise ConfigError(_within(where, str(exc), settable)) from exc
+
+
+def _renamed(cls: type, data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """``data`` with the keys ``cls`` renamed (its ``RENAMED``) under their new names, each old one
+    warned about; ConfigError when a key is given under both names."""
+    renamed = getattr(cls, "RENAMED", None) or {}
+    old = [k for k in renamed if k in data]
+    if not old:
+        return data
+    out = dict(data)
+    for key in old:
+        new = renamed[key]
+        if new in data:
+            raise ConfigError(_at(where, f"{key} and {new} are one key (renamed {new}): give {new} only"))
+        path = f"{where}.{key}" if where else key
+        log.warning("%s is deprecated and goes in the next release: it is now %s", path, new)
+        out[new] = out.pop(key)
+    return out
 
 
 def _at(where: str, message: str) -> str:

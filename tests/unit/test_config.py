@@ -4,6 +4,7 @@ that name the key path; and the orchestrator's settings through it."""
 from __future__ import annotations
 
 import enum
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -307,3 +308,19 @@ def test_orchestrator_config_range_edges_and_direct_construction() -> None:
         OrchestratorConfig(decode_model="")
     with pytest.raises(ValueError, match="max_inflight"):
         OrchestratorConfig(max_inflight=True)  # type: ignore[arg-type]
+
+
+def test_a_renamed_key_still_works_for_a_release_with_a_warning_naming_the_new_one(caplog):
+    from disagg.pool.instance import PoolConfig
+
+    engine = {"model_dir": "/m"}
+    with caplog.at_level(logging.WARNING, logger="disagg.config"):
+        old = PoolConfig.from_dict({"role": "prefill", "local_generate": "true", **engine}, strings=True)
+    assert old.local_decode is True
+    assert "local_generate is deprecated" in caplog.text and "now local_decode" in caplog.text
+    new = PoolConfig.from_dict({"role": "prefill", "local_decode": "true", **engine}, strings=True)
+    assert new == old
+    with pytest.raises(ConfigError, match="local_generate and local_decode are one key"):
+        PoolConfig.from_dict(
+            {"role": "prefill", "local_generate": "1", "local_decode": "1", **engine}, strings=True
+        )

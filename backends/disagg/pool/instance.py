@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from disagg.config import ConfigError, build
 from disagg.engine import kernel
@@ -25,6 +25,8 @@ from disagg.scheduling.tuner import BatchTuner, TunerConfig
 class PoolConfig:
     """One pool instance. ``engine`` settings as EngineConfig; the rest is serving policy."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"local_generate": "local_decode"}  # old key -> new (config.build)
+
     role: Role
     engine: EngineConfig
     transport: str = "shm"
@@ -36,8 +38,9 @@ class PoolConfig:
     max_prefill_tokens: int = 4096
     chunked_prefill: bool = False
     # A prefill pool that also decodes what it prefilled, when the orchestrator sends it whole requests
-    # (its fallback while the decode pool is gone or saturated); prefill pools only
-    local_generate: bool = False
+    # (its fallback while the decode pool is gone or saturated); prefill pools only. The spec's name
+    # (pools.prefill.local_decode); config.pbtxt's "local_generate" still works for this release
+    local_decode: bool = False
     # A decode pool that also prefills prompts of at most this many tokens itself, when the
     # orchestrator keeps them off a backlogged prefill pool (conditional disaggregation); 0: off
     local_prefill_tokens: int = 0
@@ -79,8 +82,8 @@ class PoolConfig:
         if not 0 < self.lease_ttl_s <= 3600:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
         self.scheduling()  # validates the scheduler's settings
-        if self.local_generate and self.role is not Role.PREFILL:
-            raise ValueError("local_generate is a prefill pool's setting")
+        if self.local_decode and self.role is not Role.PREFILL:
+            raise ValueError("local_decode is a prefill pool's setting")
         if self.local_prefill_tokens and self.role is not Role.DECODE:
             raise ValueError("local_prefill_tokens is a decode pool's setting")
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
@@ -123,7 +126,7 @@ class PoolConfig:
             self.max_queue,
             self.max_prefill_tokens,
             self.chunked_prefill,
-            self.local_generate,
+            self.local_decode,
             self.local_prefill_tokens,
             self.max_overtakes,
         )

@@ -90,7 +90,7 @@ def loops(tiny_model_dir) -> Iterator[dict]:
     for role in ("prefill", "decode", "colocated"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
         config = PoolConfig(
-            role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix, local_generate=role == "prefill"
+            role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix, local_decode=role == "prefill"
         )
         built[role] = build_instance(config, secret)
     started = {role: loop.start() for role, (loop, _) in built.items()}
