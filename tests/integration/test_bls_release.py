@@ -1,8 +1,8 @@
 """The Python backend's BLS iterator-release defect on Triton 2.51, and the graveyard that avoids it.
 
 Runs `perf/bls_release_stress.py`'s stress models (a decoupled BLS relay like the orchestrator, over a
-streaming source) for a short while per release policy: letting finished iterators go at once kills
-the relay's stub (its responses are freed without the GIL on the stub's own thread); keeping them in
+streaming source) for a short while per release policy: letting finished iterators go at once frees
+their responses without the GIL on the stub's own thread (which usually kills the stub); keeping them in
 `disagg.triton.graveyard.Graveyard` frees every response array with the GIL and nothing dies. The
 first half shows the second can fail: if Triton's Python backend no longer has the defect, it fails
 and says so."""
@@ -19,17 +19,21 @@ if str(PERF) not in sys.path:
 
 import bls_release_stress  # noqa: E402 - needs perf/ on the path
 
-# the drop policy's stub dies within a second (perf/results/bls_release_stress.md: 0.6 s, every run);
-# 6 s of the graveyard make over a thousand calls here
-ARGS = argparse.Namespace(seconds=6.0, streams=32, responses=8, width=64)
+# the drop policy's stub usually dies within a second (perf/results/bls_release_stress.md: 0.6 s);
+# 4 s of the graveyard make about 700 calls here
+ARGS = argparse.Namespace(seconds=4.0, streams=32, responses=8, width=64)
 
 
-def test_dropping_finished_iterators_kills_the_relay_stub(tmp_path: Path) -> None:
+def test_dropping_finished_iterators_frees_responses_without_the_gil(tmp_path: Path) -> None:
+    """The defect itself: with finished iterators let go at once, the stub's own thread frees response
+    arrays without the GIL (the stress model's tripwire counts them), and that usually kills the stub.
+    The crash is a race (one run in this suite's history went 6 s without one, 8 arrays freed without
+    the GIL); the frees are what the graveyard prevents, so they are what is held to."""
     run = bls_release_stress.one_run(tmp_path, "drop", ARGS)
-    assert run["crashed"], (
-        "no process died in 15 s of dropping finished BLS iterators: the Python backend may have been "
-        "fixed (python_backend r24.12 takes the GIL); update docs/degradation.md and graveyard.py. "
-        f"Run: {run}"
+    assert run["crashed"] or (run["arrays_freed_without_gil"] or 0) > 0, (
+        "no array freed without the GIL and no process died in 4 s of dropping finished BLS iterators: "
+        "the Python backend may have been fixed (python_backend r24.12 takes the GIL); update "
+        f"docs/degradation.md and graveyard.py. Run: {run}"
     )
 
 

@@ -146,7 +146,7 @@ def test_the_plan_charges_the_relay_to_every_placement():
     """A relay term that makes a batch of 8 miss its TPOT (0.02 + 8 x 0.004 > 0.05) lowers every
     placement's goodput, colocated and disaggregated."""
     one = constant(prefill_s=0.02, step_s=0.02)
-    traffic = Traffic(LengthDist("fixed", 100), LengthDist("fixed", 32), count=200)
+    traffic = Traffic(LengthDist("fixed", 100), LengthDist("fixed", 32), count=100)
     slo = Slo(ttft_s=0.5, tpot_s=0.05)
     ranked = plan(2, {1: one}, traffic, slo)
     free = {p.name: p.goodput_rps for p in ranked}
@@ -265,7 +265,7 @@ def test_the_plan_routes_at_random_by_default():
     load-oblivious assignment, which the plan models unless told otherwise."""
     # prompts cost 1 ms a token, a decode step 5 ms plus 2 ms a sequence
     one = Profile(Fit((0.0, 0.001, 0.0), 0, 0), Fit((0.005, 0.002, 0.0), 0, 0))
-    traffic = Traffic(LengthDist("lognormal", 100, 0.8), LengthDist("fixed", 16), count=200)
+    traffic = Traffic(LengthDist("lognormal", 100, 0.8), LengthDist("fixed", 16), count=100)
     slo = Slo(ttft_s=0.5, tpot_s=0.05)
     default = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo)}
     oblivious = {p.name: p.goodput_rps for p in plan(2, {1: one}, traffic, slo, routing="random")}

@@ -16,6 +16,30 @@ from disagg.kv.descriptor import Descriptor
 from disagg.protocol.errors import ServingError
 from disagg.role import Operation
 
+# ---------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True)
+class JobId:
+    """One request's identity at the pools: the id its entry point gave it, and which attempt (0, then
+    one more per migration, so that a pool still holding the last attempt's job never mistakes the next
+    for it). ``str`` is its wire form: the jobs' ``handle``, which a pool token is bound to."""
+
+    request: str
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request or "~" in self.request or self.attempt < 0:
+            raise ValueError(f"bad job id {self.request!r} attempt {self.attempt}")
+
+    def __str__(self) -> str:
+        return self.request if self.attempt == 0 else f"{self.request}~{self.attempt}"
+
+    def next(self) -> JobId:
+        """The id of the request's next attempt."""
+        return JobId(self.request, self.attempt + 1)
+
+
 # ---------------------------------------------------------------- events (pool -> orchestrator)
 
 

@@ -37,7 +37,7 @@ from disagg.protocol.errors import (
     ServingError,
     classify,
 )
-from disagg.protocol.messages import PoolLoad, Prefilled, Token
+from disagg.protocol.messages import JobId, PoolLoad, Prefilled, Token
 from disagg.serving.admission import Admission, AdmissionConfig, Ticket
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
@@ -554,7 +554,7 @@ class _Run:
     ) -> None:
         self.owner = owner
         self.pools = owner.pools
-        self.handle = handle
+        self.job = JobId(handle)  # its jobs' handle at the pools: str(self.job)
         self.prompt = prompt
         self.text = text
         self.out = out
@@ -566,6 +566,11 @@ class _Run:
         self.admitted = False  # passed admission by capacity
         self.ticket: Ticket | None = None  # its place in a pool's backlog while its prompt waits there
         self.decode_pool = "decode"  # the disaggregated rung's decode pool: "decode" or the hot pool
+
+    @property
+    def handle(self) -> str:
+        """The current attempt's jobs' handle at the pools."""
+        return str(self.job)
 
     async def go(self) -> None:
         """Serve on the route the router gives; when a leg's pool fails, carry out the router's
@@ -621,7 +626,7 @@ class _Run:
         await self.cleanup()
         self._check_cancelled()
         self.outcome.migrations += 1
-        self.handle = f"{self.outcome.handle}~{self.outcome.migrations}"
+        self.job = self.job.next()
         log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
         return self.owner.ladder.route(after=route.rung, reason=failover.reason)
 
