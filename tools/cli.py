@@ -261,7 +261,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         folder = STATE_DIR / (SPEC_REPOSITORY if args.role is None else f"{SPEC_REPOSITORY}-{args.role}")
         try:
             args.model_repository = write_owned(args.spec, folder, args.role or "all", args.set)
-            grpc_tls = pool_tls(args.spec, args.role) if args.spec is not None else None
+            grpc_tls = pool_tls(args.spec, args.role)  # a pool role: --spec was given
         except ValueError as exc:
             print(f"disagg serve: {exc}", file=sys.stderr)
             return 2
@@ -357,9 +357,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     return 128 - status if status < 0 else status
 
 
-def pool_tls(spec_path: Path, role: str | None) -> Path | None:
+def pool_tls(spec_path: Path | None, role: str | None) -> Path | None:
     """The TLS folder a pool role serves gRPC with (the spec's ``remote.tls``), None for plain gRPC or
-    another role; ValueError when the spec is not valid or the folder lacks a file."""
+    another role (for which ``spec_path`` may be None); ValueError when the spec is not valid or the
+    folder lacks a file."""
     from disagg_tools.spec import load_spec
 
     if role not in ("prefill", "decode"):

@@ -769,9 +769,8 @@ def write_owned(spec_path: Path | None, out: Path, role: str = "all", overrides:
     ``--set``), for a server of ``role``, afresh into ``out``, a folder this function creates and
     owns: one it finds without its marker (someone else's) is never touched. ValueError when the spec
     is not valid, has not that role, or ``out`` is not ours."""
-    parts = _from_spec(
-        spec_path, role, overrides
-    )  # before anything is removed: an invalid spec changes nothing
+    # before anything is removed: an invalid spec changes nothing
+    parts = _from_spec(spec_path, role, overrides)
     origin = Path(spec_path).resolve() if spec_path is not None else "the default spec"
     _own(out, f"generated from {origin} with {list(overrides)} for role {role}")
     write(out, *parts)

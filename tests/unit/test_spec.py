@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
+from file_tree import file_tree
 
 from disagg.config import ConfigError
 from disagg.paths import REPO_ROOT
@@ -20,13 +20,11 @@ from disagg_tools.spec import Spec, load_spec, parse_spec
 DEFAULT_SPEC = REPO_ROOT / "deploy" / "spec.yaml"
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_the_committed_repository_is_the_default_spec(tmp_path):
     assert repository_main(["--spec", str(DEFAULT_SPEC), "--out", str(tmp_path)]) == 0
-    assert _tree(tmp_path) == _tree(REPO_ROOT / "model_repository"), "regenerate: disagg repository --spec"
+    assert file_tree(tmp_path) == file_tree(REPO_ROOT / "model_repository"), (
+        "regenerate: disagg repository --spec"
+    )
     assert load_spec(DEFAULT_SPEC) == Spec(), "the default spec spells out the defaults"
 
 

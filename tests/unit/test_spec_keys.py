@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from file_tree import file_tree
 
 from disagg.config import ConfigError
 from disagg_tools.repository import DEPRECATED_FLAGS
@@ -104,14 +105,10 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _written(tmp_path: Path, overrides: list[str]) -> dict[str, str]:
     out = tmp_path / str(len(list(tmp_path.iterdir())))
     assert repository_main(["--out", str(out), *(a for o in overrides for a in ("--set", o))]) == 0
-    return _tree(out)
+    return file_tree(out)
 
 
 def test_the_walk_finds_every_key_and_each_is_accounted_for():
@@ -178,7 +175,7 @@ def test_set_with_a_layout_flag_is_refused_and_a_layout_flag_names_its_key(tmp_p
     assert "--kv-cache-mb is deprecated" in err and "--set kv.cache_mb=" in err
     # the flag and the key write the same repository
     assert repository_main(["--out", str(tmp_path / "c"), "--set", "kv.cache_mb=64"]) == 0
-    assert _tree(tmp_path / "b") == _tree(tmp_path / "c")
+    assert file_tree(tmp_path / "b") == file_tree(tmp_path / "c")
 
 
 def test_every_deprecated_flag_names_a_key_of_the_spec():

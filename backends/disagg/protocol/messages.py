@@ -35,10 +35,6 @@ class JobId:
     def __str__(self) -> str:
         return self.request if self.attempt == 0 else f"{self.request}~{self.attempt}"
 
-    def next(self) -> JobId:
-        """The id of the request's next attempt."""
-        return JobId(self.request, self.attempt + 1)
-
 
 # ---------------------------------------------------------------- events (pool -> orchestrator)
 

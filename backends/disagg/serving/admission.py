@@ -175,7 +175,7 @@ class Admission:
         else:  # the slots are taken as far as clients wait: spread, and leave the slots as they are
             state.beyond += 1
             start = now + MAX_RETRY_S * (1 + (state.beyond * SPREAD) % 1) / 2
-        return min(max(math.ceil(round((start - now) * 10, 6)) / 10, MIN_RETRY_S), MAX_RETRY_S)
+        return math.ceil(round((start - now) * 10, 6)) / 10
 
     def backlog(self, pool: str) -> int:
         """Prompt tokens waiting on ``pool``: at its last probe less those of this orchestrator's

@@ -554,7 +554,6 @@ class _Run:
     ) -> None:
         self.owner = owner
         self.pools = owner.pools
-        self.job = JobId(handle)  # its jobs' handle at the pools: str(self.job)
         self.prompt = prompt
         self.text = text
         self.out = out
@@ -569,8 +568,8 @@ class _Run:
 
     @property
     def handle(self) -> str:
-        """The current attempt's jobs' handle at the pools."""
-        return str(self.job)
+        """The current attempt's jobs' handle at the pools (one more attempt per migration)."""
+        return str(JobId(self.outcome.handle, self.outcome.migrations))
 
     async def go(self) -> None:
         """Serve on the route the router gives; when a leg's pool fails, carry out the router's
@@ -625,8 +624,7 @@ class _Run:
             self.lease_id = None  # its leases went with it
         await self.cleanup()
         self._check_cancelled()
-        self.outcome.migrations += 1
-        self.job = self.job.next()
+        self.outcome.migrations += 1  # the next attempt: a handle of its own
         log.info("request %s migrates off %s (%s)", self.outcome.handle, route.rung, error.message)
         return self.owner.ladder.route(after=route.rung, reason=failover.reason)
 
