@@ -14,8 +14,8 @@ LLAMACPP := $(CURDIR)/.cache/llama.cpp
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps $$($(PY) -c 'import tomllib; \
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[test,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps $$($(PY) -c 'import tomllib; \
 		print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["serve"])')
 	$(PY) -m disagg.engine.kernel
 	touch $@

@@ -3,7 +3,7 @@ its ``role`` parameter picks the adapter (``disagg.triton``), which holds all th
 
 import triton_python_backend_utils as pb_utils
 
-from disagg.triton.entry import create_adapter
+from disagg.triton.entry import create_adapter, finalize_adapter
 
 
 class TritonPythonModel:
@@ -15,4 +15,4 @@ class TritonPythonModel:
         return self._adapter.execute(requests)
 
     def finalize(self):
-        self._adapter.finalize()
+        finalize_adapter(self._adapter)

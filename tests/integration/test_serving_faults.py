@@ -52,6 +52,10 @@ from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.triton import wire
 
 ERROR_BOUND_S = 30.0  # probe after 5 s overdue, probe deadline 10 s, plus slack for a loaded CI machine
+# Streams cut mid-way by a killed decode stub: long enough to outlive the kill by far (the kill comes
+# after each stream's first two responses), short enough that three of them finish on the fallback rung
+# in seconds (about 7 ms a token each there on the tiny model).
+LONG_STREAM = 400
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +154,7 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(
     extra = {"return_num_output_tokens": True, "return_finish_reason": True}
     try:
         for stream, model in zip(streams, ("llm", "ensemble", "llm"), strict=True):
-            values = text_inputs("Hello world", 1500, stream=True, **(extra if model == "llm" else {}))
+            values = text_inputs("Hello world", LONG_STREAM, stream=True, **(extra if model == "llm" else {}))
             stream.send(model, values)
         before = []  # per stream: the output tokens its first two responses counted
         for stream in streams:
@@ -179,7 +183,7 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(
         assert pieces, "the stream went on after the kill"
         if model == "llm":
             # the colocated rung has no output cap: the whole output, each token counted once
-            assert reason == "length" and counted + tokens == 1500, (reason, counted, tokens)
+            assert reason == "length" and counted + tokens == LONG_STREAM, (reason, counted, tokens)
     _counted(server, "disagg_migrations_total", 3)
     fell = _counted(server, "disagg_fallbacks_total", 3, to="colocated")
     assert all(dict(k)["from"] == "disaggregated" for k in fell), fell

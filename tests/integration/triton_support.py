@@ -186,8 +186,10 @@ RUNNING_SERVERS: list[TritonServer] = []
 
 
 def kv_blocks_held() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """KV blocks each pool instance of each running server holds for requests (used less those the
-    prefix cache keeps), by (metrics URL, series labels). A server that does not answer is left out."""
+    """KV blocks each pool instance of each running server holds for requests, by (metrics URL, series
+    labels). A server that does not answer is left out. Blocks the prefix cache keeps are free ones
+    (``disagg_prefix_cache_blocks``), never in ``disagg_kv_blocks_used``: how many it keeps may fall
+    (evictions, a reloaded instance) without any block being held."""
     held = {}
     RUNNING_SERVERS[:] = [server for server in RUNNING_SERVERS if server.returncode is None]
     for server in RUNNING_SERVERS:
@@ -195,9 +197,8 @@ def kv_blocks_held() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
             samples = scrape_metrics(server.config.metrics_url)
         except OSError:
             continue
-        cached = metric_series(samples, "disagg_prefix_cache_blocks")
         for labels, used in metric_series(samples, "disagg_kv_blocks_used").items():
-            held[(server.config.metrics_url, labels)] = used - cached.get(labels, 0.0)
+            held[(server.config.metrics_url, labels)] = used
     return held
 
 

@@ -3,6 +3,8 @@ transformers loading the same GGUF file with its own loader (an independent read
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from checkpoints import comparable_prefix, reference_greedy
@@ -54,6 +56,19 @@ TOKENIZER_TEXTS = [
 @pytest.fixture(scope="module")
 def gguf_path():
     return package_file(SMOLLM2, install=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parsed_once():
+    """transformers parses the GGUF file anew for its config, its weights and its tokenizer (about 9 s
+    each here, mostly the vocabulary's strings) and rebuilds gguf's tensor-name map once per module of
+    the model (about 9 s in all). Both are pure reads of one file: keep the first of each for this
+    module. Only the time changes; transformers still reads the file with its own loader."""
+    gguf = pytest.importorskip("gguf")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="module")
