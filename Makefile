@@ -9,7 +9,8 @@ VLLM_VENV := $(CURDIR)/.venv-vllm
 AIPERF_VENV := $(CURDIR)/.venv-aiperf
 LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
-.PHONY: install model test-models test lint format llamacpp bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve
+.PHONY: install model test-models test lint format llamacpp bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve \
+	bench-overload bench-orchestration bench-degraded bench-cancel bench-conditional bench-tuner
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -113,6 +114,30 @@ bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed $(LLAMACPP)/build
 bench-aiperf: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
 	$(PY) perf/aiperf_compare.py --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" \
 		--from-bench perf/results/bench/bench.json --append-to perf/RESULTS.md
+
+# Measurements behind docs/degradation.md and docs/serving.md, each writing the committed results it
+# names (perf/results/<folder>/): overload of the default deployment (64 clients back to back, ~2 min),
+# the relay's cost per token (~1 min), a kill of each pool under load (~4 min), a storm of cancels,
+# conditional disaggregation and the decode batch tuner.
+bench-overload: test-models
+	$(PY) perf/overload.py --model-dir "$(SMOLLM2)" --as-deployed --clients 64 --duration 45 \
+		--name clients64_margin2 --out-dir perf/results/overload
+
+bench-orchestration: test-models
+	$(PY) perf/orchestration_cost.py --reps 3
+
+bench-degraded: test-models
+	$(PY) perf/degraded.py --model-dir "$(TINY)" --rate 3.2 --kill decode
+	$(PY) perf/degraded.py --model-dir "$(TINY)" --rate 3.2 --kill prefill
+
+bench-cancel: test-models
+	$(PY) perf/cancel_storm.py --start-triton --model-dir "$(TINY)" --requests 1000
+
+bench-conditional: test-models
+	$(PY) perf/conditional.py --model-dir "$(TINY)" --rate 6 --duration 30
+
+bench-tuner: test-models
+	$(PY) perf/batch_tuner.py --model-dir "$(SMOLLM2)" --workloads decode
 
 # Derive the serving benchmarks' SLOs by the rule and freeze them in perf/slos.json (commit the file):
 # once per model, and again only as a deliberate, recorded step.
