@@ -123,8 +123,10 @@ bench-overload: test-models
 	$(PY) perf/overload.py --model-dir "$(SMOLLM2)" --as-deployed --clients 64 --duration 45 \
 		--name clients64_margin2 --out-dir perf/results/overload
 
+# ORCH_OUT: where bench-orchestration writes (the default: the figures docs/engine.md quotes).
+ORCH_OUT ?= perf/results/orchestration_cost
 bench-orchestration: test-models
-	$(PY) perf/orchestration_cost.py --reps 3
+	$(PY) perf/orchestration_cost.py --model "$(SMOLLM2)" --reps 3 --out-dir "$(ORCH_OUT)"
 
 bench-degraded: test-models
 	$(PY) perf/degraded.py --model-dir "$(TINY)" --rate 3.2 --kill decode
