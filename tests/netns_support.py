@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -153,6 +154,16 @@ class Host:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
         self.process.wait(10)
+        # A host that dies takes its shared memory with it; on this one machine, Triton's Python
+        # backend regions of the killed server (named by its prefix, no owner pid to sweep by) would
+        # stay in /dev/shm after the suite.
+        prefix = re.search(
+            r'"shm-region-prefix-name":"(disagg_[0-9a-f]+_)"', self.log.read_text(errors="replace")
+        )
+        if prefix is not None:
+            for entry in Path("/dev/shm").glob(f"{prefix.group(1)}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
