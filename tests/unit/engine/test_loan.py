@@ -107,24 +107,29 @@ def test_no_part_is_borrowed_while_no_prompt_waits(pair) -> None:
 
 
 def test_a_reclaim_waits_once_for_the_part_in_flight(pair) -> None:
-    """The helper holds a part until told: the reclaim sleeps (WAITER) until then, and counts one wait."""
+    """The helper holds a part until told: the reclaim sleeps (WAITER) until then, and counts one wait.
+
+    The process's own team helper (hired by this job, or by an earlier test: helpers stay) joins the
+    job too and may claim a part first: three parts on three threads, and it holds its part until the
+    borrowed helper is inside one, so that one is left for the borrowed helper."""
     borrower, lender, segment = pair
     team = loan.library()
     team.team_run.argtypes = [PART, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     team.team_run.restype = None
     helper_in, release = threading.Event(), threading.Event()
+    (borrowed_tid,) = borrower.threads()
 
     def part(ctx, index, slot) -> None:
-        if slot == 0:  # the caller: leaves the other part to the helper, and waits for it to start
-            helper_in.wait(WAIT_S)
-        else:
+        if threading.get_native_id() == borrowed_tid:
             helper_in.set()
             release.wait(WAIT_S)
+        else:  # the caller or an own helper: leave a part to the borrowed helper, wait for it to start
+            helper_in.wait(WAIT_S)
 
     callback = PART(part)
     borrower.step()
     lender.idle()
-    job = threading.Thread(target=team.team_run, args=(callback, None, 2, 2))
+    job = threading.Thread(target=team.team_run, args=(callback, None, 3, 3))
     job.start()
     assert helper_in.wait(WAIT_S), "the borrowed helper never joined the job"
     assert _state(segment) & BUSY
