@@ -26,6 +26,8 @@ from types import SimpleNamespace
 
 import tritonclient.grpc as grpcclient
 
+from disagg.server import remove_shm_regions
+
 READY_S = 120.0
 
 
@@ -161,9 +163,7 @@ class Host:
             r'"shm-region-prefix-name":"(disagg_[0-9a-f]+_)"', self.log.read_text(errors="replace")
         )
         if prefix is not None:
-            for entry in Path("/dev/shm").glob(f"{prefix.group(1)}*"):
-                with contextlib.suppress(FileNotFoundError):
-                    entry.unlink()
+            remove_shm_regions(prefix.group(1))
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]

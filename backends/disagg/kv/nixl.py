@@ -82,6 +82,7 @@ def _mem_type(t: torch.Tensor) -> str:
 
 class NixlTransport(Transport):
     kind = "nixl"
+    teardown_at_exit = True  # the agent's UCX context is released by its destructor only
 
     def __init__(
         self,

@@ -122,6 +122,9 @@ class Transport(ABC):
     """Base of every transport; see the module docstring for the protocol."""
 
     kind: ClassVar[str] = ""
+    # True where ``close`` leaves something that only its objects' destructors release, so that the
+    # process must tear its interpreter down at exit (see disagg.triton.entry.finalize_adapter)
+    teardown_at_exit: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -34,7 +34,8 @@ def finalize_adapter(adapter: Any) -> None:
     operating system takes back the rest. Tearing down an interpreter that imported torch takes about
     a second of the unload, which is on the critical path of every unload, rollout and server exit
     (Triton checks for live models once a second). An instance whose resources only their destructors
-    release (``teardown_at_exit``: a NIXL agent's UCX context) keeps the full teardown."""
+    release (its ``teardown_at_exit``, from its KV transport: a NIXL agent's UCX context) keeps the full
+    teardown."""
     adapter.finalize()
     if not getattr(adapter, "teardown_at_exit", False):
         atexit.register(_exit_now)

@@ -67,8 +67,7 @@ class PoolModel:
         manifest = version_manifest(args)
         self.config = pool_config(params, args, manifest)
         self.loop, self.transport = build_instance(self.config, secret, args["model_name"], self.version)
-        # a NIXL agent's UCX context is released by its destructor only (see entry.finalize_adapter)
-        self.teardown_at_exit = getattr(self.transport, "kind", "") == "nixl"
+        self.teardown_at_exit = self.transport is not None and self.transport.teardown_at_exit
         if manifest.probe is not None:  # before it serves: a wrong checkpoint fails its load
             try:
                 tokenizer = Tokenizer(self.config.engine.model_dir)
