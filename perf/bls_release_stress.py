@@ -186,8 +186,12 @@ def one_run(root: Path, policy: str, args: argparse.Namespace) -> dict[str, Any]
     status = server.returncode
     text = server.log_path.read_text(errors="replace") if server.log_path else ""
     marks = sorted({m for m in CRASH_MARKS if m in text})
-    probe = re.search(r"bls-release-tripwire: policy=\S+ with_gil=(\d+) without_gil=(\d+)", text)
+    # the last count logged: at finalize, or the stub's last before it hung or died
+    counts = re.findall(r"bls-release-tripwire: policy=\S+ with_gil=(\d+) without_gil=(\d+)", text)
+    probe = counts[-1] if counts else None
     crashed = (not alive) or bool(marks)
+    # a stub left hung never unloads: Triton gives up on it when its exit timeout runs out
+    hung = "Exit timeout expired" in text
     return {
         "policy": policy,
         "seconds": round(elapsed, 1),
@@ -196,8 +200,9 @@ def one_run(root: Path, policy: str, args: argparse.Namespace) -> dict[str, Any]
         "crashed": crashed,
         "all_processes_alive_at_end": alive,
         "exit_status": status,
-        "arrays_freed_with_gil": int(probe.group(1)) if probe else None,
-        "arrays_freed_without_gil": int(probe.group(2)) if probe else None,
+        "hung_at_stop": hung,
+        "arrays_freed_with_gil": int(probe[0]) if probe else None,
+        "arrays_freed_without_gil": int(probe[1]) if probe else None,
         "log_marks": marks,
         "client_errors": streams.errors[:3],
         "log": str(server.log_path),

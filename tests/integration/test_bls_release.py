@@ -28,10 +28,14 @@ def test_dropping_finished_iterators_frees_responses_without_the_gil(tmp_path: P
     """The defect itself: with finished iterators let go at once, the stub's own thread frees response
     arrays without the GIL (the stress model's tripwire counts them), and that usually kills the stub.
     The crash is a race (one run in this suite's history went 6 s without one, 8 arrays freed without
-    the GIL); the frees are what the graveyard prevents, so they are what is held to."""
+    the GIL; another went 4 s, then its stubs never unloaded and Triton gave up on them at its exit
+    timeout); the frees, and what they leave behind, are what the graveyard prevents, so they are what
+    is held to. The graveyard's test below holds its server to a clean stop."""
     run = bls_release_stress.one_run(tmp_path, "drop", ARGS)
-    assert run["crashed"] or (run["arrays_freed_without_gil"] or 0) > 0, (
-        "no array freed without the GIL and no process died in 4 s of dropping finished BLS iterators: "
+    harmed = run["crashed"] or run["hung_at_stop"]
+    assert harmed or (run["arrays_freed_without_gil"] or 0) > 0, (
+        "no array freed without the GIL and no process died or hung in 4 s of dropping finished "
+        "BLS iterators: "
         "the Python backend may have been fixed (python_backend r24.12 takes the GIL); update "
         f"docs/degradation.md and graveyard.py. Run: {run}"
     )
@@ -40,6 +44,7 @@ def test_dropping_finished_iterators_frees_responses_without_the_gil(tmp_path: P
 def test_graveyard_frees_every_response_with_the_gil(tmp_path: Path) -> None:
     run = bls_release_stress.one_run(tmp_path, "graveyard", ARGS)
     assert not run["crashed"], run
+    assert not run["hung_at_stop"] and run["exit_status"] == 0, run
     assert run["client_errors"] == [], run
     assert run["calls"] > 100, run
     assert run["arrays_freed_without_gil"] == 0, run

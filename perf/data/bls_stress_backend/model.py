@@ -17,7 +17,9 @@ Tripwire: the relay hangs a weak-reference callback on the numpy array of every 
 The callback runs on whichever thread frees the array and asks CPython whether that thread holds the
 GIL (``PyGILState_Check``, a per-thread answer). A thread without it running Python code at all is
 the defect itself, so the count of such frees is a lower bound, and the run may crash first. Counts
-go to the server log at finalize: ``bls-release-tripwire: policy=... with_gil=N without_gil=M``.
+go to the server log as ``bls-release-tripwire: policy=... with_gil=N without_gil=M`` from the churn
+thread, about twice a second while they change, and at finalize: a stub that the defect leaves hung
+(it then never unloads) or kills has still logged what it counted.
 """
 
 import asyncio
@@ -140,10 +142,23 @@ class TritonPythonModel:
 
     def _churn(self):
         keep = []
+        logged, tick = None, 0
         while not self.stopping.wait(0.001):  # bursts of small allocations, leaving the GIL between
             keep.append([bytes([i % 256]) * (i % 64) for i in range(200)])
             if len(keep) > 50:
                 keep = keep[25:]
+            tick += 1
+            if tick % 400 == 0 and (self.with_gil, self.without_gil) != logged:
+                logged = (self.with_gil, self.without_gil)
+                self._log_counts()
+
+    def _log_counts(self):
+        print(
+            f"bls-release-tripwire: policy={self.release} with_gil={self.with_gil} "
+            f"without_gil={self.without_gil}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def finalize(self):
         if self.role == "relay":
@@ -151,9 +166,4 @@ class TritonPythonModel:
             self.churn.join()
             self.executor.shutdown(wait=False, cancel_futures=True)
             self.graveyard.release_all()
-            print(
-                f"bls-release-tripwire: policy={self.release} with_gil={self.with_gil} "
-                f"without_gil={self.without_gil}",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._log_counts()
