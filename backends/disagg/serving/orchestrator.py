@@ -522,7 +522,8 @@ class Orchestrator:
         arrival = time.monotonic() if arrival is None else arrival
         run = _Run(self, str(uuid.uuid4()), list(prompt_ids), text, out, arrival)
         try:
-            await asyncio.wait_for(run.go(), self.config.request_timeout_s)
+            async with asyncio.timeout(self.config.request_timeout_s):
+                await run.go()
         except TimeoutError:
             await run.cleanup()
             run.fail(
@@ -659,10 +660,12 @@ class _Run:
             self.outcome.finish_reason = FINISH_LENGTH
             self._finish()
             return
+        if action.admit_on is not None:  # a new request: is there capacity for its TTFT?
+            # refused before the cancellation check: that check is a round trip through the stub's
+            # queue, behind every token relayed, and a burst's refusals waited on it one by one
+            self.ticket = self.owner.admission.admit(action.admit_on, len(self.prompt), self.text.priority)
         if action.admit_on is not None or (isinstance(action, Generate) and action.conditional):
             self._check_cancelled()  # a client already gone is never dispatched (C1)
-        if action.admit_on is not None:  # a new request: is there capacity for its TTFT?
-            self.ticket = self.owner.admission.admit(action.admit_on, len(self.prompt), self.text.priority)
         self.admitted = True  # a conditional one is kept off the prefill pool's admission (no wait there)
         if isinstance(action, Disaggregate):
             await self._disaggregated(action.decode_pool)

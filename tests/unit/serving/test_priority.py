@@ -53,3 +53,33 @@ def test_over_capacity_a_sheddable_request_is_refused_before_any_pool_is_called(
     outcome = asyncio.run(orchestrator.serve([1] * 300, text, recorder))  # predicted 1.2 s > 0.5 s
     assert recorder.error.code == UNAVAILABLE and "over capacity" in recorder.error.message
     assert "retry after 1 s" in recorder.error.message and outcome.first_token_at is None
+
+
+class _CountingRecorder(Recorder):
+    checks = 0
+
+    def is_cancelled(self) -> bool:
+        self.checks += 1
+        return super().is_cancelled()
+
+
+def test_a_refusal_is_answered_without_a_cancellation_check_and_without_yielding_to_the_loop():
+    """A burst's refusals are answered one after another as the requests arrive: a refusal neither
+    asks whether its client left (on Triton a round trip through the stub's queue, behind every token
+    relayed) nor waits for the event loop's next turn (it did, twice, behind every other request's
+    work, while the request ran in a task of its own)."""
+    config = OrchestratorConfig(admission_margin=1.0, slo_ttft_s=1.0)
+    orchestrator = Orchestrator(config, _NoPools(), lambda ids: "", deployed=("prefill", "decode"))
+    orchestrator.admission.observe("prefill", PoolLoad(0, 0, 0, 0, 10, 0, 0.0))
+    orchestrator.admission.observe("prefill", PoolLoad(2, 1500, 0, 0, 10, 1000, 1.0))  # 1.5 s queued
+    recorder = _CountingRecorder()
+
+    async def refused_within_one_turn() -> bool:
+        others_ran = asyncio.Event()
+        asyncio.get_running_loop().call_soon(others_ran.set)  # runs at the loop's next turn
+        await orchestrator.serve([1] * 300, TextRequest("x", SamplingParams(max_tokens=4)), recorder)
+        return not others_ran.is_set()
+
+    assert asyncio.run(refused_within_one_turn()), "the refusal waited for the event loop's next turn"
+    assert recorder.error.code == UNAVAILABLE and "over capacity" in recorder.error.message
+    assert recorder.checks == 0
