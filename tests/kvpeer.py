@@ -45,7 +45,8 @@ def digest(pool: torch.Tensor, ids: list[int]) -> str:
 
 
 def importer_main(kind: str, prefix: str, secret: bytes, conn: Any, layout: dict, num_blocks: int) -> None:
-    """Import every token received into blocks [0, n); reply (status, digest-or-error, ack)."""
+    """Import every token received into blocks [0, n); reply (status, digest-or-error). Each import's
+    ack goes back through the transport itself."""
     t = make_transport(kind, prefix, secret)
     L = KVLayout.from_dict(layout)
     pool = t.allocate_memory(num_blocks, L.block_bytes)
@@ -58,8 +59,8 @@ def importer_main(kind: str, prefix: str, secret: bytes, conn: Any, layout: dict
                 os._exit(0)  # the importer vanishes before pulling
             ids = list(range(KVLayout.from_dict(layout).with_tokens(msg[1]).num_blocks))
             try:
-                res = t.import_blocks(msg[0], pool, ids)
-                conn.send(("ok", digest(pool, ids), res.ack))
+                t.import_blocks(msg[0], pool, ids)  # its ack goes back through the transport
+                conn.send(("ok", digest(pool, ids)))
             except KVError as e:
                 conn.send(("err", type(e).__name__, str(e)))
     finally:

@@ -13,8 +13,8 @@
   lists locally.
 - Block tags live in DRAM next to the pool. The importer READs them before and after the
   data; once the bytes (and checksum) are good it sends the signed ack as a NIXL
-  notification, which the exporter's ``poll`` takes in, so no relay is needed (the ack in
-  ImportResult works too). A renewal (``Transport.renew``) is a signed notification too.
+  notification, which the exporter's ``poll`` takes in, so no relay is needed. A renewal
+  (``Transport.renew``) is a signed notification too.
 """
 
 from __future__ import annotations

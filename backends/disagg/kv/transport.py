@@ -6,7 +6,7 @@ exporter (prefill)                              importer (decode)
   pool = t.allocate_memory(n, layout.block_bytes)   pool = t.allocate_memory(m, layout.block_bytes)
   token = t.export_blocks(pool, ids, layout) ──▶  res = t.import_blocks(token, pool, my_ids)
   (blocks held under a lease)                     (one copy: exporter blocks -> my blocks)
-  t.ack(res.ack)  ◀── relayed, or native ────────  res.ack
+  (lease released)  ◀── native ack ──────────────  (sent by import_blocks)
   t.poll() / reaper: native acks, renewals, expiry
   (lease extended)  ◀── native ──────────────────  t.renew(token)  (still waiting for blocks)
 
@@ -39,7 +39,6 @@ from disagg.kv.descriptor import (
     DescriptorLimits,
     check_live,
     new_lease_id,
-    parse_ack,
     parse_descriptor,
     sign_ack,
 )
@@ -110,12 +109,12 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class ImportResult:
-    """What the importer got. ``ack`` is None only when a fault hook dropped it."""
+    """What the importer got. Its ack went back through the transport itself (unless a fault hook
+    dropped it): the exporter's ``poll`` takes it in."""
 
     lease_id: str
     nbytes: int
     seconds: float
-    ack: bytes | None
 
 
 class Transport(ABC):
@@ -220,17 +219,6 @@ class Transport(ABC):
         self._set_tags(region, ids, desc.tag)
         self.stats.add(exported=1, bytes_exported=layout.byte_size)
         return desc.sign(self.config.secret)
-
-    def ack(self, token: bytes) -> bool:
-        """Release the lease named by an importer's signed ack. False when stale, foreign or invalid."""
-        try:
-            lease_id, origin = parse_ack(token, self.config.secret)
-        except DescriptorError:
-            self.stats.add(refused=1)
-            return False
-        if origin != self.origin:
-            return False
-        return self.release(lease_id, "ack")
 
     def release(self, lease_id: str, reason: str = "ack") -> bool:
         """Release a lease (idempotent). True only for the call that released it."""
@@ -365,7 +353,6 @@ class Transport(ABC):
                 raise LeaseGone("descriptor was already used")
             until = max(desc.expires_at, self._renewed.get(desc.lease_id, (0, 0.0))[1])
             self._consumed[desc.lease_id] = until + self.config.limits.clock_skew_s
-        ack = sign_ack(desc.lease_id, desc.origin, self.config.secret)
         send_ack = self.hooks.deliver_ack(desc)
         try:
             self.hooks.before_copy(desc)
@@ -383,15 +370,15 @@ class Transport(ABC):
             raise TransferError("KV transfer failed") from exc
         if send_ack:
             try:
-                self._send_ack(desc, ack)
+                self._send_ack(desc, sign_ack(desc.lease_id, desc.origin, self.config.secret))
             except Exception:
-                # The bytes are in place; the relayed ack in the result (or the TTL) still frees them.
+                # The bytes are in place; the lease's TTL still frees them.
                 log.warning("native KV ack could not be delivered", exc_info=True)
         with self._lock:
             self._renewed.pop(desc.lease_id, None)
         seconds = time.perf_counter() - start
         self.stats.add(imported=1, bytes_imported=desc.byte_size, transfer_seconds=seconds)
-        return ImportResult(desc.lease_id, desc.byte_size, seconds, ack if send_ack else None)
+        return ImportResult(desc.lease_id, desc.byte_size, seconds)
 
     # ---- lifecycle ----------------------------------------------------------------------
 

@@ -107,8 +107,9 @@ def test_faults_partial_failure_corruption_delay(make):
     assert (s.failures, s.checksum_failures) == (2, 1)
 
     faulty.set_faults(FaultConfig())
-    res = faulty.import_blocks(token, dst, [0, 1, 2, 3])
-    assert exp.ack(res.ack) or exp.held_leases() == 0
+    faulty.import_blocks(token, dst, [0, 1, 2, 3])
+    exp.poll()  # its native ack
+    assert exp.held_leases() == 0 and exp.stats.snapshot().acks == 1
 
 
 @pytest.mark.parametrize("kind", ["shm", "fake"])
@@ -123,7 +124,7 @@ def test_long_run_leaves_no_regions_or_leases(make, kind, prefix, clock):
     plain = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
     dst = imp.allocate_memory(64, layout.block_bytes)
     regions = len(list_regions("/dev/shm", prefix))
-    outcomes = {"ok": 0, "abort": 0, "expire": 0, "late": 0}
+    outcomes = {"ok": 0, "abort": 0, "expire": 0, "late": 0, "dropped": 0}
     free = list(range(0, 63, 3))
     for i in range(3000):
         clock.advance(0.01)
@@ -149,11 +150,12 @@ def test_long_run_leaves_no_regions_or_leases(make, kind, prefix, clock):
         elif roll < 0.15:
             outcomes["expire"] += 1  # never pulled: the lease must expire
         else:
+            dropped = rng.random() >= 0.9  # the ack lost on its way: the lease expires instead
+            imp.hooks.deliver_ack = lambda desc, dropped=dropped: not dropped
             try:
-                res = imp.import_blocks(token, dst, [3 * (i % 21), 3 * (i % 21) + 1, 3 * (i % 21) + 2])
-                if rng.random() < 0.9:
-                    exp.ack(res.ack)
+                imp.import_blocks(token, dst, [3 * (i % 21), 3 * (i % 21) + 1, 3 * (i % 21) + 2])
                 outcomes["ok"] += 1
+                outcomes["dropped"] += dropped
             except DescriptorError:
                 outcomes["late"] += 1
         if start is not None:
@@ -163,7 +165,11 @@ def test_long_run_leaves_no_regions_or_leases(make, kind, prefix, clock):
     assert exp.held_leases() == 0 and exp._staging.free_count() == 16
     # Reused, no growth: the two pools plus the staging region made once on the first plain export.
     assert len(list_regions("/dev/shm", prefix)) == regions + (kind == "shm")
-    assert outcomes["ok"] > 2000 and outcomes["abort"] > 100 and outcomes["expire"] > 50
+    # a lost ack holds its blocks (and staging) until expiry, so fewer exports find room
+    assert outcomes["ok"] > 1500 and outcomes["abort"] > 100 and outcomes["expire"] > 50, outcomes
+    assert outcomes["dropped"] > 100
+    # every lease never pulled, and every one whose ack was lost, ended by expiry
+    assert exp.stats.snapshot().lease_expiries >= outcomes["expire"] + outcomes["dropped"]
     exp.close()
     imp.close()
     # Only this run's own prefix is counted: other processes on the host may create /dev/shm entries.
