@@ -6,9 +6,11 @@ which never imports them."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import grimp
 import pytest
+import tomllib
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,17 @@ def test_the_lower_layers_import_nothing_above_them(
     }
     above = {m for m in imported if not any(m == a or m.startswith(a + ".") for a in allowed)}
     assert above == set(), sorted(above)
+
+
+def test_every_package_is_in_the_distribution() -> None:
+    """pyproject lists its packages by name: a package missing there works in the editable install
+    (found by path) and is absent from a wheel (`pip install .`)."""
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for name, folder in (("disagg", root / "backends" / "disagg"), ("disagg_tools", root / "tools")):
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            if "__pycache__" not in parts:
+                found.add(".".join((name, *parts)))
+    assert found == listed
