@@ -47,22 +47,22 @@ test: test-models lint
 
 # The engine's TTFT with a cached prompt prefix against the same prompt computed whole (one core).
 bench-prefix: test-models
-	$(PY) perf/prefix_cache_bench.py --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/prefix_cache
+	$(PY) -m perf.prefix_cache_bench --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/prefix_cache
 
 # A burst of similar prompts amid steady traffic, and a chat workload, beside vLLM (~20 min).
 bench-hot: test-models $(VLLM_VENV)/.installed
-	$(PY) perf/hot_prompts.py --hot-pool --model-dir "$(SMOLLM2)"
+	$(PY) -m perf.hot_prompts --hot-pool --model-dir "$(SMOLLM2)"
 
 # A rollout and a rollback under steady load (perf/rollout.py): latency and failures per window.
 bench-rollout: test-models
-	$(PY) perf/rollout.py --model-dir "$(SMOLLM2)"
+	$(PY) -m perf.rollout --model-dir "$(SMOLLM2)"
 
 # Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
 bench-engine: test-models $(VLLM_VENV)/.installed
-	$(PY) perf/projection_bench.py --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
-	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
-	$(PY) perf/projection_bench.py --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
-	$(PY) perf/engine_bench.py --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
+	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
+	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
+	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
+	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
@@ -82,7 +82,7 @@ $(VLLM_VENV)/.installed:
 # llama.cpp's server, the CPU peer on the same GGUF file, built from source for this CPU's ISA (once; about
 # 10 min on two cores). Its options and system_info line go to $(LLAMACPP)/build.json and the report.
 $(LLAMACPP)/build.json: $(STAMP)
-	cd perf && $(PY) -m benchlib.llamacpp build --out "$(LLAMACPP)"
+	$(PY) -m perf.benchlib.llamacpp build --out "$(LLAMACPP)"
 
 llamacpp: $(LLAMACPP)/build.json
 
@@ -95,7 +95,7 @@ $(AIPERF_VENV)/.installed:
 # Serving benchmarks: disaggregated vs colocated vs vLLM CPU on this machine; writes perf/RESULTS.md.
 # bench-quick runs on the tiny model (MODEL_DIR overrides), bench on the default model, SmolLM2.
 bench-quick: test-models $(VLLM_VENV)/.installed
-	$(PY) perf/run_all.py --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}" $(BENCH_PARTS)
+	$(PY) -m perf.run_all --quick --start-triton --model-dir "$${MODEL_DIR:-$(TINY)}" $(BENCH_PARTS)
 
 # In parts: WORKLOADS=codegen,chat and/or DEPLOYMENTS=disagg,llamacpp measure only those, and the report
 # keeps the earlier run's other figures, marked with their run; REUSE_GRIDS=1 takes each deployment's
@@ -106,13 +106,13 @@ BENCH_PARTS = $(if $(WORKLOADS),--workloads $(WORKLOADS) --keep-earlier) \
 	$(if $(REUSE_GRIDS),--reuse-grids) $(if $(START_AT),--start-at $(START_AT))
 
 bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed $(LLAMACPP)/build.json
-	$(PY) perf/run_all.py --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" $(BENCH_PARTS)
+	$(PY) -m perf.run_all --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" $(BENCH_PARTS)
 	$(MAKE) bench-aiperf
 
 # AIPerf's figures beside the harness's on codegen (disaggregated, colocated, vLLM at the best of its
 # grid, at the disaggregated goodput from the last `make bench`), as a section of perf/RESULTS.md.
 bench-aiperf: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
-	$(PY) perf/aiperf_compare.py --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" \
+	$(PY) -m perf.aiperf_compare --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" \
 		--from-bench perf/results/bench/bench.json --append-to perf/RESULTS.md
 
 # Measurements behind docs/degradation.md and docs/serving.md, each writing the committed results it
@@ -120,28 +120,28 @@ bench-aiperf: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
 # the relay's cost per token (~1 min), a kill of each pool under load (~4 min), a storm of cancels,
 # conditional disaggregation and the decode batch tuner.
 bench-overload: test-models
-	$(PY) perf/overload.py --model-dir "$(SMOLLM2)" --as-deployed --clients 64 --duration 45 \
+	$(PY) -m perf.overload --model-dir "$(SMOLLM2)" --as-deployed --clients 64 --duration 45 \
 		--name clients64_margin2 --out-dir perf/results/overload
 
 # ORCH_OUT: where bench-orchestration writes (the default: the figures docs/engine.md quotes).
 ORCH_OUT ?= perf/results/orchestration_cost
 bench-orchestration: test-models
-	$(PY) perf/orchestration_cost.py --model "$(SMOLLM2)" --reps 3 --out-dir "$(ORCH_OUT)"
+	$(PY) -m perf.orchestration_cost --model "$(SMOLLM2)" --reps 3 --out-dir "$(ORCH_OUT)"
 
 bench-degraded: test-models
-	$(PY) perf/degraded.py --model-dir "$(TINY)" --rate 3.2 --kill decode
-	$(PY) perf/degraded.py --model-dir "$(TINY)" --rate 3.2 --kill prefill
+	$(PY) -m perf.degraded --model-dir "$(TINY)" --rate 3.2 --kill decode
+	$(PY) -m perf.degraded --model-dir "$(TINY)" --rate 3.2 --kill prefill
 
 bench-cancel: test-models
-	$(PY) perf/cancel_storm.py --start-triton --model-dir "$(TINY)" --requests 1000
+	$(PY) -m perf.cancel_storm --start-triton --model-dir "$(TINY)" --requests 1000
 
 bench-conditional: test-models
-	$(PY) perf/conditional.py --model-dir "$(TINY)" --rate 6 --duration 30
+	$(PY) -m perf.conditional --model-dir "$(TINY)" --rate 6 --duration 30
 
 bench-tuner: test-models
-	$(PY) perf/batch_tuner.py --model-dir "$(SMOLLM2)" --workloads decode
+	$(PY) -m perf.batch_tuner --model-dir "$(SMOLLM2)" --workloads decode
 
 # Derive the serving benchmarks' SLOs by the rule and freeze them in perf/slos.json (commit the file):
 # once per model, and again only as a deliberate, recorded step.
 bench-slos: model
-	$(PY) perf/run_all.py --full --derive-slos --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"
+	$(PY) -m perf.run_all --full --derive-slos --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}"

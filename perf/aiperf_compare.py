@@ -10,7 +10,7 @@ judged by the same frozen SLOs (`perf/slos.json`, AIPerf's `--goodput`). Both cl
   colocated  the same with the orchestrators in `mode: colocated` (one continuous-batching pool)
   vllm       vLLM CPU's OpenAI server (`.venv-vllm`), `--vllm-dtype` and `--vllm-omp-bind`
 
-    .venv/bin/python perf/aiperf_compare.py --model-dir .models/tiny --rate 2 --count 60
+    .venv/bin/python -m perf.aiperf_compare --model-dir .models/tiny --rate 2 --count 60
 
 Writes `<out-dir>/aiperf_compare.json` and `.md`; AIPerf's own exports stay in `<out-dir>/aiperf/`.
 
@@ -47,12 +47,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, write_json
-from benchlib.cpuprobe import CpuProbe, group_members
-from benchlib.deploy import (
+from perf.benchlib.clients import ClientConfig, make_client
+from perf.benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, machine, write_json
+from perf.benchlib.cpuprobe import CpuProbe, group_members
+from perf.benchlib.deploy import (
     VllmConfig,
     VllmServer,
     free_port,
@@ -61,11 +59,11 @@ from benchlib.deploy import (
     wait_for_health,
     with_orchestrator_parameters,
 )
-from benchlib.experiment import RunPlan, run_rate
-from benchlib.metrics import Slo, Summary
-from benchlib.report import with_section
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, LengthDist, PromptFactory, Workload
+from perf.benchlib.experiment import RunPlan, run_rate
+from perf.benchlib.metrics import Slo, Summary
+from perf.benchlib.report import with_section
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import WORKLOADS, LengthDist, PromptFactory, Workload
 
 PERF = Path(__file__).resolve().parent
 AIPERF_VENV = REPO_ROOT / ".venv-aiperf"
@@ -530,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "count": args.count,
         "slo": asdict(frozen.slo),
         "aiperf_version": AIPERF_VERSION,
-        "command": "python perf/aiperf_compare.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m perf.aiperf_compare " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="aiperf-compare-") as scratch:

@@ -16,7 +16,7 @@ and mixed context lengths (one 1,000-token sequence among short ones):
 All four read the same cache and give the same result within bf16 rounding (checked here). Writes
 perf/results/attention_bench.json and .md.
 
-    python perf/attention_bench.py [--model DIR] [--dtype bfloat16] [--core N]
+    python -m perf.attention_bench [--model DIR] [--dtype bfloat16] [--core N]
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib.timing import median_time
 
 from disagg.engine import kernel
 from disagg.engine.device import kernel_threads
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.paths import resolve_model_dir
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.timing import median_time
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCENARIOS = {

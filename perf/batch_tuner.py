@@ -8,7 +8,7 @@ the same cores, measured one after another with the serving benchmark's goodput 
 searches each), judged by the frozen SLOs (perf/slos.json). The tuned runs also report the tuner's
 decisions and its last limit, read from the server's /metrics.
 
-    .venv/bin/python perf/batch_tuner.py --model-dir .models/smollm2-135m-instruct
+    .venv/bin/python -m perf.batch_tuner --model-dir .models/smollm2-135m-instruct
 
 Writes `<out-dir>/batch_tuner.json` and `.md`, and its section of `--report` (perf/RESULTS.md).
 """
@@ -28,18 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.cliutil import add_search_args, log, machine, write_json
-from benchlib.deploy import spec_repository, start_triton
-from benchlib.experiment import calibrations, goodput_runs
-from benchlib.metrics import Slo
-from benchlib.report import publish
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import PromptFactory
-
 from disagg_tools.planner.cli import knee_line
 from disagg_tools.planner.profile import Profile
+from perf.benchlib.cliutil import add_search_args, log, machine, write_json
+from perf.benchlib.deploy import spec_repository, start_triton
+from perf.benchlib.experiment import calibrations, goodput_runs
+from perf.benchlib.metrics import Slo
+from perf.benchlib.report import publish
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import PromptFactory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "batch-tuner"
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     factory = PromptFactory.from_model_dir(args.model_dir)
     slos: dict[str, Any] = load_frozen(SLO_FILE, args.model_dir.name) if args.slos == "frozen" else {}
     out: dict[str, Any] = {
-        "command": "python perf/batch_tuner.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m perf.batch_tuner " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "model": args.model_dir.name,
         "dtype": args.dtype,

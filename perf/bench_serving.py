@@ -1,13 +1,13 @@
 """Open-loop serving benchmark against one deployment (Triton gRPC streaming or an OpenAI server).
 
     # idle calibration: the SLOs the rule derives from this deployment
-    python perf/bench_serving.py --kind triton --url 127.0.0.1:8001 --model ensemble_colocated \
+    python -m perf.bench_serving --kind triton --url 127.0.0.1:8001 --model ensemble_colocated \
         --workload codegen calibrate
     # one run at a fixed Poisson rate, judged against given SLOs (seconds)
-    python perf/bench_serving.py --kind openai --url http://127.0.0.1:8000 --model tiny \
+    python -m perf.bench_serving --kind openai --url http://127.0.0.1:8000 --model tiny \
         --workload chat rate --rate 2 --ttft-slo 0.7 --tpot-slo 0.03
     # goodput: highest rate with >= 90 % attainment (SLOs given, or calibrated on this deployment)
-    python perf/bench_serving.py --kind triton --url 127.0.0.1:8001 --model ensemble \
+    python -m perf.bench_serving --kind triton --url 127.0.0.1:8001 --model ensemble \
         --workload codegen search --ttft-slo 0.7 --tpot-slo 0.03
 
 Prints a summary and writes every figure (and per-request records) as JSON to --out. For the whole
@@ -22,15 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.clients import make_client
-from benchlib.cliutil import add_target_args, client_config, log, pin_self, write_json
-from benchlib.experiment import RunPlan, run_rate, search_goodput, start_rate
-from benchlib.metrics import Slo
-from benchlib.search import SearchConfig
-from benchlib.slo import calibrate
-from benchlib.workload import WORKLOADS, PromptFactory
+from perf.benchlib.clients import make_client
+from perf.benchlib.cliutil import add_target_args, client_config, log, pin_self, write_json
+from perf.benchlib.experiment import RunPlan, run_rate, search_goodput, start_rate
+from perf.benchlib.metrics import Slo
+from perf.benchlib.search import SearchConfig
+from perf.benchlib.slo import calibrate
+from perf.benchlib.workload import WORKLOADS, PromptFactory
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ concurrent gRPC streams, once per release policy, side by side:
 Each run lasts ``--seconds`` or until the server dies; it counts the BLS calls completed and reads
 the server log for a crashed stub.
 
-    python perf/bls_release_stress.py [--seconds 300] [--rounds 2] [--streams 16]
+    python -m perf.bls_release_stress [--seconds 300] [--rounds 2] [--streams 16]
 
 Writes perf/results/bls_release_stress.{json,md}.
 """
@@ -77,7 +77,7 @@ def write_repository(root: Path, policy: str) -> Path:
 
 
 def start_server(root: Path, policy: str) -> TritonServer:
-    from benchlib.deploy import free_port
+    from perf.benchlib.deploy import free_port
 
     backends = prepare_backend_directory(root / "backends")
     link = backends / "bls_stress"
@@ -262,7 +262,6 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     if any(p not in POLICIES for p in policies):
         parser.error(f"--policies: choose from {','.join(POLICIES)}")
-    sys.path.insert(0, str(HERE))
     runs = []
     with tempfile.TemporaryDirectory(prefix="bls-stress-") as tmp:
         keep = args.out.parent / "bls_release_stress_logs"

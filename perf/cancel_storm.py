@@ -9,7 +9,7 @@ entry point to a pool left open (`disagg_pool_calls_open`); `disagg_requests_tot
 count every request that got a response, and none twice (one cancelled as soon as it is sent may never
 reach the model). The report says how long that took and what the clients saw.
 
-    .venv/bin/python perf/cancel_storm.py --start-triton --model-dir .models/tiny --requests 1000
+    .venv/bin/python -m perf.cancel_storm --start-triton --model-dir .models/tiny --requests 1000
 
 `--grpc-url` and `--metrics-url` run it against a server already up instead (the integration suite
 does, with a few dozen requests). Writes `<out-dir>/cancel_storm.json` and `.md`; exits 1 when
@@ -29,10 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.cliutil import log, machine, write_json
-from benchlib.gauges import scrape, settle
+from perf.benchlib.cliutil import log, machine, write_json
+from perf.benchlib.gauges import scrape, settle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHORT_PROMPT = "Hello world"
@@ -201,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     knobs = (args.requests, args.concurrency, args.seed, args.max_delay_s, args.max_tokens)
     if args.start_triton:
-        from benchlib.deploy import start_triton
+        from perf.benchlib.deploy import start_triton
 
         with tempfile.TemporaryDirectory(prefix="cancel-storm-") as scratch:
             server = start_triton(args.repository, Path(scratch), args.model_dir, exit_timeout_s=10)
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop(grace_s=5)
     else:
         result = storm(args.grpc_url, args.metrics_url, *knobs)
-    command = "python perf/cancel_storm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m perf.cancel_storm " + " ".join(argv if argv is not None else sys.argv[1:])
     out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, **asdict(result)}
     out["clean"] = result.clean
     write_json(args.out_dir / "cancel_storm.json", out)

@@ -16,7 +16,7 @@ It reports prefill and decode tokens/s, milliseconds per call, and each compiled
 (the first call, which the pools would pay at start-up per shape bucket). Repetitions are interleaved
 (A B C A B C ...) and the median is reported.
 
-    python perf/compile_bench.py [--model DIR ...] [--cores 0] [--reps R] [--batch 1 --batch 8]
+    python -m perf.compile_bench [--model DIR ...] [--cores 0] [--reps R] [--batch 1 --batch 8]
         [--dtype bfloat16|float32]
 
 Writes compile_bench.json and compile_bench.md into --out-dir (default perf/results/engine_1core).
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor
-from engine_bench import EngineRunner, _interleaved, cpu_flags, table_row
 
 from disagg.paths import resolve_model_dir
 from disagg_tools.checkpoints import ensure_model
+from perf.engine_bench import EngineRunner, _interleaved, cpu_flags, table_row
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_1core"
 

@@ -9,7 +9,7 @@ whole to the decode pool while the prefill pool's predicted TTFT for them exceed
 per variant and kind: TTFT / TPOT p50 and p99, the attainment of the kind's SLOs and the goodput, and
 the share of requests the rule sent to the decode pool (`disagg_fallbacks_total{to="conditional"}`).
 
-    .venv/bin/python perf/conditional.py --model-dir .models/tiny --rate 6 --duration 60
+    .venv/bin/python -m perf.conditional --model-dir .models/tiny --rate 6 --duration 60
 
 Writes `<out-dir>/conditional.json` and `.md`.
 """
@@ -24,16 +24,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.arrivals import count_for
-from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import log, machine, write_json
-from benchlib.deploy import start_triton
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo, percentile
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
+from perf.benchlib.arrivals import count_for
+from perf.benchlib.clients import ClientConfig, make_client
+from perf.benchlib.cliutil import log, machine, write_json
+from perf.benchlib.deploy import start_triton
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo, percentile
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KIND_SLO = {"short": "decode", "long": "codegen"}  # each kind is judged by the SLOs of its own shape
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant, (records, routed) in runs.items():
         out[variant] = variant_summary(records, routed, slos, args.duration * args.rounds)
     write_json(args.out_dir / "conditional.json", out)
-    command = "python perf/conditional.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m perf.conditional " + " ".join(argv if argv is not None else sys.argv[1:])
     report = markdown(out, command)
     (args.out_dir / "conditional.md").write_text(report)
     log(report)

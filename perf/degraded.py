@@ -12,7 +12,7 @@ frozen SLOs (`perf/slos.json`) and the goodput (requests per second meeting both
 times and its own ratio. The degraded goodput over the normal one is the article's "keeps more than
 60 % of normal traffic".
 
-    .venv/bin/python perf/degraded.py --model-dir .models/tiny --rate 1.6 --kill decode
+    .venv/bin/python -m perf.degraded --model-dir .models/tiny --rate 1.6 --kill decode
 
 Writes `<out-dir>/degraded_<pool>.json` and `.md`.
 """
@@ -32,19 +32,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.arrivals import count_for
-from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import add_run_args, log, machine, write_json
-from benchlib.deploy import start_triton, with_orchestrator_parameters
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo, percentile
-from benchlib.sampler import Sampler
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
-
 from disagg.procfs import stub_pids
+from perf.benchlib.arrivals import count_for
+from perf.benchlib.clients import ClientConfig, make_client
+from perf.benchlib.cliutil import add_run_args, log, machine, write_json
+from perf.benchlib.deploy import start_triton, with_orchestrator_parameters
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo, percentile
+from perf.benchlib.sampler import Sampler
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import WORKLOADS, PromptFactory, build_trace, new_salt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 10.0
@@ -334,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = f"degraded_{args.kill}" + ("_no_recovery" if args.no_recovery else "")
     write_json(args.out_dir / f"{name}.json", out)
-    command = "python perf/degraded.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m perf.degraded " + " ".join(argv if argv is not None else sys.argv[1:])
     (args.out_dir / f"{name}.md").write_text(markdown(out, command))
     log(markdown(out, command))
     return 0

@@ -18,7 +18,7 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
 Repetitions are interleaved (A B C A B C ..., vLLM among them) so drift on a shared machine hits all
 alike; the median of each is reported, and ratios against the baseline from the same run.
 
-    python perf/engine_bench.py [--model DIR ...] [--cores 0[,1]] [--reps R]
+    python -m perf.engine_bench [--model DIR ...] [--cores 0[,1]] [--reps R]
 
 Each ``--model`` gets its own table (the tiny model and SmolLM2-135M-Instruct by ``make
 bench-engine``), followed by what bounds the decode step of the pools' configuration on this CPU (bf16
@@ -49,8 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib.gemmrate import prompt_flops, reference_seconds
-from benchlib.timing import median_time
 from safetensors.torch import load_file, save_file
 
 from disagg.engine.checkpoint import ModelConfig
@@ -60,6 +58,8 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.paths import resolve_model_dir
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.gemmrate import prompt_flops, reference_seconds
+from perf.benchlib.timing import median_time
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"

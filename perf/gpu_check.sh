@@ -60,7 +60,7 @@ if [ -z "$LIBPY" ] && [ -f .gpu/libpython312.tar.xz ]; then  # the Python 3.12 s
 	echo "libpython3.12: none on this machine; the carried one" | tee -a "$RUN"
 fi
 echo "libpython3.12: ${LIBPY:-not found}" | tee -a "$RUN"
-export PYTHONPATH="$SITE:$ROOT/tests:$ROOT/perf"
+export PYTHONPATH="$SITE:$ROOT/tests:$ROOT"
 # Triton's Python stub runs the models with this Python's packages but not its PYTHONPATH: a .pth file
 # puts the project there too (a lent machine is bare and given back afterwards)
 $PY -c "import os, site; [open(d + '/disagg_gpu_check.pth', 'w').write('$SITE\n') for d in site.getsitepackages() if os.path.isdir(d)]"
@@ -95,12 +95,12 @@ if ls .gpu/whl/numpy-1*.whl >/dev/null 2>&1; then
 	$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_numpy .gpu/whl/numpy-1*.whl
 	echo "import sys; sys.path.insert(0, '/tmp/gpu_numpy')" >"$NUMPY_PTH"
 fi
-step serve_check 200 $PY perf/gpu_serve_check.py --out "$OUT/serve"
+step serve_check 200 $PY -m perf.gpu_serve_check --out "$OUT/serve"
 rm -f "$NUMPY_PTH"
 cp "$OUT/serve/serve_check.json" "$OUT/serve/triton.log" "$OUT/" 2>/dev/null
-step kv_bench 60 $PY perf/kv_transfer_bench.py --transports cuda_ipc shm --sizes-mib 1 16 64 256 --reps 5 --out "$OUT/kv"
+step kv_bench 60 $PY -m perf.kv_transfer_bench --transports cuda_ipc shm --sizes-mib 1 16 64 256 --reps 5 --out "$OUT/kv"
 cp "$OUT/kv/kv_transfer.json" "$OUT/" 2>/dev/null
 # shellcheck disable=SC2086 # ENGINE_BENCH_ARGS is a list of arguments
-step engine_bench 150 $PY perf/gpu_engine_bench.py ${ENGINE_BENCH_ARGS:---model .models/tiny --model $SHAPE --reps 3} --out-dir "$OUT/bench"
+step engine_bench 150 $PY -m perf.gpu_engine_bench ${ENGINE_BENCH_ARGS:---model .models/tiny --model $SHAPE --reps 3} --out-dir "$OUT/bench"
 cp "$OUT/bench/gpu_engine_bench.md" "$OUT/bench/gpu_engine_bench.json" "$OUT/" 2>/dev/null
 rm -rf "$OUT/serve" "$OUT/kv" "$OUT/bench"

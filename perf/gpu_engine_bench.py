@@ -5,7 +5,7 @@ Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32,
 ``engine_bench.py`` does on CPU cores. Below each table: the time to read the weights once at the GPU's
 measured device-to-device copy bandwidth, the floor of a batch-1 decode step.
 
-    python perf/gpu_engine_bench.py --model DIR [--model DIR ...] [--out-dir DIR]
+    python -m perf.gpu_engine_bench --model DIR [--model DIR ...] [--out-dir DIR]
 
 Needs a CUDA device (run by ``perf/gpu_check.sh`` on a lent GPU machine). Writes gpu_engine_bench.json
 and gpu_engine_bench.md into --out-dir.
@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
-from benchlib.timing import median_time
-from engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
 
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.timing import median_time
+from perf.engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
 
 
 def _copy_gb_s(device: torch.device, reps: int) -> float:

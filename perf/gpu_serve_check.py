@@ -1,7 +1,7 @@
 """KIND_GPU pools served by a real Triton on a GPU: the repository of ``disagg repository --prefill-gpus
 --decode-gpus --colocated-gpus``, the KV hand-off over CUDA IPC, checked against the engine itself.
 
-    python perf/gpu_serve_check.py --out DIR [--max-tokens N]
+    python -m perf.gpu_serve_check --out DIR [--max-tokens N]
 
 Writes the repository (prefill on GPU 0, decode on ``--decode-gpu``, colocated on GPU 0), starts
 ``disagg serve`` on it, and for each prompt compares, one request at a time:

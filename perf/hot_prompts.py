@@ -35,7 +35,7 @@ each run is split by its own burst, then the runs are pooled, so the p99s are ov
 requests (one run's "during" window holds 35-46 other users: its p99 is its slowest one or two), and
 each run's own ratio is shown beside; its report goes to a section of its own in `--report`.
 
-    .venv/bin/python perf/hot_prompts.py --model-dir .models/smollm2-135m-instruct
+    .venv/bin/python -m perf.hot_prompts --model-dir .models/smollm2-135m-instruct
 
 Writes `<out-dir>/hot_prompts.json`, `.md` and `.png`, and its section of `--report` (perf/RESULTS.md).
 """
@@ -58,25 +58,22 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.arrivals import poisson_arrivals
-from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import log, machine, pin_self, write_json
-from benchlib.deploy import (
+from disagg.serverconfig import parse_cpus
+from perf.benchlib.arrivals import poisson_arrivals
+from perf.benchlib.clients import ClientConfig, make_client
+from perf.benchlib.cliutil import log, machine, pin_self, write_json
+from perf.benchlib.deploy import (
     VllmConfig,
     VllmServer,
     start_triton,
     vllm_command_line,
     with_orchestrator_parameters,
 )
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo, percentile
-from benchlib.report import with_section
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import PromptFactory, RequestSpec, new_salt
-
-from disagg.serverconfig import parse_cpus
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo, percentile
+from perf.benchlib.report import with_section
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import PromptFactory, RequestSpec, new_salt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BURST_SETUPS = {  # setup -> disagg repository flags (the group rate is added where it says "rate")
@@ -556,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             for workload in chats:
                 out["chat"][f"{workload}/{label}"] = chat_summary(runs[workload], slos["other"])
             log(f"{label} done")
-    out["command"] = "python perf/hot_prompts.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out["command"] = "python -m perf.hot_prompts " + " ".join(argv if argv is not None else sys.argv[1:])
     write_json(args.out_dir / "hot_prompts.json", out)
     write_reports(args, out)
     return 0

@@ -6,8 +6,8 @@ Run 1: decode-only load, `--count` requests with 10-token prompts and 64 output 
 the ratio mixed / decode-only: under continuous batching each long prefill stalls the decode batch, while
 a disaggregated deployment should stay flat.
 
-    python perf/interference.py --kind triton --url 127.0.0.1:8001 --model ensemble --rate 4
-    python perf/interference.py --kind openai --url http://127.0.0.1:8000 --model tiny --rate 4
+    python -m perf.interference --kind triton --url 127.0.0.1:8001 --model ensemble --rate 4
+    python -m perf.interference --kind openai --url http://127.0.0.1:8000 --model tiny --rate 4
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.clients import make_client
-from benchlib.cliutil import add_target_args, client_config, log, pin_self, write_json
-from benchlib.experiment import interference
-from benchlib.metrics import Slo
-from benchlib.workload import PromptFactory
+from perf.benchlib.clients import make_client
+from perf.benchlib.cliutil import add_target_args, client_config, log, pin_self, write_json
+from perf.benchlib.experiment import interference
+from perf.benchlib.metrics import Slo
+from perf.benchlib.workload import PromptFactory
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

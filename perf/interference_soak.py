@@ -5,7 +5,7 @@ Starts one Triton on `--repository` (the project's launcher, loopback, free port
 log stays in `--workdir` (a crash's backtrace is there), and the exit status says whether the server
 survived. Compare two trees by running this file from each checkout.
 
-    python perf/interference_soak.py --workdir /tmp/soak --runs 6
+    python -m perf.interference_soak --workdir /tmp/soak --runs 6
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from benchlib.deploy import start_triton  # noqa: E402
+from perf.benchlib.deploy import start_triton  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run in range(args.runs):
             out = args.workdir / f"run{run}.json"
-            command = [sys.executable, str(HERE / "interference.py"), "--kind", "triton"]
+            command = [sys.executable, "-m", "perf.interference", "--kind", "triton"]
             command += [
                 "--url",
                 server.config.grpc_url,
@@ -50,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.model_dir),
             ]
             command += ["--rate", str(args.rate), "--count", str(args.count), "--out", str(out)]
-            subprocess.run(command, check=True, capture_output=True)
+            subprocess.run(command, check=True, capture_output=True, cwd=HERE.parent)
             result = json.loads(out.read_text())
             errors = sum(
                 1 for part in ("decode_only", "mixed") for r in result[part]["records"] if r["error"]

@@ -7,7 +7,7 @@ on one metric, either raw or through ``disagg.triton.metrics.SerialMetric``, and
 server survived and whether the metric on ``/metrics`` holds every increment. Writes JSON and a
 markdown table.
 
-    python perf/metric_race.py --workdir /tmp/metric_race --trials 3
+    python -m perf.metric_race --workdir /tmp/metric_race --trials 3
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from benchlib.deploy import start_triton  # noqa: E402
+from perf.benchlib.deploy import start_triton  # noqa: E402
 
 CONFIG = """name: "metric_race"
 backend: "python"

@@ -1,7 +1,7 @@
 """TTFT, TPOT and KV transfer time of the multi-host deployment against the single-server one.
 
-    # as root (or under sudo: `sudo ../.venv/bin/python multihost_bench.py ...` from perf/)
-    cd perf && ../.venv/bin/python multihost_bench.py [--model DIR] [--out-dir results/multihost]
+    # as root, from the repository root (or under sudo)
+    make bench-multihost   # PYTHONPATH=tests:tests/integration .venv/bin/python -m perf.multihost_bench
 
 Needs root and ``ip netns`` (network namespaces joined by a bridge, ``tests/netns_support.py``); exits
 with status 2 and the reason where they cannot be made. Both deployments run on the same machine, one
@@ -49,14 +49,15 @@ from typing import Any
 
 import numpy as np
 
+# the test suite's topology helpers: `make bench-multihost` puts tests/ and tests/integration/ on
+# PYTHONPATH for them
+from netns_support import Host, Topology, netns_unavailable, start_host, wait_ready
+from serving_support import metric_samples
+from triton_support import GrpcStream, text_request
+
+from disagg.engine.tokenizer import Tokenizer
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT / "tests"), str(REPO_ROOT / "tests" / "integration")]
-
-from netns_support import Host, Topology, netns_unavailable, start_host, wait_ready  # noqa: E402
-from serving_support import metric_samples  # noqa: E402
-from triton_support import GrpcStream, text_request  # noqa: E402
-
-from disagg.engine.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "llm"
 WARMUP = 3

@@ -16,7 +16,7 @@ time is what happens between two steps (response hand-off, the loop itself); the
 server minus the one here is the engine running slower inside the server (the relay and Triton's own
 threads busy on the other core of the same chip).
 
-    python perf/orchestration_cost.py [--triton-url HOST:GRPC_PORT --metrics-url URL] [--reps 5]
+    python -m perf.orchestration_cost [--triton-url HOST:GRPC_PORT --metrics-url URL] [--reps 5]
 
 The colocated pool is measured the same way, after the rest: ``Engine.decode_step()`` alone on both
 cores (two threads, this process) beside TPOT through ``ensemble_colocated`` and the colocated pool's
@@ -43,13 +43,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib import report
-from benchlib.clients import ClientConfig, TritonClient
-from benchlib.deploy import start_triton
-from benchlib.workload import RequestSpec
-
 from disagg.engine.device import auto_dtype
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
@@ -61,6 +54,10 @@ from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob
 from disagg_tools.autoscaler.snapshot import parse_exposition
 from disagg_tools.autoscaler.source import http_get
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib import report
+from perf.benchlib.clients import ClientConfig, TritonClient
+from perf.benchlib.deploy import start_triton
+from perf.benchlib.workload import RequestSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFILL_CORE, DECODE_CORE = 0, 1  # as in the default repository

@@ -11,8 +11,8 @@ come back (p50/p99 from send to the error), the admitted requests' TTFT and TPOT
 frozen SLOs (`perf/slos.json`), their goodput, the server's resident memory (its process group) every
 second, and whether the pools' gauges and the open pool calls came back to their baseline afterwards.
 
-    .venv/bin/python perf/overload.py --model-dir .models/tiny --rate 37 --duration 60
-    .venv/bin/python perf/overload.py --model-dir .models/smollm2-135m-instruct --as-deployed \
+    .venv/bin/python -m perf.overload --model-dir .models/tiny --rate 37 --duration 60
+    .venv/bin/python -m perf.overload --model-dir .models/smollm2-135m-instruct --as-deployed \
         --clients 64 --duration 45
 
 Writes `<out-dir>/overload.json` and `.md`.
@@ -34,21 +34,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.arrivals import count_for
-from benchlib.clients import ClientConfig, make_client
-from benchlib.cliutil import add_run_args, log, machine, write_json
-from benchlib.deploy import pool_parameter, start_triton, with_orchestrator_parameters
-from benchlib.gauges import IDLE_GAUGES, scrape, settle
-from benchlib.loadgen import LoadConfig, run_clients, run_trace
-from benchlib.metrics import RequestRecord, Slo, percentile
-from benchlib.modelstats import delta, model_stats, table
-from benchlib.sampler import Sampler
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
-
 from disagg.serving.orchestrator import OrchestratorConfig
+from perf.benchlib.arrivals import count_for
+from perf.benchlib.clients import ClientConfig, make_client
+from perf.benchlib.cliutil import add_run_args, log, machine, write_json
+from perf.benchlib.deploy import pool_parameter, start_triton, with_orchestrator_parameters
+from perf.benchlib.gauges import IDLE_GAUGES, scrape, settle
+from perf.benchlib.loadgen import LoadConfig, run_clients, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo, percentile
+from perf.benchlib.modelstats import delta, model_stats, table
+from perf.benchlib.sampler import Sampler
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RSS_EVERY_S = 1.0
@@ -375,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.keep_log.write_bytes((Path(scratch) / "tritonserver.log").read_bytes())
     name = args.name or ("overload" if args.admission_margin else "overload_no_admission")
     write_json(args.out_dir / f"{name}.json", out)
-    command = "python perf/overload.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m perf.overload " + " ".join(argv if argv is not None else sys.argv[1:])
     report = markdown(out, command)
     (args.out_dir / f"{name}.md").write_text(report)
     log(report)

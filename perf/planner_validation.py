@@ -11,7 +11,7 @@ Deployments (two cores):
   colocated    `ensemble_colocated`: one colocated pool instance on both cores
   colocated2   `ensemble_colocated`: two colocated instances, one per core
 
-    .venv/bin/python perf/planner_validation.py --model-dir .models/smollm2-135m-instruct
+    .venv/bin/python -m perf.planner_validation --model-dir .models/smollm2-135m-instruct
 
 Writes `<out-dir>/planner_validation.json` and `.md`, and its section of `--report` (perf/RESULTS.md).
 """
@@ -31,19 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.cliutil import add_search_args, log, machine, write_json
-from benchlib.deploy import spec_repository, start_triton
-from benchlib.experiment import calibrations, goodput_runs
-from benchlib.metrics import percentile
-from benchlib.report import publish
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import WORKLOADS, PromptFactory
-
 from disagg_tools.planner.plan import Traffic, goodput, run_at
 from disagg_tools.planner.profile import Profile
 from disagg_tools.planner.simulator import ROUTINGS, Deployment, Slo
+from perf.benchlib.cliutil import add_search_args, log, machine, write_json
+from perf.benchlib.deploy import spec_repository, start_triton
+from perf.benchlib.experiment import calibrations, goodput_runs
+from perf.benchlib.metrics import percentile
+from perf.benchlib.report import publish
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import WORKLOADS, PromptFactory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "planner-validation"
@@ -428,7 +425,7 @@ class GivenSlo:
 def resumed(path: Path) -> tuple[dict[str, Any], dict[str, GivenSlo]]:
     """An earlier run's results and the SLOs it derived (its `slos` lines: 4 x idle TTFT, 2 x idle
     TPOT, so the idle figures the searches start from come back too)."""
-    from benchlib.metrics import Slo as Judged
+    from perf.benchlib.metrics import Slo as Judged
 
     earlier = json.loads(path.read_text())
     slos = {}
@@ -469,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume is not None:  # the deployments measured before, and their SLOs
         earlier, slos = resumed(args.resume)
     out: dict[str, Any] = {
-        "command": "python perf/planner_validation.py "
+        "command": "python -m perf.planner_validation "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "model": args.model_dir.name,

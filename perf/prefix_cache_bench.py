@@ -8,7 +8,7 @@ an engine with the cache on, after one prompt with the same prefix warmed the ca
 blocks after the prefix (and a partial last block) are computed. Repetitions alternate between the
 two engines (A B A B ...), so drift on a shared machine hits both alike; medians are reported.
 
-    python perf/prefix_cache_bench.py [--model DIR] [--cores 0] [--dtype bfloat16] [--prefix 32,256,1024]
+    python -m perf.prefix_cache_bench [--model DIR] [--cores 0] [--dtype bfloat16] [--prefix 32,256,1024]
 
 Writes prefix_cache_bench.json and prefix_cache_bench.md into --out-dir (default perf/results/).
 """

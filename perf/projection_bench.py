@@ -15,7 +15,7 @@ them), one copy per layer, so a step streams them from memory as the engine's do
 interleaved (kernel, oneDNN, ..., kernel, ...) and the median of each is reported. Writes
 projection_bench.json and projection_bench.md into --out-dir.
 
-    python perf/projection_bench.py [--model DIR] [--cores 0[,1]] [--rows 1,2,4,8,16,32,64,300]
+    python -m perf.projection_bench [--model DIR] [--cores 0[,1]] [--rows 1,2,4,8,16,32,64,300]
         [--dtype bfloat16|float32]
 """
 

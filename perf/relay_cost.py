@@ -19,7 +19,7 @@ to the deployment's entry point; the pool's engine steps and busy seconds from /
 per step = B x tokens / steps per instance. Alone: the same engine (the pool's cores, this process)
 prefills B prompts and decodes at batch B per instance, after the server has stopped.
 
-    .venv/bin/python perf/relay_cost.py --model-dir .models/smollm2-135m-instruct
+    .venv/bin/python -m perf.relay_cost --model-dir .models/smollm2-135m-instruct
 
 Writes `<out-dir>/relay_cost.json` and `.md`.
 """
@@ -38,15 +38,6 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.clients import ClientConfig, TritonClient
-from benchlib.cliutil import log, machine, write_json
-from benchlib.deploy import start_triton
-from benchlib.workload import PromptFactory, RequestSpec
-from orchestration_cost import counted_since, server_decode_counters
-from planner_validation import SETUPS, repository
-
 from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
@@ -54,6 +45,12 @@ from disagg.procfs import cmdline, read_stat, serves
 from disagg.server import process_group_members
 from disagg_tools.planner.profile import Profile
 from disagg_tools.repository import POOL_MODELS
+from perf.benchlib.clients import ClientConfig, TritonClient
+from perf.benchlib.cliutil import log, machine, write_json
+from perf.benchlib.deploy import start_triton
+from perf.benchlib.workload import PromptFactory, RequestSpec
+from perf.orchestration_cost import counted_since, server_decode_counters
+from perf.planner_validation import SETUPS, repository
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 32
@@ -247,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     given = {int(k): Path(v) for k, _, v in (item.partition("=") for item in args.profile)}
     profiles = {k: Profile.load(given.get(k, args.out_dir / f"profile-{k}.json")) for k in (1, 2)}
     out: dict[str, Any] = {
-        "command": "python perf/relay_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m perf.relay_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "model": args.model_dir.name,
         "dtype": server_dtype(args.dtype),

@@ -9,7 +9,7 @@ unique `--prompt-tokens`-token prompts at `--rate`, `--output` tokens out, to `e
 first rollout, during a rollout (from its start to its end), and between and after them, with the time
 of each rollout step. The SLOs (`chat`, from perf/slos.json) give the attainment of each window.
 
-    .venv/bin/python perf/rollout.py --model-dir .models/smollm2-135m-instruct
+    .venv/bin/python -m perf.rollout --model-dir .models/smollm2-135m-instruct
 
 Writes `<out-dir>/rollout.json` and `.md`, and its section of `--report` (perf/RESULTS.md).
 """
@@ -30,17 +30,15 @@ from typing import Any
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib.arrivals import poisson_arrivals
-from benchlib.clients import ClientConfig
-from benchlib.cliutil import machine, write_json
-from benchlib.deploy import start_triton
-from benchlib.metrics import RequestRecord, Slo
-from benchlib.report import publish
-from benchlib.slo import SLO_FILE, load_frozen
-from benchlib.workload import PromptFactory, RequestSpec, new_salt
-from hot_prompts import latency, replay
+from perf.benchlib.arrivals import poisson_arrivals
+from perf.benchlib.clients import ClientConfig
+from perf.benchlib.cliutil import machine, write_json
+from perf.benchlib.deploy import start_triton
+from perf.benchlib.metrics import RequestRecord, Slo
+from perf.benchlib.report import publish
+from perf.benchlib.slo import SLO_FILE, load_frozen
+from perf.benchlib.workload import PromptFactory, RequestSpec, new_salt
+from perf.hot_prompts import latency, replay
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SECTION = "rollout"
@@ -195,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop(grace_s=5)
     out = {
-        "command": "python perf/rollout.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m perf.rollout " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "checkpoints": f"{model_dir.name}, {checkpoint_b.name}",
         "rate": args.rate,

@@ -1,8 +1,8 @@
 """The whole serving benchmark in one command: SLO calibration, goodput search per workload and deployment,
 the interference experiment, then perf/RESULTS.md, JSON and PNG plots.
 
-    python perf/run_all.py --quick   # first look, <= 10 min: codegen only, short runs
-    python perf/run_all.py --full    # ~90 min: codegen, chat, summarize, codegen@article
+    python -m perf.run_all --quick   # first look, <= 10 min: codegen only, short runs
+    python -m perf.run_all --full    # ~90 min: codegen, chat, summarize, codegen@article
 
 A workload named `<workload>@<source>` (benchlib.slo.FIXED_SLOS) sends the workload's prompts and is
 judged by SLOs given from outside the rule (`codegen@article`: the source article's 500 ms / 50 ms).
@@ -53,14 +53,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchlib import machine as machine_facts
-from benchlib import plots, report
-from benchlib.clients import ClientConfig, TritonClient, make_client
-from benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, pin_self, write_json
-from benchlib.cpuprobe import CpuProbe, group_members
-from benchlib.deploy import (
+from disagg.serverconfig import parse_cpus
+from perf.benchlib import machine as machine_facts
+from perf.benchlib import plots, report
+from perf.benchlib.clients import ClientConfig, TritonClient, make_client
+from perf.benchlib.cliutil import DEFAULT_MODEL_DIR, REPO_ROOT, log, pin_self, write_json
+from perf.benchlib.cpuprobe import CpuProbe, group_members
+from perf.benchlib.deploy import (
     DeployError,
     VllmConfig,
     VllmServer,
@@ -72,11 +71,11 @@ from benchlib.deploy import (
     with_orchestrator_parameters,
     with_pool_parameters,
 )
-from benchlib.experiment import GoodputResult, RunPlan, pooled_interference, search_goodput, start_rate
-from benchlib.gridcache import GridCache, GridEntry, machine_key
-from benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
-from benchlib.search import Bracket, SearchConfig
-from benchlib.slo import (
+from perf.benchlib.experiment import GoodputResult, RunPlan, pooled_interference, search_goodput, start_rate
+from perf.benchlib.gridcache import GridCache, GridEntry, machine_key
+from perf.benchlib.llamacpp import LlamaCppConfig, LlamaCppServer, build_record, gguf_of
+from perf.benchlib.search import Bracket, SearchConfig
+from perf.benchlib.slo import (
     FIXED_SLOS,
     REFERENCE_DEPLOYMENT,
     SLO_FILE,
@@ -90,7 +89,7 @@ from benchlib.slo import (
     judged_by,
     load_frozen,
 )
-from benchlib.timeplan import (
+from perf.benchlib.timeplan import (
     GOODPUT_WEIGHT,
     INTERFERENCE_WEIGHT,
     MIN_CONFIG_S,
@@ -101,9 +100,7 @@ from benchlib.timeplan import (
     interference_part,
     shares,
 )
-from benchlib.workload import WORKLOADS, PromptFactory
-
-from disagg.serverconfig import parse_cpus
+from perf.benchlib.workload import WORKLOADS, PromptFactory
 
 PERF = Path(__file__).resolve().parent
 SLO_RULE = (
@@ -1031,7 +1028,7 @@ def _server_lost(dep: Deployment, what: str, results: dict[str, Any]) -> bool:
 
 
 def _calibration(d: dict[str, Any]) -> Calibration:
-    from benchlib.metrics import Slo
+    from perf.benchlib.metrics import Slo
 
     return Calibration(
         d["workload"], d["reference"], d["prompt_tokens"], d["idle_ttft_s"], d["idle_tpot_s"],
@@ -1216,7 +1213,7 @@ async def main_async(args: argparse.Namespace) -> int:
     deployments: dict[str, Deployment] = {}
     results: dict[str, Any] = {
         "meta": {
-            "command": f"python perf/run_all.py --{profile.name}",
+            "command": f"python -m perf.run_all --{profile.name}",
             "mode": profile.name,
             "started": started_wall.isoformat(timespec="seconds"),
             "machine": facts.describe(),
@@ -1387,7 +1384,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     }  # SLOs given from outside are never frozen
                     if dep.name != "colocated" or len(cals) != len(needed):
                         raise RuntimeError("the SLOs could not be measured on colocated")
-                    command = "python perf/run_all.py " + " ".join(sys.argv[1:])
+                    command = "python -m perf.run_all " + " ".join(sys.argv[1:])
                     freeze(
                         args.slo_file, model_key, cals, started_wall.isoformat(timespec="seconds"), command
                     )
@@ -1411,7 +1408,7 @@ async def main_async(args: argparse.Namespace) -> int:
         # the orchestration cost (one stream, its own server) is part of the full report
         log("orchestration cost: perf/orchestration_cost.py --reps 3 ...")
         cost = subprocess.run(
-            [sys.executable, str(PERF / "orchestration_cost.py"), "--reps", "3"], check=False
+            [sys.executable, "-m", "perf.orchestration_cost", "--reps", "3"], cwd=PERF.parent, check=False
         )
         if cost.returncode:
             results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")

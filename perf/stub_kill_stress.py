@@ -11,7 +11,7 @@ to its end. Outcomes per run:
     ends with the socket closed;
   - `other`: anything else (a hang, another error): a defect of this project.
 
-    python perf/stub_kill_stress.py [--runs 10] [--streams 3]
+    python -m perf.stub_kill_stress [--runs 10] [--streams 3]
 
 Writes perf/results/stub_kill_stress.{json,md}.
 """
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from benchlib.cliutil import REPO_ROOT, log, machine, write_json
-from benchlib.deploy import start_triton
 
 from disagg.paths import tiny_model_dir
 from disagg.procfs import read_stat
 from disagg.server import process_group_members
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.cliutil import REPO_ROOT, log, machine, write_json
+from perf.benchlib.deploy import start_triton
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_ERROR = "decode pool stopped responding"

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from benchlib.workload import RequestSpec
+from perf.benchlib.workload import RequestSpec
 
 COUNT_MODES = ("reported", "requested", "pieces", "retokenize")
 

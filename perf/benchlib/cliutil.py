@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchlib.clients import COUNT_MODES, ClientConfig
+from perf.benchlib.clients import COUNT_MODES, ClientConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The tiny model unless MODEL_DIR says otherwise; `make bench` passes SmolLM2 explicitly.
@@ -66,7 +66,7 @@ def pin_self(cpus: str | None) -> None:
 
 
 def machine() -> str:
-    from benchlib.machine import cpu_model
+    from perf.benchlib.machine import cpu_model
 
     try:
         cpu = cpu_model(Path("/proc/cpuinfo").read_text())
@@ -85,7 +85,7 @@ def write_json(path: Path, data: Any) -> None:
 def add_run_args(parser: argparse.ArgumentParser, rate_help: str, rate_required: bool = True) -> None:
     """--model-dir/--repository/--workload/--rate: one seeded workload at a rate, on a fresh server of a
     repository (the project's by default) loading a model (the tiny one by default)."""
-    from benchlib.workload import WORKLOADS
+    from perf.benchlib.workload import WORKLOADS
 
     parser.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".models" / "tiny")
     parser.add_argument("--repository", type=Path, default=REPO_ROOT / "model_repository")

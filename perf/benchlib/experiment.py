@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchlib.arrivals import count_for
-from benchlib.clients import ClientConfig, StreamClient, make_client
-from benchlib.cliutil import log
-from benchlib.cpuprobe import CpuProbe
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
-from benchlib.search import BUDGET, Bracket, RateSearch, SearchConfig
-from benchlib.slo import calibrate
-from benchlib.workload import WORKLOADS, PromptFactory, Workload, build_trace, new_salt
+from perf.benchlib.arrivals import count_for
+from perf.benchlib.clients import ClientConfig, StreamClient, make_client
+from perf.benchlib.cliutil import log
+from perf.benchlib.cpuprobe import CpuProbe
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo, Summary, percentile, summarize
+from perf.benchlib.search import BUDGET, Bracket, RateSearch, SearchConfig
+from perf.benchlib.slo import calibrate
+from perf.benchlib.workload import WORKLOADS, PromptFactory, Workload, build_trace, new_salt
 
 
 @dataclass(frozen=True)

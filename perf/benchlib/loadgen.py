@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from benchlib.clients import StreamClient, StreamOutcome, output_tokens
-from benchlib.metrics import RequestRecord
-from benchlib.workload import RequestSpec
+from perf.benchlib.clients import StreamClient, StreamOutcome, output_tokens
+from perf.benchlib.metrics import RequestRecord
+from perf.benchlib.workload import RequestSpec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The machine a benchmark ran on, for its report: CPU model, usable cores, the SIMD/AMX flags that
 decide how fast CPU inference can be, and the read-only memory bandwidth one core and all cores reach.
 
-Run `cd perf && ../.venv/bin/python -m benchlib.machine` to print a one-line description.
+Run `.venv/bin/python -m perf.benchlib.machine` (from the repository root) to print a one-line description.
 """
 
 from __future__ import annotations

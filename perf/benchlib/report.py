@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchlib.search import Bracket
+from perf.benchlib.search import Bracket
 
 GOODPUT_TARGETS = {"codegen": 1.3, "chat": 1.3, "codegen@article": 1.3, "summarize": 2.0}
 """Disaggregated goodput against the best other deployment, per workload: the ratio wanted."""
@@ -296,7 +296,7 @@ def orchestration_section(orchestration: dict[str, Any]) -> list[str]:
         cells = ("–", "–") if step is None else (f"{step:.2f}", f"{value - step:.2f}")
         rows.append([name, f"{value:.2f}", f"{value / tpot['engine loop'] - 1:+.1%}", *cells])
     out = [
-        f"`python perf/orchestration_cost.py` (run {orchestration.get('finished', 'earlier')}; "
+        f"`python -m perf.orchestration_cost` (run {orchestration.get('finished', 'earlier')}; "
         f"{orchestration['tokens']} tokens, {orchestration.get('dtype', 'bfloat16')}, median of "
         f"{orchestration['reps']} interleaved repetitions): TPOT through `ensemble` and `llm` beside the "
         "decode pool's engine loop without Triton, and the decode engine's own time per step in each case "
@@ -514,7 +514,7 @@ def section_markers(name: str) -> tuple[str, str]:
 def publish(report: str, out: Path, results: Path | None, section: str) -> None:
     """A benchmark's markdown `report` written to `out`, and, with its title one level down, to its
     `section` of `results` (perf/RESULTS.md) when that file exists; then printed."""
-    from benchlib.cliutil import log
+    from perf.benchlib.cliutil import log
 
     out.write_text(report)
     if results is not None and results.is_file():

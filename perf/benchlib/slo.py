@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchlib.clients import StreamClient
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.metrics import RequestRecord, Slo
-from benchlib.workload import PromptFactory, RequestSpec, Workload, new_salt
+from perf.benchlib.clients import StreamClient
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.metrics import RequestRecord, Slo
+from perf.benchlib.workload import PromptFactory, RequestSpec, Workload, new_salt
 
 TTFT_FACTOR = 4.0
 TPOT_FACTOR = 2.0

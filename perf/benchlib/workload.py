@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from benchlib.arrivals import poisson_arrivals
 from disagg_tools.planner.lengths import CONTEXT_LEN, LengthDist  # the planner draws lengths the same way
+from perf.benchlib.arrivals import poisson_arrivals
 
 _STREAM_ARRIVALS, _STREAM_LENGTHS, _STREAM_WORDS = 1, 2, 3
 

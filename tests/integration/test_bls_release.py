@@ -10,14 +10,9 @@ and says so."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parents[2] / "perf"
-if str(PERF) not in sys.path:
-    sys.path.insert(0, str(PERF))
-
-import bls_release_stress  # noqa: E402 - needs perf/ on the path
+from perf import bls_release_stress
 
 # the drop policy's stub usually dies within a second (perf/results/bls_release_stress.md: 0.6 s);
 # 4 s of the graveyard make about 700 calls here

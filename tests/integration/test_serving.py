@@ -40,6 +40,7 @@ from serving_support import (
     text_inputs,
 )
 from triton_support import (
+    REPO_ROOT,
     GrpcStream,
     LeakProbe,
     TritonFactory,
@@ -371,11 +372,10 @@ def test_requests_cancelled_at_random_moments_leave_nothing_behind(
     # the storm's baseline is the gauges when it starts: the previous test's sequence must be gone
     # from them first (seen: a baseline with one decode sequence still published, never met again)
     idle_gauges(server)
-    storm = Path(__file__).resolve().parents[2] / "perf" / "cancel_storm.py"
-    command = [sys.executable, str(storm), "--grpc-url", server.config.grpc_url]
+    command = [sys.executable, "-m", "perf.cancel_storm", "--grpc-url", server.config.grpc_url]
     command += ["--metrics-url", server.config.metrics_url, "--requests", "48", "--concurrency", "8"]
     command += ["--max-delay-s", "0.6", "--seed", "7", "--out-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=150, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, check=False, cwd=REPO_ROOT)
     report = json.loads((tmp_path / "cancel_storm.json").read_text()) if done.returncode in (0, 1) else {}
     assert done.returncode == 0, (report, done.stderr[-3000:])
     reached = report["cancelled_mid_stream"] + report["finished_before_cancel"]

@@ -8,11 +8,12 @@ import json
 import math
 from pathlib import Path
 
-import aiperf_compare as ac
 import pytest
-from benchlib.metrics import RequestRecord, Slo, summarize
-from benchlib.report import section_markers, with_section
-from benchlib.workload import WORKLOADS, LengthDist
+
+from perf import aiperf_compare as ac
+from perf.benchlib.metrics import RequestRecord, Slo, summarize
+from perf.benchlib.report import section_markers, with_section
+from perf.benchlib.workload import WORKLOADS, LengthDist
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.02)
 

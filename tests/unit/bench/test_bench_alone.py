@@ -9,13 +9,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib import report
-from benchlib.clients import ClientConfig
-from benchlib.experiment import GoodputResult
-from benchlib.metrics import Slo
-from benchlib.slo import FIXED_SLOS, Calibration, FrozenSlo, base_workload, slo_from_idle
-from benchlib.timeplan import TimePlan
+
+from perf import run_all
+from perf.benchlib import report
+from perf.benchlib.clients import ClientConfig
+from perf.benchlib.experiment import GoodputResult
+from perf.benchlib.metrics import Slo
+from perf.benchlib.slo import FIXED_SLOS, Calibration, FrozenSlo, base_workload, slo_from_idle
+from perf.benchlib.timeplan import TimePlan
 
 FROZEN = {
     name: FrozenSlo(0.8, 0.06, 0.2, 0.03, 300, "colocated", "2026-12-03T00:00:00", "cmd")

@@ -9,11 +9,12 @@ import contextlib
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib import report
-from benchlib.clients import ClientConfig
-from benchlib.deploy import DeployError, with_pool_parameters
 from test_bench_vllm_grid import args_for, minimal_results
+
+from perf import run_all
+from perf.benchlib import report
+from perf.benchlib.clients import ClientConfig
+from perf.benchlib.deploy import DeployError, with_pool_parameters
 
 REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 

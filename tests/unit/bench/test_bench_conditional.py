@@ -3,8 +3,8 @@ kinds, the share the rule routed, and a report that names both variants."""
 
 from __future__ import annotations
 
-import conditional
-from benchlib.metrics import RequestRecord, Slo
+from perf import conditional
+from perf.benchlib.metrics import RequestRecord, Slo
 
 SLOS = {"short": Slo(ttft_s=0.1, tpot_s=0.02), "long": Slo(ttft_s=0.5, tpot_s=0.02)}
 
@@ -34,6 +34,6 @@ def test_the_report_shows_both_variants_per_kind():
         "off": variant,
         "on": variant,
     }
-    report = conditional.markdown(out, "python perf/conditional.py --rate 6")
+    report = conditional.markdown(out, "python -m perf.conditional --rate 6")
     assert report.count("| off |") == 2 and report.count("| on |") == 2
     assert "50% of requests prefilled on the decode pool" in report

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from benchlib.cpuprobe import CpuProbe, group_members, label, thread_times
+from perf.benchlib.cpuprobe import CpuProbe, group_members, label, thread_times
 
 
 def busy_s(per_cpu: dict[str, float]) -> float:

@@ -3,8 +3,8 @@ goodput against the SLOs (a failed or late request is served or not, but never g
 
 from __future__ import annotations
 
-import degraded
-from benchlib.metrics import RequestRecord, Slo
+from perf import degraded
+from perf.benchlib.metrics import RequestRecord, Slo
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.02)
 
@@ -95,7 +95,7 @@ def test_the_report_states_the_ratio_and_each_window():
         "phases": {name: {**phase, "span_s": 10.0} for name in ("normal", "degraded", "recovered")},
         "windows": [{"start_s": 0, "phase": "normal", **phase}],
     }  # fmt: skip
-    text = degraded.markdown(out, "python perf/degraded.py --rate 1")
+    text = degraded.markdown(out, "python -m perf.degraded --rate 1")
     assert "- normal: 2 x `UNAVAILABLE: retry after 5 s`" in text
     assert "**0.75**" in text and "| 0–10 | normal | 10 | 10 | 0.90 |" in text
     assert "| 1 | 40.0 | 42.5 | 48.0 | 8.0 | 24 | 0.70 |" in text

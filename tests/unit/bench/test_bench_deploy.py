@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchlib.deploy import DeployError, VllmConfig, VllmServer
+
+from perf.benchlib.deploy import DeployError, VllmConfig, VllmServer
 
 
 def test_command_pins_cores_and_serves_loopback(tiny_model_dir, tmp_path):
@@ -45,7 +46,7 @@ def test_validation_and_missing_venv(tiny_model_dir, tmp_path):
 
 
 def test_a_spec_repository_lays_the_overlay_and_pool_parameters_over_the_default(tiny_model_dir, tmp_path):
-    from benchlib.deploy import spec_repository
+    from perf.benchlib.deploy import spec_repository
 
     overlay = {"pools": {"colocated": {"instances": 2}}}
     repo = spec_repository(overlay, tiny_model_dir, "float32", tmp_path, {"colocated": {"cores": "0;1"}})

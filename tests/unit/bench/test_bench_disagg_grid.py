@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-import run_all
 from test_bench_vllm_grid import args_for
 
 from disagg_tools.repository import Layout, write
+from perf import run_all
 
 REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from benchlib.gemmrate import layer_shapes, prompt_flops, reference_seconds
 from safetensors import safe_open
 
 from disagg.engine.checkpoint import load_config
+from perf.benchlib.gemmrate import layer_shapes, prompt_flops, reference_seconds
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def test_the_reference_runs_on_one_thread_and_gives_the_thread_count_back(monkey
         seen.append(torch.get_num_threads())
         return linear(x, weight)
 
-    monkeypatch.setattr("benchlib.gemmrate.F.linear", counted)
+    monkeypatch.setattr("perf.benchlib.gemmrate.F.linear", counted)
     seconds = reference_seconds(Shape(), 5, torch.float32, reps=2)
     assert seconds > 0 and torch.get_num_threads() == before
     assert seen == [1] * (3 * (3 * 7 + 1))  # a warm-up and two repetitions: 3 layers of 7, the head

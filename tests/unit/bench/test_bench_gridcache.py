@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib import report
-from benchlib.clients import ClientConfig
-from benchlib.gridcache import GridCache, GridEntry, machine_key
+
+from perf import run_all
+from perf.benchlib import report
+from perf.benchlib.clients import ClientConfig
+from perf.benchlib.gridcache import GridCache, GridEntry, machine_key
 
 MACHINE = machine_key("AMD EPYC", ("avx2",))
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
-import hot_prompts as hp
 import pytest
-from benchlib.metrics import RequestRecord, Slo
-from benchlib.workload import PromptFactory, new_salt
+
+from perf import hot_prompts as hp
+from perf.benchlib.metrics import RequestRecord, Slo
+from perf.benchlib.workload import PromptFactory, new_salt
 
 
 @pytest.fixture(scope="module")

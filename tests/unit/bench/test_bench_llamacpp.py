@@ -8,9 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib import llamacpp
-from benchlib.deploy import DeployError
+
+from perf import run_all
+from perf.benchlib import llamacpp
+from perf.benchlib.deploy import DeployError
 
 AVX2 = frozenset(["fpu", "avx", "avx2", "fma", "f16c", "bmi2"])
 AMX = AVX2 | {"avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}

@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 from bench_fake_openai import FakeOpenAIServer
-from benchlib.clients import ClientConfig, OpenAIClient, StreamOutcome, triton_inputs
-from benchlib.loadgen import LoadConfig, retry_hint, run_clients, run_trace
-from benchlib.metrics import Slo, summarize
-from benchlib.slo import TPOT_FACTOR, TTFT_FACTOR, calibrate
-from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace
+
+from perf.benchlib.clients import ClientConfig, OpenAIClient, StreamOutcome, triton_inputs
+from perf.benchlib.loadgen import LoadConfig, retry_hint, run_clients, run_trace
+from perf.benchlib.metrics import Slo, summarize
+from perf.benchlib.slo import TPOT_FACTOR, TTFT_FACTOR, calibrate
+from perf.benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_triton_inputs_follow_the_ensemble_contract(factory):
 
 
 def test_token_count_modes():
-    from benchlib.clients import StreamOutcome, output_tokens
+    from perf.benchlib.clients import StreamOutcome, output_tokens
 
     done = StreamOutcome(0.0, 0.1, 0.5, 4, "abcdef", 5, None)
     failed = StreamOutcome(0.0, 0.1, 0.5, 4, "abcdef", None, "boom")
@@ -153,8 +154,8 @@ def test_token_count_modes():
 
 
 def test_search_stops_probing_past_its_deadline(factory):
-    from benchlib.experiment import RunPlan, search_goodput
-    from benchlib.search import SearchConfig
+    from perf.benchlib.experiment import RunPlan, search_goodput
+    from perf.benchlib.search import SearchConfig
 
     async def main():
         async with FakeOpenAIServer(token_delay_s=0.0) as server:

@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-from benchlib.machine import FLAGS_THAT_MATTER, Machine, cpu_flags, cpu_model, measure, read_bandwidth
+from perf.benchlib.machine import FLAGS_THAT_MATTER, Machine, cpu_flags, cpu_model, measure, read_bandwidth
 
 AMX_CPUINFO = """\
 processor\t: 0

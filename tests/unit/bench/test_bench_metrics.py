@@ -6,7 +6,8 @@ Times are binary fractions so that every expected value below is exact in floati
 from __future__ import annotations
 
 import pytest
-from benchlib.metrics import RequestRecord, Slo, percentile, summarize
+
+from perf.benchlib.metrics import RequestRecord, Slo, percentile, summarize
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.125)
 

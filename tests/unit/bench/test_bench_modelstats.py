@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchlib import modelstats
+from perf.benchlib import modelstats
 
 
 def _raw(success: int, fail: int, queue_ns: int, infer_ns: int, fail_ns: int = 0) -> dict:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import overload
 import pytest
-from benchlib.deploy import with_orchestrator_parameters
-from benchlib.metrics import RequestRecord, Slo
+
+from perf import overload
+from perf.benchlib.deploy import with_orchestrator_parameters
+from perf.benchlib.metrics import RequestRecord, Slo
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.02)
 REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"

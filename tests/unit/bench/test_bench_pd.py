@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from benchlib import pd_proxy
-from benchlib.deploy import VllmConfig
+
+from perf.benchlib import pd_proxy
+from perf.benchlib.deploy import VllmConfig
 
 
 def model(tmp_path: Path) -> Path:

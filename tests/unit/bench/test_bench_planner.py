@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 
-import planner_validation
 import pytest
-import relay_cost
 
 from disagg_tools.planner.profile import Fit, Profile
+from perf import planner_validation, relay_cost
 
 
 def test_the_relay_term_is_the_extra_step_time_per_token_a_step_produces():
@@ -59,7 +58,7 @@ def _out() -> dict:
         "at_measured": {"rate_rps": 2.0, "ttft_p90_s": 0.6, "tpot_p90_s": 0.045},
     }
     return {
-        "command": "python perf/planner_validation.py",
+        "command": "python -m perf.planner_validation",
         "machine": "2 cores",
         "model": "m",
         "dtype": "bfloat16",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from benchlib import report
-from benchlib.experiment import GoodputResult, InterferenceResult, RateRun
-from benchlib.metrics import RequestRecord, Slo, summarize
-from benchlib.slo import Calibration
+
+from perf.benchlib import report
+from perf.benchlib.experiment import GoodputResult, InterferenceResult, RateRun
+from perf.benchlib.metrics import RequestRecord, Slo, summarize
+from perf.benchlib.slo import Calibration
 
 SLO = Slo(0.5, 0.05)
 
@@ -32,7 +33,7 @@ def results() -> tuple[dict, dict]:
     inter = InterferenceResult(4.0, 4, 0.2, 300, run(4.0, 0.02), mixed)
     res = {
         "meta": {
-            "command": "python perf/run_all.py --quick", "mode": "quick", "finished": "now",
+            "command": "python -m perf.run_all --quick", "mode": "quick", "finished": "now",
             "elapsed_s": 60.0, "machine": "test", "model": "tiny", "token_counting": "pieces", "notes": ["n"],
         },
         "slo_rule": "rule",
@@ -59,7 +60,7 @@ def test_interference_figures_use_short_requests_only():
 
 def test_plots_are_written(tmp_path):
     # matplotlib comes with the `bench` extra, which a plain test install may lack.
-    plots = pytest.importorskip("benchlib.plots", exc_type=ImportError)
+    plots = pytest.importorskip("perf.benchlib.plots", exc_type=ImportError)
     res, records = results()
     written = [
         *plots.attainment_plots(res, tmp_path),
@@ -138,7 +139,7 @@ def test_the_orchestration_cost_reports_the_colocated_step_inside_against_alone(
 
 
 def test_a_full_run_keeps_the_sections_other_benchmarks_wrote():
-    from benchlib.report import keeping_sections, sections, with_section
+    from perf.benchlib.report import keeping_sections, sections, with_section
 
     old = with_section(with_section("# old table\n", "hot_prompts", "## Hot\nrows"), "rollout", "## Roll")
     assert sections(old) == {"hot_prompts": "## Hot\nrows", "rollout": "## Roll"}
@@ -161,7 +162,7 @@ def test_publish_writes_the_report_and_its_section_one_level_down(tmp_path):
 
 
 def test_targets_apply_the_bracket_rule():
-    from benchlib.search import Bracket
+    from perf.benchlib.search import Bracket
 
     res, _ = results()
 
@@ -193,7 +194,7 @@ def test_targets_apply_the_bracket_rule():
 
 
 def test_interference_is_pooled_over_seeds_with_each_seeds_ratio_kept():
-    from benchlib.experiment import PooledInterference
+    from perf.benchlib.experiment import PooledInterference
 
     def pair(base: float, mixed: float) -> InterferenceResult:
         return InterferenceResult(4.0, 4, 0.2, 300, run(4.0, base), run(4.0, mixed, ("short", "long") * 2))

@@ -5,7 +5,8 @@ without a bracket gets one from its probes."""
 from __future__ import annotations
 
 import pytest
-from benchlib.search import BOTTOM, FLAT, NARROW, PROBES, TOP, Bracket, RateSearch, SearchConfig
+
+from perf.benchlib.search import BOTTOM, FLAT, NARROW, PROBES, TOP, Bracket, RateSearch, SearchConfig
 
 
 def run(config: SearchConfig, attainment) -> RateSearch:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from benchlib.metrics import Slo
-from benchlib.slo import SLO_FILE, Calibration, freeze, judged_by, load_frozen, slo_from_idle
+
+from perf.benchlib.metrics import Slo
+from perf.benchlib.slo import SLO_FILE, Calibration, freeze, judged_by, load_frozen, slo_from_idle
 
 
 def calibration(workload: str, ttft: float, tpot: float) -> Calibration:
@@ -60,7 +61,7 @@ def test_the_committed_file_freezes_the_quick_benchmarks_slos() -> None:
 
 
 def test_a_run_without_frozen_slos_for_its_model_stops_before_starting_anything(tmp_path: Path) -> None:
-    import run_all
+    from perf import run_all
 
     model = tmp_path / "my-model"
     model.mkdir()

@@ -9,11 +9,13 @@ import contextlib
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib.clients import ClientConfig
-from benchlib.gridcache import GridCache, GridEntry, machine_key
-from benchlib.machine import Machine
-from benchlib.timeplan import (
+from kv_support import Clock
+
+from perf import run_all
+from perf.benchlib.clients import ClientConfig
+from perf.benchlib.gridcache import GridCache, GridEntry, machine_key
+from perf.benchlib.machine import Machine
+from perf.benchlib.timeplan import (
     GOODPUT_WEIGHT,
     GRID_CONFIG_WEIGHT,
     INTERFERENCE_WEIGHT,
@@ -24,7 +26,6 @@ from benchlib.timeplan import (
     interference_part,
     shares,
 )
-from kv_support import Clock
 
 
 def test_each_part_gets_its_weighted_share_of_the_time_left() -> None:

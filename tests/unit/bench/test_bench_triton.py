@@ -8,10 +8,11 @@ import secrets
 from pathlib import Path
 
 import pytest
-from benchlib.clients import ClientConfig, TritonClient
-from benchlib.deploy import free_port
-from benchlib.loadgen import LoadConfig, run_trace
-from benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
+
+from perf.benchlib.clients import ClientConfig, TritonClient
+from perf.benchlib.deploy import free_port
+from perf.benchlib.loadgen import LoadConfig, run_trace
+from perf.benchlib.workload import WORKLOADS, PromptFactory, RequestSpec, build_trace, new_salt
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,10 @@ import contextlib
 from pathlib import Path
 
 import pytest
-import run_all
-from benchlib import report
-from benchlib.clients import ClientConfig
+
+from perf import run_all
+from perf.benchlib import report
+from perf.benchlib.clients import ClientConfig
 
 
 def args_for(tmp_path: Path, *extra: str):

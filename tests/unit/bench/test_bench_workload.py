@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from benchlib.arrivals import count_for, poisson_arrivals
-from benchlib.workload import CONTEXT_LEN, WORKLOADS, LengthDist, PromptFactory, build_trace, new_salt
+
+from perf.benchlib.arrivals import count_for, poisson_arrivals
+from perf.benchlib.workload import CONTEXT_LEN, WORKLOADS, LengthDist, PromptFactory, build_trace, new_salt
 
 
 @pytest.fixture(scope="module")
