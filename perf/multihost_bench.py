@@ -560,7 +560,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: .models/tiny)")
-    parser.add_argument("--out-dir", type=Path, default=Path("results/multihost"))
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "perf" / "results" / "multihost")
     parser.add_argument("--requests", type=int, default=20, help="requests per phase")
     parser.add_argument("--concurrency", type=int, default=4, help="of the loaded phase")
     parser.add_argument("--prompt-tokens", type=int, default=300)

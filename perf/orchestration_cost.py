@@ -24,7 +24,7 @@ own step inside the server. Its step inside against alone is what sharing the po
 the token relay costs it.
 
 Without --triton-url a server is started on model_repository/. Writes
-perf/results/orchestration_cost.{json,md}.
+perf/results/orchestration_cost/orchestration_cost.{json,md} (``make bench-orchestration``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from perf.benchlib.clients import ClientConfig, TritonClient
 from perf.benchlib.deploy import start_triton
 from perf.benchlib.workload import RequestSpec
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "orchestration_cost"
 PREFILL_CORE, DECODE_CORE = 0, 1  # as in the default repository
 
 

@@ -43,3 +43,21 @@ def test_every_relative_link_resolves(page: Path):
         if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
             broken.append(target)
     assert broken == [], broken
+
+
+def test_every_committed_result_names_what_makes_it():
+    """Each entry of perf/results/ is in docs/benchmarks.md's table of results, and every `make`
+    target that page names is one of the Makefile's."""
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    unnamed = [
+        entry.name
+        for entry in sorted((REPO_ROOT / "perf" / "results").iterdir())
+        if f"perf/results/{entry.name}" not in page
+    ]
+    assert unnamed == [], f"perf/results entries no row of docs/benchmarks.md names: {unnamed}"
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M))
+    named = set(re.findall(r"`make ([a-z][\w-]*)", page)) | set(
+        re.findall(r"`make [a-z][\w-]* ([a-z][\w-]*)", page)
+    )
+    assert named and named <= targets, sorted(named - targets)
