@@ -2,6 +2,8 @@
 # The checks that need a CUDA GPU, as one prepared run (a lent GPU machine: see README, GPU status).
 #
 #   perf/gpu_check.sh            # from the repository root; results under $OUT (default /tmp/gpu_check)
+#   DRY_RUN=1 PYTHON=.venv/bin/python perf/gpu_check.sh   # any machine: each step's command is shown
+#                                # and only checked to load (its --help; the GPU tests collected)
 #
 # What it needs beside the working tree, in .gpu/ (made on a machine with the project installed by
 # `perf/gpu_pack.sh`): triton.tar.xz (the Triton 2.51 binaries of the nvidia-pytriton wheel, with the
@@ -27,10 +29,17 @@ RUN="$OUT/run.log"  # every step's log, appended as it ends (at most 8 files com
 
 STEPS=${STEPS:-pytest_gpu serve_check kv_bench engine_bench}  # a subset reruns only those
 
+DRY_RUN=${DRY_RUN:-0}
 step() {  # step NAME SECONDS COMMAND...: run, log its status and duration
 	local name=$1 limit=$2
 	shift 2
 	case " $STEPS " in *" $name "*) ;; *) return ;; esac
+	if [ "$DRY_RUN" = 1 ]; then  # the command as it would run; then only whether it loads
+		echo "===== $name (dry run): $*" | tee -a "$RUN"
+		if [ "$3" = pytest ]; then "$@" --collect-only >>"$RUN" 2>&1; else "$@" --help >>"$RUN" 2>&1; fi
+		echo "===== $name loads: rc=$?" | tee -a "$RUN"
+		return
+	fi
 	local start=$SECONDS
 	timeout "$limit" "$@" >"$OUT/step.log" 2>&1
 	local rc=$?
@@ -40,6 +49,9 @@ step() {  # step NAME SECONDS COMMAND...: run, log its status and duration
 	rm -f "$OUT/step.log"
 }
 
+if [ "$DRY_RUN" = 1 ]; then  # no GPU set-up: the project's own modules on the path
+	export PYTHONPATH="$ROOT/tests:$ROOT" SHAPE=/tmp/models/smollm2-shape
+else
 {
 	nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 	$PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
@@ -85,6 +97,7 @@ tensors = {
 save_file(tensors, f"{folder}/model.safetensors", metadata=spec["metadata"])
 EOF
 rm -f "$SHAPE/shapes.json"
+fi
 
 step pytest_gpu 150 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu -s
 # Triton 2.51's Python stub was built for numpy 1.x: under the machine's numpy 2 it misreads BYTES
