@@ -165,6 +165,13 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(
                 value = event.result.as_numpy("num_output_tokens")
                 counted += 0 if value is None else int(value.reshape(-1)[0])
             before.append(counted)
+        # the pool has published the streams' blocks: the killed stub leaves that share in the series
+        # (it never retires), which the restarted instance must take over and bring back to 0
+        wait_until(
+            lambda: sum(_series(server, "disagg_kv_blocks_used", pool="decode").values()) > 0,
+            10,
+            "the decode pool publishing the streams' blocks",
+        )
         os.kill(decode_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         results = [_stream_tokens(stream, ERROR_BOUND_S + 60) for stream in streams]
@@ -215,6 +222,12 @@ def test_kill_decode_stub_mid_stream_streams_migrate_and_the_pool_is_restarted(
         lambda: sum(_series(server, "disagg_engine_steps_total", model="decode").values()) > steps,
         10,
         "the restarted decode pool serving again",
+    )
+    # the killed stub's last published blocks are not counted as in use by the restarted pool
+    wait_until(
+        lambda: sum(_series(server, "disagg_kv_blocks_used", pool="decode").values()) == 0,
+        10,
+        "the decode pool's blocks in use back to 0 after its restart",
     )
 
 

@@ -9,12 +9,14 @@ request ends; pool gauges and transfer counters are refreshed by a reporter thre
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from disagg.hot.hotness import GroupRate
 from disagg.hot.throttle import DECISIONS as HOT_RATE_DECISIONS
+from disagg.procfs import stub_pids
 from disagg.protocol.errors import ServingError
 from disagg.serving.auth import REFUSALS
 from disagg.serving.orchestrator import HOT_ROUTES, Outcome
@@ -252,6 +254,14 @@ class Gauge:
             if delta:
                 self._metric.increment(delta)
                 self._value = value
+
+    def adopt(self) -> None:
+        """Take what the series holds now as this holder's own share: the share of a holder that died
+        without retiring (``kill -9``), which nobody else would ever take back. The next ``set`` then
+        moves the series to the true value. Only when no other holder lives: a live one zeroes its
+        own share when it retires."""
+        with self._lock:
+            self._value = float(self._metric.value())
 
 
 SERVER_STATES = ("up", "down", "unknown")  # disagg_remote_servers' states
@@ -508,6 +518,7 @@ class PoolReporter:
             for reason in REFUSALS
         }
         self.info = fam.gauge("disagg_engine_info", {**labels, **loop.engine.describe()})
+        self._adopt_orphaned_shares(model)
         self.info.set(1)
         self._seen = {
             "bytes": 0.0,
@@ -524,6 +535,26 @@ class PoolReporter:
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metrics-{role}", daemon=True)
+
+    def _adopt_orphaned_shares(
+        self, model: str, live_stubs: Callable[[int, str], list[int]] = stub_pids
+    ) -> None:
+        """An instance reloaded after its stub was killed registers the same series while the dead
+        stub's last published gauges are still in them (it never retired): with no other stub of this
+        model alive under this server, whatever the gauges hold is such a share, and this instance
+        takes it over so that its first publish corrects it. With another stub alive (a reload
+        beside a live instance, or a second instance) nothing is taken: that one retires its own."""
+        try:
+            if any(pid != os.getpid() for pid in live_stubs(os.getppid(), model)):
+                return
+            gauges = (self.used, self.free, self.cached, self.queue, self.pending, self.active, self.limit)
+            for gauge in (*gauges, self.info):
+                if gauge is not None:
+                    gauge.adopt()
+        except Exception:
+            log.warning(
+                "could not read the pool's gauges at load; a crashed predecessor's values stay", exc_info=True
+            )
 
     def refused(self, reason: str) -> None:
         """A call refused for its token (a reason of ``disagg.serving.auth.REFUSALS``)."""

@@ -3,6 +3,7 @@ metric crash the server, so gauges move by increments and every metric's operati
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -193,3 +194,61 @@ def test_the_hot_group_cap_and_its_decisions_are_published_from_the_orchestrator
     assert total("disagg_hot_rate_decisions_total", action="increase", reason="headroom") == 0
     published.stop()
     assert total("disagg_hot_group_rate_limit", instance="llm_0") == 0.0
+
+
+class ValuedMetric(FakeMetric):
+    """A FakeMetric whose series already holds `start` (another holder's share) and answers value()."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__()
+        self.start = start
+
+    def value(self) -> float:
+        return self.start + self.total
+
+
+def test_a_dead_holders_share_is_taken_over_and_corrected_by_the_next_set() -> None:
+    """A stub killed with 78 blocks published never retires: its share stays in the series. The
+    instance that replaces it adopts the series' value, so publishing its own 0 brings the series to 0
+    (without adopting, the series would read 78 for as long as the server runs)."""
+    series = ValuedMetric(78)
+    gauge = Gauge(series)
+    gauge.adopt()
+    assert gauge.value == 78
+    gauge.set(0)
+    assert series.value() == 0
+    gauge.set(5)
+    assert series.value() == 5
+
+
+def _reporter_gauges(start: float) -> tuple[SimpleNamespace, list[ValuedMetric]]:
+    series = [ValuedMetric(start) for _ in range(3)]
+    used, info, active = (Gauge(m) for m in series)
+    fake = SimpleNamespace(used=used, free=None, cached=None, queue=None, pending=None, active=active)
+    fake.limit, fake.info = None, info
+    return fake, series
+
+
+@pytest.mark.parametrize(("others", "adopted"), [((), True), ((4242,), False)])
+def test_a_pool_takes_over_only_when_no_other_stub_of_it_lives(
+    others: tuple[int, ...], adopted: bool
+) -> None:
+    """With no other stub of its model under this server, what the gauges hold is a dead stub's; with
+    one alive (a reload beside a live instance), that one retires its own share and nothing is taken."""
+    fake, series = _reporter_gauges(78)
+    live = lambda server, model: [os.getpid(), *others]  # noqa: E731
+    metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=live)
+    fake.used.set(0)
+    fake.info.set(1)
+    assert series[0].value() == (0 if adopted else 78)
+    assert series[1].value() == (1 if adopted else 79)
+
+
+def test_a_failed_look_at_the_stubs_leaves_the_gauges_as_they_were() -> None:
+    fake, series = _reporter_gauges(3)
+
+    def broken(server: int, model: str) -> list[int]:
+        raise OSError("no /proc")
+
+    metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=broken)
+    assert fake.used.value == 0 and series[0].value() == 3
