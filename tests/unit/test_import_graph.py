@@ -6,11 +6,12 @@ which never imports them."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import grimp
 import pytest
 import tomllib
+
+from disagg.paths import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +73,12 @@ def test_the_lower_layers_import_nothing_above_them(
 def test_every_package_is_in_the_distribution() -> None:
     """pyproject lists its packages by name: a package missing there works in the editable install
     (found by path) and is absent from a wheel (`pip install .`)."""
-    root = Path(__file__).resolve().parents[2]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = set()
-    for name, folder in (("disagg", root / "backends" / "disagg"), ("disagg_tools", root / "tools")):
+    for name, folder in (
+        ("disagg", REPO_ROOT / "backends" / "disagg"),
+        ("disagg_tools", REPO_ROOT / "tools"),
+    ):
         for init in folder.rglob("__init__.py"):
             parts = init.parent.relative_to(folder).parts
             if "__pycache__" not in parts:

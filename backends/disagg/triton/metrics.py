@@ -547,10 +547,8 @@ class PoolReporter:
         try:
             if any(pid != os.getpid() for pid in live_stubs(os.getppid(), model)):
                 return
-            gauges = (self.used, self.free, self.cached, self.queue, self.pending, self.active, self.limit)
-            for gauge in (*gauges, self.info):
-                if gauge is not None:
-                    gauge.adopt()
+            for gauge in self._gauges():
+                gauge.adopt()
         except Exception:
             log.warning(
                 "could not read the pool's gauges at load; a crashed predecessor's values stay", exc_info=True
@@ -579,7 +577,13 @@ class PoolReporter:
             self.publish()  # the counters' last increments
         except Exception:
             log.warning("publishing pool metrics failed", exc_info=True)
-        for gauge in (
+        for gauge in self._gauges():
+            gauge.set(0)
+
+    def _gauges(self) -> list[Gauge]:
+        """This instance's gauges (the ones its role has): what it zeroes when it retires, and takes
+        over at load from a predecessor that never retired."""
+        gauges = (
             self.used,
             self.free,
             self.cached,
@@ -588,9 +592,8 @@ class PoolReporter:
             self.active,
             self.limit,
             self.info,
-        ):
-            if gauge is not None:
-                gauge.set(0)
+        )
+        return [gauge for gauge in gauges if gauge is not None]
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

@@ -222,10 +222,12 @@ def test_a_dead_holders_share_is_taken_over_and_corrected_by_the_next_set() -> N
 
 
 def _reporter_gauges(start: float) -> tuple[SimpleNamespace, list[ValuedMetric]]:
+    """A decode pool's reporter as far as taking over goes: three gauges, the others its role lacks."""
     series = [ValuedMetric(start) for _ in range(3)]
     used, info, active = (Gauge(m) for m in series)
-    fake = SimpleNamespace(used=used, free=None, cached=None, queue=None, pending=None, active=active)
-    fake.limit, fake.info = None, info
+    fake = SimpleNamespace(used=used, info=info, active=active, free=None, cached=None, queue=None)
+    fake.pending = fake.limit = None
+    fake._gauges = lambda: metrics.PoolReporter._gauges(fake)
     return fake, series
 
 
