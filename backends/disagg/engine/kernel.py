@@ -86,28 +86,36 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def build(directory: Path | None = None, source_path: Path = SOURCE) -> Path:
-    """Compile a kernel source (``kernels/bf16.c`` unless told) unless a build of this very source
-    exists; returns the library's path (disagg.compiler: RuntimeError naming what failed)."""
+def build(directory: Path | None = None, source_path: Path = SOURCE, defines: tuple[str, ...] = ()) -> Path:
+    """Compile a kernel source (``kernels/bf16.c`` unless told, with ``-D`` of each of ``defines``)
+    unless a build of this very source exists; returns the library's path (disagg.compiler:
+    RuntimeError naming what failed)."""
     directory = directory or cache_dir()
     linked: list[str] = []
     if source_path != TEAM:  # every kernel library runs its parts on the one team library
         team = build(directory, TEAM)
         linked = [str(team), f"-Wl,-rpath,{team.parent}"]
-    return compile_shared(source_path, directory, FLAGS, linked)
+    flags = (*FLAGS, *(f"-D{name}" for name in defines))
+    return compile_shared(source_path, directory, flags, linked)
 
 
 def load(
-    name: str, source_path: Path, supported: bool, missing: str, declare: Callable[[ctypes.CDLL], str | None]
+    name: str,
+    source_path: Path,
+    supported: bool,
+    missing: str,
+    declare: Callable[[ctypes.CDLL], str | None],
+    defines: tuple[str, ...] = (),
 ) -> ctypes.CDLL | None:
-    """The library built from ``source_path``, or None (logged once by the caller's cache) where this
-    CPU lacks ``missing`` (``supported`` false), where it cannot be built or loaded, or where
-    ``declare`` (which types its functions) returns why this build does not fit the Python side."""
+    """The library built from ``source_path`` (with ``defines``), or None (logged once by the caller's
+    cache) where this CPU lacks ``missing`` (``supported`` false), where it cannot be built or loaded,
+    or where ``declare`` (which types its functions) returns why this build does not fit the Python
+    side."""
     if not supported:
         log.info("%s off: this CPU has no %s", name, missing)
         return None
     try:
-        loaded = ctypes.CDLL(str(build(source_path=source_path)))
+        loaded = ctypes.CDLL(str(build(source_path=source_path, defines=defines)))
     except (RuntimeError, OSError) as exc:
         log.warning("%s off: %s", name, exc)
         return None

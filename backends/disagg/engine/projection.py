@@ -6,10 +6,12 @@
   (``perf/projection_bench.py``, SmolLM2's projections on one core: 1.84x at 1 row, 1.15x at 32,
   1.04x at 300). Its sums run in an order
   fixed by the input index alone, so a row gets the same bits whatever it is batched with. On a CPU
-  with AMX, oneDNN's AMX kernels are far faster for prompt rows, which are compute-bound: there the
-  projection keeps oneDNN's packed weight as well (twice the weight memory; ``split``) and sends the
-  rows the caller marks as prompt rows to it; decode rows, bound by the weight's reading, stay on
-  the kernel.
+  with AMX, tiles are far faster for prompt rows, which are compute-bound: there the projection keeps
+  a second copy of the weight laid out as AMX tiles (twice the weight memory; ``split``) and sends
+  the rows the caller marks as prompt rows to the engine's tile kernel (``disagg.engine.amxkernel``,
+  on the kernels' thread team: every core of the pool; **not verified on AMX hardware**), or, where
+  that kernel is off, to oneDNN's packed weight (on torch's one thread inside a step); decode rows,
+  bound by the weight's reading, stay on the kernel.
 - **bf16 on block-coded weights** (``native``, AVX-512-BF16, and ``source``: the fp32 values the bf16
   weight was rounded from): where those are exactly Q4_1 codes (``disagg.engine.blockcode``), decode
   rows go to the bf16 block-code kernel (``blockcode.bf16_gemm``), which reads 4.5 bits a weight
@@ -41,7 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import blockcode, fp32kernel, kernel
+from disagg.engine import amxkernel, blockcode, fp32kernel, kernel
 from disagg.engine.device import onednn_bf16
 
 
@@ -64,13 +66,15 @@ class Projection:
         split: bool = True,
         source: torch.Tensor | None = None,
         amx: bool | None = None,
+        amx_kernel: kernel.Gemm | None = None,
     ) -> None:
         """``wide``: the kernel's outputs in fp32, unrounded (an output head's logits). ``split``: keep
         a second path for prompt rows where one is faster for them (off for a projection that only
         ever sees a few rows, such as the output head: one row per prompt). ``source``: the fp32
         values a bf16 ``weight`` was rounded from (the checkpoint's), where block codes may be found.
         ``amx``: whether to route prompt rows as on a CPU with AMX (None: whether this CPU has it,
-        ``kernel.cpu_has_amx``)."""
+        ``kernel.cpu_has_amx``); ``amx_kernel``: the tile kernel they go to there (None:
+        ``amxkernel.gemm()``, where this CPU runs it; oneDNN where it does not)."""
         self.bias = bias
         self.wide = wide
         on_cpu = weight.device.type == "cpu"
@@ -85,15 +89,21 @@ class Projection:
             found = blockcode.recover(source)
             self.blocks = blockcode.quads(found) if found is not None and found.bits == 4 else None
         amx_prompts = split and (kernel.cpu_has_amx() if amx is None else amx)
+        tile_gemm = None
+        if amx_prompts and gemm is not None and amxkernel.covers(*weight.shape):
+            tile_gemm = amx_kernel if amx_kernel is not None else amxkernel.gemm()
+        self.amx_tiles = amxkernel.pack(weight) if tile_gemm is not None else None
         # the bf16 kernel's layout: every row, or the prompt rows beside codes (without AMX)
         keep_native = gemm is not None and (self.blocks is None or (split and not amx_prompts))
         self.native = kernel.pack(weight) if keep_native else None
         # fp32 rows through the engine's fp32 kernel: every row without codes, prompt rows beside them
         fp32_gemm = fp32kernel.gemm() if native and on_cpu_fp32 and (self.blocks is None or split) else None
         self.tiles = fp32kernel.pack(weight) if fp32_gemm is not None else None
-        # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX
+        # oneDNN's weight: the only path without a kernel; beside it for prompt rows on AMX without
+        # the tile kernel
         codes_only = self.blocks is not None and not split
-        onednn = (gemm is None or amx_prompts) and self.tiles is None and not codes_only
+        onednn_prompts = amx_prompts and tile_gemm is None
+        onednn = (gemm is None or onednn_prompts) and self.tiles is None and not codes_only
         self.packed = onednn and pack and packing_available(weight.dtype, weight.device)
         if not onednn:
             self.weight = None
@@ -103,9 +113,18 @@ class Projection:
             self.weight = weight
         # decode rows, and prompt rows where they take another path (None: the decode rows' path)
         plain = self._plain(gemm, fp32_gemm)
+        tiled = None
+        if tile_gemm is not None:
+            tiles = self.amx_tiles
+
+            def tiled(x: torch.Tensor) -> torch.Tensor:
+                return tile_gemm(x, tiles, self.bias, self.wide)
+
         self._prompt: Rows | None = None
-        if self.blocks is not None:  # the codes; prompt rows on the weight, if kept
-            self._decode, self._prompt = self._coded(), plain
+        if self.blocks is not None:  # the codes; prompt rows on AMX tiles or the weight, if kept
+            self._decode, self._prompt = self._coded(), tiled or plain
+        elif tiled is not None:  # AMX: prompt rows on the tile kernel
+            self._decode, self._prompt = plain, tiled
         elif self.native is not None and self.weight is not None:  # AMX: prompt rows to oneDNN
             self._decode, self._prompt = plain, self._onednn
         else:
@@ -151,7 +170,7 @@ class Projection:
         """Bytes of weight held (every layout kept)."""
         held = [t for t in (self.weight, None if self.native is None else self.native.tiles) if t is not None]
         codes = 0 if self.blocks is None else self.blocks.nbytes
-        tiles = 0 if self.tiles is None else self.tiles.nbytes
+        tiles = sum(0 if t is None else t.nbytes for t in (self.tiles, self.amx_tiles))
         return codes + tiles + sum(t.numel() * t.element_size() for t in held)
 
 

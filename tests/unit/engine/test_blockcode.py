@@ -174,7 +174,7 @@ def test_a_bf16_projection_sends_decode_rows_to_the_codes_and_prompt_rows_to_the
     assert torch.equal(projection(x), codes)  # all decode rows
     mixed = projection(x, 2)  # two decode rows, then four prompt rows
     assert torch.equal(mixed[:2], codes[:2])
-    if not kernel.cpu_has_amx():  # with AMX, prompt rows go to oneDNN
+    if not kernel.cpu_has_amx():  # with AMX, prompt rows go to the AMX tiles (or oneDNN)
         assert torch.equal(mixed[2:], kernel.gemm()(x[2:], kernel.pack(weight), None))
     torch.testing.assert_close(
         mixed[2:].float(), F.linear(x[2:].float(), weight.float()), rtol=0.02, atol=0.02

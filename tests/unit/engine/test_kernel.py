@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import kernel
+from disagg.engine import amxkernel, kernel
 from disagg.engine.projection import Projection
 
 needs_kernel = pytest.mark.skipif(kernel.gemm() is None, reason="no AVX-512-BF16 or no C compiler here")
@@ -91,7 +91,9 @@ def test_a_native_projection_holds_only_the_kernels_layout() -> None:
 
 @needs_kernel
 def test_with_amx_prompt_rows_go_to_onednn_and_decode_rows_to_the_kernel(monkeypatch) -> None:
+    """Where the AMX tile kernel is off (``disagg.engine.amxkernel``: tested there)."""
     monkeypatch.setattr(kernel, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(amxkernel, "gemm", lambda emulated=False: None)
     weight, bias = torch.randn(128, 64).bfloat16(), torch.randn(128).bfloat16()
     projection = Projection(weight, bias, pack=True, native=True)
     assert projection.native is not None and projection.packed
@@ -112,9 +114,11 @@ def test_with_amx_prompt_rows_go_to_onednn_and_decode_rows_to_the_kernel(monkeyp
 @needs_kernel
 @pytest.mark.parametrize("amx", [True, False])
 def test_an_injected_amx_decides_where_prompt_rows_go(monkeypatch, amx: bool) -> None:
-    """``amx`` given, the CPU is not asked: with it prompt rows go to oneDNN and decode rows to the
-    kernel (both layouts held), without it every row goes to the kernel (its layout alone)."""
+    """``amx`` given, the CPU is not asked: with it (and the AMX tile kernel off) prompt rows go to
+    oneDNN and decode rows to the kernel (both layouts held), without it every row goes to the kernel
+    (its layout alone)."""
     monkeypatch.setattr(kernel, "cpu_has_amx", lambda: pytest.fail("the CPU was asked despite amx"))
+    monkeypatch.setattr(amxkernel, "gemm", lambda emulated=False: None)
     weight, bias = torch.randn(128, 64).bfloat16(), torch.randn(128).bfloat16()
     projection = Projection(weight, bias, pack=True, native=True, amx=amx)
     assert projection.native is not None
