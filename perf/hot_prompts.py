@@ -212,7 +212,10 @@ def triton_run(
         raise RuntimeError(f"disagg repository failed for {name}")
     tuned = {
         k: str(v)
-        for k, v in (("hot_threshold", args.hot_threshold), ("hot_group_burst", args.hot_group_burst))
+        for k, v in (
+            ("hot_prompts.threshold", args.hot_threshold),
+            ("hot_prompts.group_burst", args.hot_group_burst),
+        )
     }
     tuned = {k: v for k, v in tuned.items() if v != "None"}
     if tuned:  # the entry points' hot-prompt settings, where they differ from the defaults
@@ -461,9 +464,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-chat", action="store_true", help="the burst only")
     parser.add_argument("--setups", default="", help="burst setups to run, comma-separated (default: all)")
-    parser.add_argument("--hot-threshold", type=int, help="the entry points' hot_threshold (default: theirs)")
     parser.add_argument(
-        "--hot-group-burst", type=int, help="the entry points' hot_group_burst (default: theirs)"
+        "--hot-threshold", type=int, help="the entry points' hot_prompts.threshold (default: theirs)"
+    )
+    parser.add_argument(
+        "--hot-group-burst", type=int, help="the entry points' hot_prompts.group_burst (default: theirs)"
     )
     parser.add_argument(
         "--server-cpus", default="", help="pin tritonserver's own threads, e.g. '0' (default: unpinned)"

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from disagg.hot.settings import HotPromptsConfig
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.orchestrator import HOT_POOL, OrchestratorConfig
 from disagg.serving.text_api import ALL_INPUTS, EXTRA_OUTPUTS, LLM_ONLY_INPUTS
@@ -423,20 +424,21 @@ def _remote_params(layout: Layout, mode: str) -> dict[str, str]:
 
 
 def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
-    """An entry point's hot-prompt isolation: the hot pool (disaggregated only) and the group rate."""
+    """An entry point's hot-prompt isolation (its ``hot_prompts.*`` parameters): the hot pool
+    (disaggregated only) and the group rate."""
     params = {}
     if mode == "disaggregated" and layout.hot_decode_cores:
-        params["hot_decode_model"] = HOT_POOL
+        params["decode_model"] = HOT_POOL
     if layout.hot_group_rate:
-        params["hot_group_rate"] = f"{layout.hot_group_rate:g}"
+        params["group_rate"] = f"{layout.hot_group_rate:g}"
     if layout.hot_rate_adaptive:
-        params["hot_rate_adaptive"] = "true"
-    if layout.hot_step_ratio != OrchestratorConfig.hot_step_ratio:
-        params["hot_step_ratio"] = f"{layout.hot_step_ratio:g}"
-    if layout.block_size != OrchestratorConfig.hot_block_tokens:
+        params["rate_adaptive"] = "true"
+    if layout.hot_step_ratio != HotPromptsConfig.step_ratio:
+        params["step_ratio"] = f"{layout.hot_step_ratio:g}"
+    if layout.block_size != HotPromptsConfig.block_tokens:
         # the groups are the prefix cache's full blocks: the same block size
-        params["hot_block_tokens"] = str(layout.block_size)
-    return params
+        params["block_tokens"] = str(layout.block_size)
+    return {f"hot_prompts.{key}": value for key, value in params.items()}
 
 
 def _llm(layout: Layout) -> str:

@@ -22,9 +22,10 @@ default is ``""``.
 for tuples; ``""`` means ``None`` for an optional field, ``()`` for a tuple and "not given" (the default)
 for any other field. Values that are not strings are checked as in the default mode.
 
-A dataclass that renamed a key declares ``RENAMED: ClassVar[dict[str, str]]`` (old name -> new):
-the old name still works for one release, with a warning naming the new one (both at once are
-refused).
+A nested section's fields may also be given as dotted keys (``hot_prompts.group_rate``: how
+config.pbtxt, a flat map, spells them). A dataclass that renamed a key declares ``RENAMED:
+ClassVar[dict[str, str]]`` (old name -> new, which may be dotted): the old name still works for one
+release, with a warning naming the new one (both at once are refused).
 
 Torch-free on purpose: the autoscaler and the command line use it too.
 """
@@ -69,6 +70,7 @@ def build(cls: type[T], data: Mapping[str, Any], *, strings: bool = False, where
     data = _renamed(cls, data, where)
     hints = typing.get_type_hints(cls)
     settable = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = _dotted(data, settable, hints, where)
     unknown = sorted(str(k) for k in data if k not in settable)
     if unknown:
         raise ConfigError(_at(where, f"unknown key(s) {', '.join(unknown)}"))
@@ -110,6 +112,28 @@ def _renamed(cls: type, data: Mapping[str, Any], where: str) -> Mapping[str, Any
         path = f"{where}.{key}" if where else key
         log.warning("%s is deprecated and goes in the next release: it is now %s", path, new)
         out[new] = out.pop(key)
+    return out
+
+
+def _dotted(
+    data: Mapping[str, Any], settable: Mapping[str, Any], hints: Mapping[str, Any], where: str
+) -> Mapping[str, Any]:
+    """``data`` with each dotted key (``hot_prompts.group_rate``, as config.pbtxt spells a nested
+    section's field) moved into its section's mapping; a section given both whole and by dotted keys,
+    or a dotted key under a field that is not a section, is refused."""
+    dotted = [k for k in data if isinstance(k, str) and "." in k]
+    if not dotted:
+        return data
+    out = {k: v for k, v in data.items() if k not in dotted}
+    for key in dotted:
+        head, rest = key.split(".", 1)
+        hint = hints.get(head) if head in settable else None
+        if hint is None or not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            raise ConfigError(_at(where, f"unknown key(s) {key}"))
+        section = out.setdefault(head, {})
+        if not isinstance(section, dict) or head in data:
+            raise ConfigError(_at(where, f"{head} is given whole and by its keys ({key}): give one"))
+        section[rest] = data[key]
     return out
 
 

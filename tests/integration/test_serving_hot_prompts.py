@@ -30,7 +30,11 @@ def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFacto
     config = out / "llm" / "config.pbtxt"
     entries = "".join(
         f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n'
-        for key, value in (("hot_threshold", THRESHOLD), ("hot_min_prefix_tokens", 32), ("hot_surge", 0))
+        for key, value in (
+            ("hot_prompts.threshold", THRESHOLD),
+            ("hot_prompts.min_prefix_tokens", 32),
+            ("hot_prompts.surge", 0),
+        )
     )
     config.write_text(re.sub(r"parameters \[\n", "parameters [\n" + entries, config.read_text(), count=1))
     return triton_factory.start(out, exit_timeout_s=10)

@@ -164,6 +164,18 @@ def test_nested_errors_carry_the_key_path() -> None:
     assert outer.items == (Inner(size=2), Inner(size=3)) and outer.main == Inner()
 
 
+def test_a_sections_fields_may_be_given_as_dotted_keys() -> None:
+    """config.pbtxt is a flat map: ``main.size`` is field ``size`` of section ``main``."""
+    outer = build(Outer, {"items": "", "main.size": "4", "main.name": "m"}, strings=True)
+    assert outer.main == Inner(size=4, name="m")
+    assert build(Sample, {"count": 1, "inner.size": 2}).inner == Inner(size=2)
+    assert refused(Outer, {"items": [], "main.colour": "red"}) == "main: unknown key(s) colour"
+    assert refused(Outer, {"items": [], "main.size": 0}) == "main: size must be >= 1"
+    assert refused(Sample, {"count": 1, "ratio.x": 1}) == "unknown key(s) ratio.x"  # not a section
+    assert refused(Sample, {"count": 1, "nope.x": 1}) == "unknown key(s) nope.x"
+    assert "given whole and by its keys" in refused(Outer, {"items": [], "main": {}, "main.size": 2})
+
+
 def test_post_init_value_errors_become_config_errors_with_the_prefix() -> None:
     with pytest.raises(ConfigError) as info:
         build(Sample, {"count": 101}, where="pools[2]")

@@ -40,7 +40,7 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
 
     for name in ("prefill", "decode", "colocated"):
         text = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
         )
@@ -63,7 +63,7 @@ def test_orchestrator_parameters_parse_into_valid_configs():
         ("llm", "disaggregated"),
     ):
         text = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
         config = build(OrchestratorConfig, params, strings=True)
         assert config.mode == mode and config.request_timeout_s == Layout().request_timeout_s
         assert config.role == ("llm" if name == "llm" else "orchestrator") and config.cores == "0"
@@ -88,7 +88,7 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
     assert "instance_group [ { kind: KIND_GPU, count: 1, gpus: [ 3 ] } ]" in text["colocated"]
     assert "KIND_GPU" not in (tmp_path / "llm" / "config.pbtxt").read_text()  # the front end stays on CPU
     for name, body in text.items():
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
         assert params["device"] == "cuda"
         # the instance Triton placed on GPU 2 (decode's second): the adapter puts the engine there
         instance = {
@@ -123,7 +123,7 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
     import re
 
     def params(rendered: dict[str, str], pool: str) -> dict[str, str]:
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', rendered[pool]))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', rendered[pool]))
 
     mixed = render(Layout(prefill_dtype="float32", decode_dtype="bfloat16"))
     assert params(mixed, "prefill")["dtype"] == "float32" and params(mixed, "decode")["dtype"] == "bfloat16"
@@ -153,7 +153,7 @@ def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_mod
     rendered = render(Layout(conditional_prefill_tokens=512, conditional_chunk_tokens=64))
 
     def params(name: str) -> dict[str, str]:
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', rendered[name]))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', rendered[name]))
 
     decode = pool_config({**params("decode"), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "d"})
     scheduling = decode.scheduling()
@@ -176,7 +176,7 @@ def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp
     assert main(["--out", str(tmp_path), "--prefix-cache"]) == 0
     for name, expected in (("prefill", True), ("colocated", True), ("decode", False)):
         text = (tmp_path / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
         )
@@ -195,7 +195,7 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
 
     def params(name: str) -> dict[str, str]:
         text = (tmp_path / name / "config.pbtxt").read_text()
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
 
     for flag, cached in (("--no-prefix-cache", False), ("--prefix-cache", True)):
         assert main(["--out", str(tmp_path), "--admission-margin", "2.5", flag]) == 0
@@ -226,7 +226,7 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
 
     def params(name: str) -> dict[str, str]:
         text = (tmp_path / name / "config.pbtxt").read_text()
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
 
     assert main(["--out", str(tmp_path), "--hot-decode-cores", "1", "--hot-group-rate", "2"]) == 0
     hot = pool_config(
@@ -235,10 +235,11 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
     assert hot.role == "decode" and hot.engine.cores == (1,) and hot.nice == Layout().hot_decode_nice
     for name in ("orchestrator", "llm"):
         config = build(OrchestratorConfig, params(name), strings=True)
-        assert config.hot_decode_model == HOT_POOL and config.hot_group_rate == 2.0
+        assert config.hot_prompts.decode_model == HOT_POOL and config.hot_prompts.group_rate == 2.0
         assert HOT_POOL in deployed_pools(config, str(tmp_path / name))
     colocated = build(OrchestratorConfig, params("orchestrator_colocated"), strings=True)
-    assert colocated.hot_decode_model == "" and colocated.hot_group_rate == 2.0
+    assert colocated.hot_prompts.decode_model == "" and colocated.hot_prompts.group_rate == 2.0
+    assert '"hot_prompts.group_rate"' in (tmp_path / "llm" / "config.pbtxt").read_text()
     assert HOT_POOL not in render(Layout()) and "hot_" not in render(Layout())["llm"]
     with pytest.raises(ValueError, match="hot_decode_nice"):
         Layout(hot_decode_cores="1", hot_decode_nice=20)
@@ -253,15 +254,15 @@ def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
 
     def params(name: str) -> dict[str, str]:
         text = (tmp_path / name / "config.pbtxt").read_text()
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
 
     flags = ["--hot-group-rate", "2", "--hot-rate-adaptive", "--hot-step-ratio", "1.3"]
     assert main(["--out", str(tmp_path), *flags]) == 0
     for name in ("orchestrator", "llm", "orchestrator_colocated"):
-        throttle = build(OrchestratorConfig, params(name), strings=True).throttle
+        throttle = build(OrchestratorConfig, params(name), strings=True).hot_prompts.throttle
         assert throttle is not None and (throttle.max_rate, throttle.step_ratio) == (2.0, 1.3), name
-    assert "hot_rate_adaptive" not in render(Layout(hot_group_rate=2))["llm"]
-    assert "hot_step_ratio" not in render(Layout(hot_group_rate=2, hot_rate_adaptive=True))["llm"]
+    assert "hot_prompts.rate_adaptive" not in render(Layout(hot_group_rate=2))["llm"]
+    assert "hot_prompts.step_ratio" not in render(Layout(hot_group_rate=2, hot_rate_adaptive=True))["llm"]
     with pytest.raises(ValueError, match="hot_rate_adaptive needs hot_group_rate"):
         Layout(hot_rate_adaptive=True)
     with pytest.raises(ValueError, match="hot_step_ratio"):
@@ -269,9 +270,12 @@ def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
 
 
 def test_hot_prompt_groups_use_the_prefix_cache_block_size():
-    assert "hot_block_tokens" not in render(Layout())["llm"]
+    assert "hot_prompts.block_tokens" not in render(Layout())["llm"]
     for name in ("llm", "orchestrator"):
-        assert 'key: "hot_block_tokens", value: { string_value: "32" }' in render(Layout(block_size=32))[name]
+        assert (
+            'key: "hot_prompts.block_tokens", value: { string_value: "32" }'
+            in render(Layout(block_size=32))[name]
+        )
 
 
 def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tmp_path, tiny_model_dir):
@@ -289,7 +293,7 @@ def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tm
     assert front == ["ensemble", "llm", "orchestrator", "postprocessing", "preprocessing"]
     for name in ("llm", "orchestrator"):
         body = (tmp_path / "front" / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
         own = {k: v for k, v in params.items() if k not in ("role",)}
         assert build(OrchestratorConfig, own, strings=True).remote == {
             "prefill": "10.0.0.2:8001",
@@ -299,7 +303,7 @@ def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tm
         assert main(["--out", str(tmp_path / role), "--role", role]) == 0
         assert [p.name for p in (tmp_path / role).iterdir()] == [role]
         body = (tmp_path / role / role / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{role}_0"}
         )

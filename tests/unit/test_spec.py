@@ -66,7 +66,7 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
     # the pool adapter serves the version folder's checkpoint
     args = {"model_repository": str(out / "decode"), "model_version": "2", "model_instance_name": "decode_0"}
     text = (out / "decode" / "config.pbtxt").read_text()
-    params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+    params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
     config = pool_config(params, args, version_manifest(args))
     assert str(config.engine.model_dir) == "/models/b" and config.engine.dtype == "float32"
 
@@ -161,7 +161,7 @@ def test_the_decode_batch_tuner_is_a_decode_pool_setting_that_reaches_its_parame
     spec_file.write_text(yaml.safe_dump({"pools": {"decode": {"batch_tpot_slo_s": 0.05, "batch_start": 24}}}))
     assert repository_main(["--spec", str(spec_file), "--out", str(tmp_path / "repo")]) == 0
     text = (tmp_path / "repo" / "decode" / "config.pbtxt").read_text()
-    params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+    params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
     assert params["batch_tpot_slo_s"] == "0.05" and params["batch_start"] == "24"
     config = pool_config({**params, "model_dir": "/nonexistent"}, {"model_instance_name": "decode_0"})
     assert config.tuning().enabled and config.tuning().start == 24
@@ -199,7 +199,7 @@ def test_core_loans_reach_both_pools_with_the_decode_budget(tmp_path):
 
     def params(pool: str) -> dict[str, str]:
         text = (tmp_path / "repo" / pool / "config.pbtxt").read_text()
-        return dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        return dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
 
     prefill, decode = params("prefill"), params("decode")
     assert prefill["borrow"] == "1" and "lend" not in prefill

@@ -70,7 +70,7 @@ def test_the_spec_switches_tls_on_for_every_role(tmp_path: Path) -> None:
     front = write_owned(spec, tmp_path / "front", "frontend")
     for name in ("llm", "orchestrator"):
         body = (front / name / "config.pbtxt").read_text()
-        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', body))
+        params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
         assert params["remote_tls"] == str(folder)
         config = build(OrchestratorConfig, {k: v for k, v in params.items() if k != "role"}, strings=True)
         assert grpc_tls(config.remote_tls) == GrpcTls(folder)

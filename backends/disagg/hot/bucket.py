@@ -22,11 +22,11 @@ class BucketConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rate, int | float) or isinstance(self.rate, bool) or not 0 <= self.rate <= 1e6:
-            raise ValueError("hot_group_rate must be a number of requests per second in [0, 1e6]")
+            raise ValueError("group_rate: must be a number of requests per second in [0, 1e6]")
         if not isinstance(self.burst, int) or isinstance(self.burst, bool) or not 1 <= self.burst <= 1 << 20:
-            raise ValueError("hot_group_burst must be a positive integer")
+            raise ValueError("group_burst: must be a positive integer")
         if not isinstance(self.max_wait_s, int | float) or not 0 <= self.max_wait_s <= 86400:
-            raise ValueError("hot_max_wait_s must be a number of seconds in [0, 86400]")
+            raise ValueError("max_wait_s: must be a number of seconds in [0, 86400]")
 
     @property
     def enabled(self) -> bool:

@@ -73,17 +73,17 @@ class HotConfig:
         for name, low, top in ints:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
-                raise ValueError(f"hot_{name} must be an integer in [{low}, {top}]")
+                raise ValueError(f"{name}: must be an integer in [{low}, {top}]")
         if self.min_prefix_tokens > self.max_prefix_tokens:
-            raise ValueError("hot_min_prefix_tokens must be at most hot_max_prefix_tokens")
+            raise ValueError("min_prefix_tokens: must be at most max_prefix_tokens")
         if not isinstance(self.window_s, int | float) or not 0 < self.window_s <= 3600:
-            raise ValueError("hot_window_s must be a number of seconds in (0, 3600]")
+            raise ValueError("window_s: must be a number of seconds in (0, 3600]")
         if not isinstance(self.cool_ratio, int | float) or not 0 < self.cool_ratio <= 1:
-            raise ValueError("hot_cool_ratio must be in (0, 1]")
+            raise ValueError("cool_ratio: must be in (0, 1]")
         if not isinstance(self.surge, int | float) or not 0 <= self.surge <= 1000:
-            raise ValueError("hot_surge must be a number in [0, 1000]")
+            raise ValueError("surge: must be a number in [0, 1000]")
         if not isinstance(self.baseline_s, int | float) or not self.window_s <= self.baseline_s <= 86400:
-            raise ValueError("hot_baseline_s must be a number of seconds in [hot_window_s, 86400]")
+            raise ValueError("baseline_s: must be a number of seconds in [window_s, 86400]")
 
     @property
     def enabled(self) -> bool:

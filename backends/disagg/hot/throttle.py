@@ -3,7 +3,7 @@
 Where no pool of their own takes them, a hot group's requests decode in the shared decode pool beside
 every other user's, and each one there makes every decode step longer (a bigger batch, more work on
 the same cores): the other users' time per output token is that step time. A fixed cap per group
-(``hot_group_rate``) cannot know how much the pool has to spare; this one is adjusted by what the
+(``hot_prompts.group_rate``) cannot know how much the pool has to spare; this one is adjusted by what the
 pool's engine measures, AIMD-style, once per probe answer of the pool (``observe``):
 
 - the **step time** of an interval is ``Δbusy_s / Δengine_steps`` between two of the pool's loads
@@ -15,7 +15,7 @@ pool's engine measures, AIMD-style, once per probe answer of the pool (``observe
   except for ``settle_s`` after a burst (the burst's last sequences are still decoding then);
 - while **a group is hot**: a step time over ``step_ratio`` x the baseline halves the cap
   (``decrease``), down to ``min_rate`` at the least; otherwise the cap grows by ``increase`` up to
-  ``max_rate`` (the configured ``hot_group_rate``). With no baseline yet (a burst from the pool's
+  ``max_rate`` (the configured ``hot_prompts.group_rate``). With no baseline yet (a burst from the pool's
   first probes on) there is nothing to compare with: the cap is held at ``max_rate``, the fixed cap's
   behaviour;
 - once **no group is hot any more**, every probe answer raises the cap by ``increase`` back towards
@@ -46,7 +46,7 @@ DECISIONS = (
 
 @dataclass(frozen=True)
 class ThrottleConfig:
-    """The adaptive cap's settings; ``max_rate`` is ``hot_group_rate`` (requests/s per hot group)."""
+    """The adaptive cap's settings; ``max_rate`` is ``hot_prompts.group_rate`` (requests/s per hot group)."""
 
     max_rate: float
     min_rate: float = 0.1
@@ -61,15 +61,15 @@ class ThrottleConfig:
 
     def __post_init__(self) -> None:
         if not _number(self.max_rate) or not 0 < self.max_rate <= 1e6:
-            raise ValueError("hot_group_rate must be a number of requests per second in (0, 1e6]")
+            raise ValueError("group_rate: must be a number of requests per second in (0, 1e6]")
         if not _number(self.min_rate) or not 0 < self.min_rate <= self.max_rate:
-            raise ValueError("hot_rate_min must be a number of requests per second in (0, hot_group_rate]")
+            raise ValueError("rate_min: must be a number of requests/s in (0, group_rate]")
         if not _number(self.step_ratio) or not 1 < self.step_ratio <= 100:
-            raise ValueError("hot_step_ratio must be a number in (1, 100]")
+            raise ValueError("step_ratio: must be a number in (1, 100]")
         if not _number(self.decrease) or not 0 < self.decrease < 1:
-            raise ValueError("hot_rate_decrease must be a number in (0, 1)")
+            raise ValueError("rate_decrease: must be a number in (0, 1)")
         if not _number(self.increase) or not 0 < self.increase <= 1e6:
-            raise ValueError("hot_rate_increase must be a number of requests per second in (0, 1e6]")
+            raise ValueError("rate_increase: must be a number of requests per second in (0, 1e6]")
         if not _number(self.smoothing) or not 0 < self.smoothing <= 1:
             raise ValueError("smoothing must be a number in (0, 1]")
         if not isinstance(self.min_steps, int) or isinstance(self.min_steps, bool) or self.min_steps < 1:

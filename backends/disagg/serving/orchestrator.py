@@ -23,12 +23,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 from disagg.engine.sequence import FINISH_LENGTH, Request, SequenceState
-from disagg.hot.bucket import BucketConfig, TokenBucket
-from disagg.hot.hotness import GroupRate, Heat, HotConfig, HotPrompts
-from disagg.hot.throttle import Throttle, ThrottleConfig
+from disagg.hot.bucket import TokenBucket
+from disagg.hot.hotness import GroupRate, Heat, HotPrompts
+from disagg.hot.settings import HOT_PROMPTS_FIELDS, HotPromptsConfig
+from disagg.hot.throttle import Throttle
 from disagg.protocol.errors import (
     CANCELLED,
     DEADLINE,
@@ -132,6 +133,10 @@ class OrchestratorConfig:
     CPU pinning, the tokenizer's folder, the deployment secret); the rest is the orchestrator's.
     """
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        f"hot_{name}": f"hot_prompts.{name}" for name in HOT_PROMPTS_FIELDS
+    }  # old config.pbtxt parameter -> its name in the hot_prompts section (config.build)
+
     mode: str = "disaggregated"
     request_timeout_s: float = 600.0
     max_inflight: int = 256
@@ -189,36 +194,9 @@ class OrchestratorConfig:
     """The most such checks per second of one instance's waiting requests together (each is a round
     trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
     checks less often, so a backlog does not spend its core on asking whether clients left."""
-    hot_threshold: int = 4
-    """Hot prompts (``disagg.hot.hotness``): requests in ``hot_window_s`` that share a prefix of at
-    least ``hot_min_prefix_tokens`` for their group to be hot (0: detection off), if that prefix's
-    share of the window's requests is ``hot_surge`` times its share over ``hot_baseline_s``."""
-    hot_window_s: float = 10.0
-    hot_surge: float = 2.0
-    hot_baseline_s: float = 300.0
-    hot_min_prefix_tokens: int = 64
-    hot_max_prefix_tokens: int = 1024
-    hot_block_tokens: int = 16
-    hot_cool_ratio: float = 0.5
-    hot_decode_model: str = ""
-    """Isolation on a pool of its own: hot requests decode on this model (a decode pool with its own
-    cores or CPU share, see ``disagg repository --hot-decode-cores``) while it is healthy; "": none."""
-    hot_group_rate: float = 0.0
-    """Isolation by rate, where no hot pool takes a request: each hot group starts at most this many
-    requests per second (a token bucket of ``hot_group_burst``); a request that would wait for its
-    token longer than ``hot_max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
-    hot_group_burst: int = 1
-    hot_max_wait_s: float = 30.0
-    hot_rate_adaptive: bool = False
-    """The group rate adapts (``disagg.hot.throttle``): ``hot_group_rate`` is its maximum; while a
-    group is hot, the cap halves (``hot_rate_decrease``, down to ``hot_rate_min``) after each probe
-    interval whose mean decode step time exceeds ``hot_step_ratio`` x the step time learnt while no
-    group was hot, and grows by ``hot_rate_increase`` after each interval within it. The shared decode
-    pool's engine measures it (``colocated`` in colocated mode). Needs ``hot_group_rate`` > 0."""
-    hot_step_ratio: float = 1.1
-    hot_rate_min: float = 0.1
-    hot_rate_decrease: float = 0.5
-    hot_rate_increase: float = 0.25
+    hot_prompts: HotPromptsConfig = field(default_factory=HotPromptsConfig)
+    """Hot prompts: detection, and isolation on a pool of their own or by rate (``disagg.hot.settings``);
+    config.pbtxt spells its fields ``hot_prompts.<field>``."""
     remote_pools: str = ""
     """Pools served by other Triton servers, reached over gRPC (``disagg.triton.remote``):
     ``POOL=SERVERS[;POOL=SERVERS]``, SERVERS being ``HOST:PORT,...`` or ``dns:NAME:PORT`` (see
@@ -268,13 +246,7 @@ class OrchestratorConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
-        if not isinstance(self.hot_rate_adaptive, bool):
-            raise ValueError("hot_rate_adaptive must be true or false")
-        _ = self.admission, self.hot, self.bucket, self.throttle  # validate their settings
-        if not self.hot_rate_adaptive:
-            self._throttle(1e6)  # the adaptive settings are checked when unused too
-        if not isinstance(self.hot_decode_model, str):
-            raise ValueError("hot_decode_model must be a model name or empty")
+        _ = self.admission  # validate its settings
         if self.remote_tls and not self.remote_pools:
             raise ValueError("remote_tls goes with remote_pools (the pools it dials over TLS)")
         grpc_tls(self.remote_tls)  # a folder without its three files fails here, at load
@@ -295,22 +267,9 @@ class OrchestratorConfig:
             "decode": self.decode_model,
             "colocated": self.colocated_model,
         }
-        if self.hot_decode_model and self.mode == "disaggregated":
-            models[HOT_POOL] = self.hot_decode_model
+        if self.hot_prompts.decode_model and self.mode == "disaggregated":
+            models[HOT_POOL] = self.hot_prompts.decode_model
         return models
-
-    @property
-    def hot(self) -> HotConfig:
-        return HotConfig(
-            threshold=self.hot_threshold,
-            window_s=self.hot_window_s,
-            surge=self.hot_surge,
-            baseline_s=self.hot_baseline_s,
-            min_prefix_tokens=self.hot_min_prefix_tokens,
-            max_prefix_tokens=self.hot_max_prefix_tokens,
-            block_tokens=self.hot_block_tokens,
-            cool_ratio=self.hot_cool_ratio,
-        )
 
     @property
     def router(self) -> RouterConfig:
@@ -320,28 +279,6 @@ class OrchestratorConfig:
             self.shed_sheddable_when_degraded,
             self.conditional_prefill_tokens,
             self.conditional_backlog_s,
-        )
-
-    @property
-    def bucket(self) -> BucketConfig:
-        return BucketConfig(self.hot_group_rate, self.hot_group_burst, self.hot_max_wait_s)
-
-    @property
-    def throttle(self) -> ThrottleConfig | None:
-        """The adaptive cap's settings; None unless ``hot_rate_adaptive``."""
-        if not self.hot_rate_adaptive:
-            return None
-        if not self.bucket.enabled:
-            raise ValueError("hot_rate_adaptive needs hot_group_rate > 0 (the cap's maximum)")
-        return self._throttle(self.hot_group_rate)
-
-    def _throttle(self, max_rate: float) -> ThrottleConfig:
-        return ThrottleConfig(
-            max_rate=max_rate,
-            min_rate=self.hot_rate_min,
-            step_ratio=self.hot_step_ratio,
-            decrease=self.hot_rate_decrease,
-            increase=self.hot_rate_increase,
         )
 
     @property
@@ -424,9 +361,9 @@ class Orchestrator:
         self.router = Router(config.router)
         self._listeners: list[Callable[[Change], None]] = [] if on_change is None else [on_change]
         # hot prompts: counted on the event loop, read by the metrics thread too
-        self.hotness = HotPrompts(config.hot)
-        self.bucket = config.bucket  # the hot groups' rate cap, built once
-        throttle = config.throttle
+        self.hotness = HotPrompts(config.hot_prompts.detection)
+        self.bucket = config.hot_prompts.bucket  # the hot groups' rate cap, built once
+        throttle = config.hot_prompts.throttle
         self.throttle = None if throttle is None else Throttle(throttle)  # an adaptive cap, if any
         self._buckets: dict[str, TokenBucket] = {}
         self._hot_lock = threading.Lock()
@@ -645,7 +582,7 @@ class _Run:
         if wait is None:
             outcome.hot_route = "hot_refused"
             raise hot_refusal(
-                owner.hot_rate()[0], max(owner.config.retry_after_s, owner.config.hot_max_wait_s)
+                owner.hot_rate()[0], max(owner.config.retry_after_s, owner.config.hot_prompts.max_wait_s)
             )
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
         if wait > 0:

@@ -5,6 +5,7 @@ touched; the text is the same whichever pool decodes it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import time
@@ -14,10 +15,11 @@ import pytest
 from local_pools import LocalPools
 from recorder import Recorder
 
-from disagg.config import build
+from disagg.config import ConfigError, build
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.tokenizer import Tokenizer
+from disagg.hot.settings import HotPromptsConfig
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.errors import UNAVAILABLE
 from disagg.protocol.messages import PoolLoad
@@ -28,7 +30,13 @@ from disagg.serving.watcher import PoolWatcher
 
 SHARED = list(range(300, 364))  # a 64-token prefix: 4 blocks of 16
 PARAMS = SamplingParams(max_tokens=6)
-HOT = {"hot_threshold": 3, "hot_min_prefix_tokens": 32, "hot_surge": 0}  # no baseline traffic here
+HOT = {"threshold": 3, "min_prefix_tokens": 32, "surge": 0}  # no baseline traffic here
+
+
+def _hot(**kw) -> OrchestratorConfig:
+    """An orchestrator's config with these hot-prompt settings (the rest: ``mode``, given apart)."""
+    mode = kw.pop("mode", "disaggregated")
+    return OrchestratorConfig(mode=mode, hot_prompts=HotPromptsConfig(**kw))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +77,7 @@ def _decoded(pools: LocalPools, pool: str) -> int:
 
 def test_a_hot_group_decodes_on_the_hot_pool_and_cold_requests_do_not(pools):
     local, tokenizer = pools
-    orch = Orchestrator(OrchestratorConfig(hot_decode_model="decode_hot", **HOT), local, tokenizer.decode)
+    orch = Orchestrator(_hot(decode_model="decode_hot", **HOT), local, tokenizer.decode)
     assert HOT_POOL in orch.health, "the hot pool is watched as any other"
     before = _decoded(local, HOT_POOL)
     cold = [[7, 8, 9, 10 + i] * 10 for i in range(3)]
@@ -79,7 +87,7 @@ def test_a_hot_group_decodes_on_the_hot_pool_and_cold_requests_do_not(pools):
     assert all(out.error is None and outcome.output_tokens == 6 for out, outcome in served)
     assert _decoded(local, HOT_POOL) - before >= 3 * 5, "the hot pool decoded the hot requests"
 
-    plain = Orchestrator(OrchestratorConfig(hot_threshold=0), local, tokenizer.decode)
+    plain = Orchestrator(_hot(threshold=0), local, tokenizer.decode)
     again = _serve(plain, _burst(5))
     assert [o.hot_route for _, o in again] == ["cold"] * 5, "detection off: nothing is hot"
     assert [out.text for out, _ in again] == [out.text for out, _ in served[:5]], (
@@ -89,7 +97,7 @@ def test_a_hot_group_decodes_on_the_hot_pool_and_cold_requests_do_not(pools):
 
 def test_a_hot_pool_that_is_not_healthy_is_passed_by(pools):
     local, tokenizer = pools
-    config = OrchestratorConfig(hot_decode_model="decode_hot", **HOT)
+    config = _hot(decode_model="decode_hot", **HOT)
     orch = Orchestrator(config, local, tokenizer.decode)
     orch.observe(orch.health[HOT_POOL].failed("call_failed"))
     assert orch.health[HOT_POOL].state is PoolState.GONE
@@ -99,12 +107,12 @@ def test_a_hot_pool_that_is_not_healthy_is_passed_by(pools):
 
 
 def _bucketed(local, tokenizer, **kw) -> Orchestrator:
-    config = OrchestratorConfig(hot_group_burst=1, **HOT, **kw)
+    config = _hot(group_burst=1, **HOT, **kw)
     return Orchestrator(config, local, tokenizer.decode)
 
 
 def test_without_a_hot_pool_a_token_bucket_refuses_a_group_over_its_rate(pools):
-    orch = _bucketed(*pools, hot_group_rate=0.001, hot_max_wait_s=0.5)  # one token per 1000 s
+    orch = _bucketed(*pools, group_rate=0.001, max_wait_s=0.5)  # one token per 1000 s
     served = _serve(orch, _burst(6))
     routes = [o.hot_route for _, o in served]
     assert routes == ["cold", "cold", "hot_shared"] + ["hot_refused"] * 3, "the burst's one token, then none"
@@ -119,7 +127,7 @@ def test_without_a_hot_pool_a_token_bucket_refuses_a_group_over_its_rate(pools):
 
 
 def test_a_token_bucket_delays_a_burst_and_serves_it(pools):
-    orch = _bucketed(*pools, hot_group_rate=100.0, hot_max_wait_s=10.0)  # one token per 10 ms
+    orch = _bucketed(*pools, group_rate=100.0, max_wait_s=10.0)  # one token per 10 ms
 
     async def burst():
         for prompt in _burst(3):  # the group heats up
@@ -135,7 +143,7 @@ def test_a_token_bucket_delays_a_burst_and_serves_it(pools):
 
 
 def test_a_request_waiting_for_its_token_hears_its_client_leave(pools):
-    orch = _bucketed(*pools, hot_group_rate=0.001, hot_max_wait_s=10000.0)
+    orch = _bucketed(*pools, group_rate=0.001, max_wait_s=10000.0)
     _serve(orch, _burst(3))  # the third took the group's one token
     gone = Recorder(cancel_after=0)
     started = time.monotonic()
@@ -161,12 +169,12 @@ class _Decode:
         return self.load()
 
 
-ADAPTIVE = {"hot_group_rate": 2.0, "hot_rate_adaptive": True, "hot_group_burst": 1, "hot_max_wait_s": 100.0}
+ADAPTIVE = {"group_rate": 2.0, "rate_adaptive": True, "group_burst": 1, "max_wait_s": 100.0}
 
 
 def test_an_adaptive_cap_follows_the_decode_pools_step_time_while_a_group_is_hot():
     decode = _Decode()
-    orch = Orchestrator(OrchestratorConfig(**ADAPTIVE, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
+    orch = Orchestrator(_hot(**ADAPTIVE, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
     assert orch.hot_rate() == (2.0, {})
     for t in range(4):  # no group hot: the baseline, 10 ms a step
         orch.observe_load("decode", decode.run(50, 0.010), 100.0 + t)
@@ -186,7 +194,7 @@ def test_an_adaptive_cap_follows_the_decode_pools_step_time_while_a_group_is_hot
     # the second one's token came at 107 (refilled at 1/s until then): the next one's at 0.5/s
     assert orch.hot_wait(group, 107.0) == pytest.approx(2.0)
 
-    fixed = Orchestrator(OrchestratorConfig(hot_group_rate=2.0, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
+    fixed = Orchestrator(_hot(group_rate=2.0, **HOT), decode, lambda ids: "")  # type: ignore[arg-type]
     fixed.observe_load("decode", decode.run(50, 0.050), 108.0)
     assert fixed.throttle is None and fixed.hot_rate() == (2.0, {}), "a fixed cap ignores the loads"
     assert Orchestrator(OrchestratorConfig(), decode, lambda ids: "").hot_rate() == (0.0, {})  # type: ignore[arg-type]
@@ -194,7 +202,7 @@ def test_an_adaptive_cap_follows_the_decode_pools_step_time_while_a_group_is_hot
 
 def test_the_watcher_feeds_the_adaptive_cap_the_decode_pools_probe_answers():
     decode = _Decode()
-    config = OrchestratorConfig(**ADAPTIVE, **HOT)
+    config = _hot(**ADAPTIVE, **HOT)
     orch = Orchestrator(config, decode, lambda ids: "", deployed=("prefill", "decode"))  # type: ignore[arg-type]
     now = [100.0]
     watcher = PoolWatcher(orch, clock=lambda: now[0])
@@ -213,36 +221,47 @@ def test_the_watcher_feeds_the_adaptive_cap_the_decode_pools_probe_answers():
 
 def test_a_colocated_entry_point_adapts_to_the_colocated_pool():
     decode = _Decode()
-    orch = Orchestrator(OrchestratorConfig(mode="colocated", **ADAPTIVE), decode, lambda ids: "")  # type: ignore[arg-type]
+    orch = Orchestrator(_hot(mode="colocated", **ADAPTIVE), decode, lambda ids: "")  # type: ignore[arg-type]
     for t in range(2):
         orch.observe_load("colocated", decode.run(50, 0.010), 100.0 + t)
     assert orch.throttle is not None and orch.throttle.baseline == pytest.approx(0.010)
 
 
-def test_hot_settings_are_checked():
-    with pytest.raises(ValueError, match="hot_group_rate"):
-        OrchestratorConfig(hot_group_rate=-1)
-    with pytest.raises(ValueError, match="hot_rate_adaptive needs hot_group_rate"):
-        OrchestratorConfig(hot_rate_adaptive=True)
-    with pytest.raises(ValueError, match="hot_rate_min"):
-        OrchestratorConfig(hot_group_rate=0.05, hot_rate_adaptive=True)  # under the default minimum
-    with pytest.raises(ValueError, match="hot_step_ratio"):
-        OrchestratorConfig(hot_step_ratio=0.9)  # checked with the cap fixed too
-    with pytest.raises(ValueError, match="hot_rate_decrease"):
-        OrchestratorConfig(**ADAPTIVE, hot_rate_decrease=1.5)
-    with pytest.raises(ValueError, match="hot_rate_adaptive"):
-        OrchestratorConfig(hot_group_rate=1.0, hot_rate_adaptive="yes")  # type: ignore[arg-type]
+def test_hot_settings_are_checked_and_named_by_their_section():
+    def refused(params: dict[str, str], message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            build(OrchestratorConfig, params, strings=True)
+
+    refused({"hot_prompts.group_rate": "-1"}, r"hot_prompts\.group_rate: must be")
+    refused({"hot_prompts.rate_adaptive": "true"}, r"hot_prompts\.rate_adaptive: needs group_rate")
+    # under the default minimum
+    refused({"hot_prompts.group_rate": "0.05", "hot_prompts.rate_adaptive": "1"}, r"hot_prompts\.rate_min")
+    refused({"hot_prompts.step_ratio": "0.9"}, r"hot_prompts\.step_ratio")  # checked with the cap fixed too
+    refused({"hot_prompts.rate_decrease": "1.5"}, r"hot_prompts\.rate_decrease")
+    refused({"hot_prompts.rate_adaptive": "maybe"}, r"hot_prompts\.rate_adaptive: must be one of")
+    refused({"hot_prompts.min_prefix_tokens": "0"}, r"hot_prompts\.min_prefix_tokens")
+    refused({"hot_prompts.nope": "1"}, r"hot_prompts: unknown key\(s\) nope")
+    refused({"hot_prompts.group_rate": "1", "hot_prompts": "x"}, "given whole and by its keys")
     parsed = build(
         OrchestratorConfig,
-        {"hot_group_rate": "3", "hot_rate_adaptive": "true", "hot_step_ratio": "1.25", "hot_rate_min": "0.5"},
+        {
+            "hot_prompts.group_rate": "3",
+            "hot_prompts.rate_adaptive": "true",
+            "hot_prompts.step_ratio": "1.25",
+            "hot_prompts.rate_min": "0.5",
+        },
         strings=True,
     )
-    assert parsed.throttle is not None
-    assert (parsed.throttle.max_rate, parsed.throttle.step_ratio, parsed.throttle.min_rate) == (
-        3.0,
-        1.25,
-        0.5,
-    )
-    with pytest.raises(ValueError, match="hot_min_prefix_tokens"):
-        OrchestratorConfig(hot_min_prefix_tokens=0)
-    assert HOT_POOL not in OrchestratorConfig(mode="colocated", hot_decode_model="x").pool_models
+    throttle = parsed.hot_prompts.throttle
+    assert throttle is not None
+    assert (throttle.max_rate, throttle.step_ratio, throttle.min_rate) == (3.0, 1.25, 0.5)
+    assert _hot(mode="colocated", decode_model="x").pool_models.keys() == {"prefill", "decode", "colocated"}
+
+
+def test_the_old_flat_hot_parameters_load_with_a_warning_naming_the_new_key(caplog):
+    with caplog.at_level(logging.WARNING, logger="disagg.config"):
+        old = build(OrchestratorConfig, {"hot_group_rate": "3", "hot_threshold": "2"}, strings=True)
+    assert old.hot_prompts == HotPromptsConfig(group_rate=3.0, threshold=2)
+    assert "hot_group_rate is deprecated" in caplog.text and "hot_prompts.group_rate" in caplog.text
+    with pytest.raises(ConfigError, match=r"give hot_prompts\.group_rate only"):
+        build(OrchestratorConfig, {"hot_group_rate": "3", "hot_prompts.group_rate": "2"}, strings=True)

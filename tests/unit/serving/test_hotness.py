@@ -138,11 +138,11 @@ def test_near_duplicates_without_a_shared_prefix_are_reported_not_grouped():
 
 def test_detection_off_and_bad_settings():
     assert not _detector(threshold=0).observe(list(range(200)), 0.0).hot
-    with pytest.raises(ValueError, match="hot_min_prefix_tokens"):
+    with pytest.raises(ValueError, match="min_prefix_tokens: must"):
         HotConfig(min_prefix_tokens=4096, max_prefix_tokens=2048)
-    with pytest.raises(ValueError, match="hot_cool_ratio"):
+    with pytest.raises(ValueError, match="cool_ratio: must"):
         HotConfig(cool_ratio=0)
-    with pytest.raises(ValueError, match="hot_baseline_s"):
+    with pytest.raises(ValueError, match="baseline_s: must"):
         HotConfig(window_s=10.0, baseline_s=5.0)
 
 
@@ -156,7 +156,7 @@ def test_the_token_bucket_spreads_a_burst_and_refuses_past_its_wait():
     assert not bucket.full(1.0) and bucket.full(10.0)
     with pytest.raises(ValueError, match="positive rate"):
         TokenBucket(BucketConfig(), now=0.0)
-    with pytest.raises(ValueError, match="hot_group_burst"):
+    with pytest.raises(ValueError, match="group_burst: must"):
         BucketConfig(rate=1.0, burst=0)
 
 

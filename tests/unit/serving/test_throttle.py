@@ -153,15 +153,15 @@ def test_a_cold_probe_recovers_even_without_steps_to_judge():
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"max_rate": 0.0}, "hot_group_rate"),
-        ({"max_rate": 1.0, "min_rate": 2.0}, "hot_rate_min"),
-        ({"max_rate": 1.0, "min_rate": 0.0}, "hot_rate_min"),
-        ({"max_rate": 1.0, "step_ratio": 1.0}, "hot_step_ratio"),
-        ({"max_rate": 1.0, "step_ratio": float("nan")}, "hot_step_ratio"),
-        ({"max_rate": 1.0, "decrease": 1.0}, "hot_rate_decrease"),
-        ({"max_rate": 1.0, "increase": 0.0}, "hot_rate_increase"),
+        ({"max_rate": 0.0}, "group_rate: must"),
+        ({"max_rate": 1.0, "min_rate": 2.0}, "rate_min: must"),
+        ({"max_rate": 1.0, "min_rate": 0.0}, "rate_min: must"),
+        ({"max_rate": 1.0, "step_ratio": 1.0}, "step_ratio: must"),
+        ({"max_rate": 1.0, "step_ratio": float("nan")}, "step_ratio: must"),
+        ({"max_rate": 1.0, "decrease": 1.0}, "rate_decrease: must"),
+        ({"max_rate": 1.0, "increase": 0.0}, "rate_increase: must"),
         ({"max_rate": 1.0, "min_steps": 0}, "min_steps"),
-        ({"max_rate": True}, "hot_group_rate"),
+        ({"max_rate": True}, "group_rate: must"),
     ],
 )
 def test_bad_settings_are_refused(kw, message):
