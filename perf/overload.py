@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from disagg.serving.orchestrator import OrchestratorConfig
+from disagg.serving.telemetry import SloConfig
 from perf.benchlib.arrivals import count_for
 from perf.benchlib.clients import ClientConfig, make_client
 from perf.benchlib.cliutil import add_run_args, log, machine, write_json
@@ -354,14 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         args.admission_margin = float(
             pool_parameter(args.repository, "orchestrator", "admission_margin") or 0
         )
-        deployed_slo = pool_parameter(args.repository, "orchestrator", "slo_ttft_s")
-        admission_slo = float(deployed_slo) if deployed_slo else OrchestratorConfig.slo_ttft_s
+        deployed_slo = pool_parameter(args.repository, "orchestrator", "slo.ttft_s")
+        admission_slo = float(deployed_slo) if deployed_slo else SloConfig.ttft_s
     else:
         admission_slo = slo.ttft_s
     with tempfile.TemporaryDirectory(prefix="overload-") as scratch:
         repository = args.repository
         if not args.as_deployed:
-            params = {"admission_margin": f"{args.admission_margin:g}", "slo_ttft_s": f"{slo.ttft_s:g}"}
+            params = {"admission_margin": f"{args.admission_margin:g}", "slo.ttft_s": f"{slo.ttft_s:g}"}
             repository = with_orchestrator_parameters(args.repository, Path(scratch), params)
         server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:

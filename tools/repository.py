@@ -30,7 +30,8 @@ from pathlib import Path
 
 from disagg.hot.settings import HotPromptsConfig
 from disagg.serving.endpoints import parse_remote_pools
-from disagg.serving.orchestrator import HOT_POOL, OrchestratorConfig
+from disagg.serving.orchestrator import HOT_POOL
+from disagg.serving.telemetry import SloConfig
 from disagg.serving.text_api import ALL_INPUTS, EXTRA_OUTPUTS, LLM_ONLY_INPUTS
 from disagg.triton.version import VERSION_FILE, Probe
 
@@ -201,7 +202,7 @@ class Layout:
 
     def _check_loans(self) -> None:
         if self.decode_lend_tpot_s is None:  # half the entry points' TPOT SLO
-            half = 0.5 * (self.slo_tpot_s or OrchestratorConfig.slo_tpot_s)
+            half = 0.5 * (self.slo_tpot_s or SloConfig.tpot_s)
             object.__setattr__(self, "decode_lend_tpot_s", half)
         if not isinstance(self.decode_lend_tpot_s, int | float) or self.decode_lend_tpot_s < 0:
             raise ValueError("decode_lend_tpot_s must be a number of seconds >= 0")
@@ -405,9 +406,9 @@ def _slo_params(layout: Layout) -> dict[str, str]:
     admission margin."""
     params = {"admission_margin": f"{layout.admission_margin:g}"}
     if layout.slo_ttft_s is not None:
-        params["slo_ttft_s"] = f"{layout.slo_ttft_s:g}"
+        params["slo.ttft_s"] = f"{layout.slo_ttft_s:g}"
     if layout.slo_tpot_s is not None:
-        params["slo_tpot_s"] = f"{layout.slo_tpot_s:g}"
+        params["slo.tpot_s"] = f"{layout.slo_tpot_s:g}"
     return params
 
 

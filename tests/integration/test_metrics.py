@@ -302,7 +302,7 @@ def test_attainment_and_goodput_fall_when_the_targets_are_tightened(
     prompts = [f"SLO probe {i}: how vexingly quick daft zebras jump" for i in range(3)]
     try:
         started = time.monotonic()
-        reload_llm(server, {"slo_ttft_s": "30", "slo_tpot_s": "5", "slo_window_s": str(window_s)})
+        reload_llm(server, {"slo.ttft_s": "30", "slo.tpot_s": "5", "slo.window_s": str(window_s)})
         loaded = time.monotonic()
         # a new, empty window; the replaced instance (same labels) takes its share out as it unloads
         wait_until(lambda: slo_gauges(server) == (1.0, 0.0), 15, "the new instance's gauges alone")
@@ -315,7 +315,7 @@ def test_attainment_and_goodput_fall_when_the_targets_are_tightened(
         longest, shortest = min(window_s, read - started), runs[-1].sent - loaded
         assert len(prompts) / longest <= goodput <= len(prompts) / shortest, (goodput, longest, shortest)
 
-        reload_llm(server, {"slo_ttft_s": "1e-6", "slo_tpot_s": "1e-6"})
+        reload_llm(server, {"slo.ttft_s": "1e-6", "slo.tpot_s": "1e-6"})
         run_streams(server, "llm", prompts)
         wait_until(lambda: slo_gauges(server) == (0.0, 0.0), 15, "attainment and goodput 0")
         tight = slo_gauges(server)
@@ -323,7 +323,7 @@ def test_attainment_and_goodput_fall_when_the_targets_are_tightened(
     finally:
         try:
             # back to the orchestrator's defaults (docs/metrics.md); the repository sets none of them
-            reload_llm(server, {"slo_ttft_s": "1.0", "slo_tpot_s": "0.1", "slo_window_s": "60"})
+            reload_llm(server, {"slo.ttft_s": "1.0", "slo.tpot_s": "0.1", "slo.window_s": "60"})
         finally:
             # A reload replaces the model's Python backend stub, and with it the stub's shared-memory
             # region (named after the server's prefix). Those are the server's, removed when it stops

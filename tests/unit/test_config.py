@@ -270,9 +270,9 @@ def test_orchestrator_config_from_parameters() -> None:
         "prefill_model": "p",
         "decode_model": "d",
         "colocated_model": "c",
-        "slo_ttft_s": "0.5",
-        "slo_tpot_s": "0.05",
-        "slo_window_s": "120",
+        "slo.ttft_s": "0.5",
+        "slo.tpot_s": "0.05",
+        "slo.window_s": "120",
         "model_dir": "/models/x",
         "secret_file": "",
     }
@@ -280,7 +280,7 @@ def test_orchestrator_config_from_parameters() -> None:
     assert (cfg.role, cfg.mode, cfg.cores, cfg.request_timeout_s) == ("llm", "colocated", "0;1", 30.0)
     assert cfg.max_inflight == 64
     assert cfg.pool_models == {"prefill": "p", "decode": "d", "colocated": "c"}
-    assert (cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.slo_window_s) == (0.5, 0.05, 120.0)
+    assert (cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.window_s) == (0.5, 0.05, 120.0)
     assert cfg.model_dir == Path("/models/x") and cfg.secret_file is None
     with pytest.raises(AttributeError):
         cfg.max_inflight = 1  # type: ignore[misc]
@@ -291,7 +291,7 @@ def test_orchestrator_config_defaults() -> None:
     assert cfg == OrchestratorConfig()
     assert (cfg.mode, cfg.request_timeout_s, cfg.max_inflight) == ("disaggregated", 600.0, 256)
     assert cfg.pool_models == {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
-    assert (cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.slo_window_s) == (1.0, 0.1, 60.0)
+    assert (cfg.slo.ttft_s, cfg.slo.tpot_s, cfg.slo.window_s) == (1.0, 0.1, 60.0)
     assert cfg.model_dir is None and cfg.cores == ""
     assert OrchestratorConfig(mode="colocated", request_timeout_s=5.0).max_inflight == 256
 
@@ -305,7 +305,8 @@ def test_orchestrator_config_defaults() -> None:
         ({"max_inflight": "many"}, "max_inflight: must be an integer"),
         ({"mode": "both"}, "mode must be one of"),
         ({"role": "prefill"}, "role: must be one of orchestrator, llm"),
-        ({"slo_ttft_s": "0"}, "slo_ttft_s must be a positive number"),
+        ({"slo.ttft_s": "0"}, "slo.ttft_s: must be a positive number"),
+        ({"slo_ttft_s": "0"}, "slo.ttft_s: must be a positive number"),  # the old name, for a release
         ({"request_timeout_s": "-1"}, "request_timeout_s must be in (0, 86400]"),
     ],
 )

@@ -56,7 +56,7 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
         assert sorted(p.name for p in (out / model).iterdir()) == ["1", "config.pbtxt"]
         assert "version_policy" not in (out / model / "config.pbtxt").read_text()
     assert "kind: KIND_CPU, count: 2" in (out / "decode" / "config.pbtxt").read_text()
-    assert 'key: "slo_ttft_s", value: { string_value: "0.5" }' in (out / "llm" / "config.pbtxt").read_text()
+    assert 'key: "slo.ttft_s", value: { string_value: "0.5" }' in (out / "llm" / "config.pbtxt").read_text()
     for model in ("llm", "orchestrator", "orchestrator_colocated"):
         assert (
             'key: "admission_margin", value: { string_value: "3" }'

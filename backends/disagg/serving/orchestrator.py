@@ -71,7 +71,7 @@ from disagg.serving.router import (
     SkipLocal,
     hot_refusal,
 )
-from disagg.serving.telemetry import time_per_output_token
+from disagg.serving.telemetry import SloConfig, time_per_output_token
 from disagg.serving.text_api import TextRequest
 from disagg.tls import grpc_tls
 
@@ -134,8 +134,9 @@ class OrchestratorConfig:
     """
 
     RENAMED: ClassVar[dict[str, str]] = {
-        f"hot_{name}": f"hot_prompts.{name}" for name in HOT_PROMPTS_FIELDS
-    }  # old config.pbtxt parameter -> its name in the hot_prompts section (config.build)
+        **{f"hot_{name}": f"hot_prompts.{name}" for name in HOT_PROMPTS_FIELDS},
+        **{f"slo_{name}": f"slo.{name}" for name in ("ttft_s", "tpot_s", "window_s")},
+    }  # old config.pbtxt parameter -> its name in its section (config.build)
 
     mode: str = "disaggregated"
     request_timeout_s: float = 600.0
@@ -145,9 +146,9 @@ class OrchestratorConfig:
     """Names of the pool models (the targets of BLS calls)."""
     decode_model: str = "decode"
     colocated_model: str = "colocated"
-    slo_ttft_s: float = 1.0
-    slo_tpot_s: float = 0.1
-    slo_window_s: float = 60.0
+    slo: SloConfig = field(default_factory=SloConfig)
+    """The SLOs requests are judged by (``disagg_slo_*``) and admission predicts against
+    (config.pbtxt: ``slo.ttft_s``, ``slo.tpot_s``, ``slo.window_s``)."""
     role: Literal["orchestrator", "llm"] | None = None
     cores: str = ""
     """Core sets as ``glue.parse_cores`` reads them (``"0"``, ``"0,1"``, per instance ``"0;1"``)."""
@@ -176,7 +177,7 @@ class OrchestratorConfig:
     recovery_backoff_s: float = 5.0
     """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
     admission_margin: float = 0.0
-    """Refuse a request whose predicted TTFT exceeds this x ``slo_ttft_s`` (0: off; see admission)."""
+    """Refuse a request whose predicted TTFT exceeds this x ``slo.ttft_s`` (0: off; see admission)."""
     admission_sheddable_margin: float = 0.5
     """The same for requests of negative ``priority``, which are so refused first."""
     admission_cold_backlog_tokens: int = 2048
@@ -242,10 +243,6 @@ class OrchestratorConfig:
         for name in ("prefill_model", "decode_model", "colocated_model"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty model name")
-        for name in ("slo_ttft_s", "slo_tpot_s", "slo_window_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < 1e6:
-                raise ValueError(f"{name} must be a positive number of seconds (below 1e6)")
         _ = self.admission  # validate its settings
         if self.remote_tls and not self.remote_pools:
             raise ValueError("remote_tls goes with remote_pools (the pools it dials over TLS)")
@@ -295,7 +292,7 @@ class OrchestratorConfig:
         return AdmissionConfig(
             self.admission_margin,
             self.admission_sheddable_margin,
-            self.slo_ttft_s,
+            self.slo.ttft_s,
             self.admission_cold_backlog_tokens,
         )
 

@@ -46,7 +46,7 @@ class SloConfig:
         for name in ("ttft_s", "tpot_s", "window_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < 1e6:
-                raise ValueError(f"SLO {name} must be a positive number of seconds")
+                raise ValueError(f"{name}: must be a positive number of seconds (below 1e6)")
 
 
 def time_per_output_token(first: float, last: float, tokens: int) -> float | None:

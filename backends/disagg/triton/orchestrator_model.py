@@ -29,7 +29,7 @@ from disagg.serving.health import DEAD, Change, PoolState
 from disagg.serving.ladder import ladder_pools
 from disagg.serving.orchestrator import HOT_POOL, Orchestrator, OrchestratorConfig
 from disagg.serving.routing import PINNED, RoutingFile
-from disagg.serving.telemetry import SloConfig, SloWindow
+from disagg.serving.telemetry import SloWindow
 from disagg.serving.text_api import (
     ERROR_CODE_INPUT,
     LLM_INPUT_NAMES,
@@ -147,9 +147,7 @@ class OrchestratorModel:
         )
         self._watching: asyncio.Task[None] | None = None
         self._inflight = 0
-        slo = SloConfig(
-            ttft_s=self.config.slo_ttft_s, tpot_s=self.config.slo_tpot_s, window_s=self.config.slo_window_s
-        )
+        slo = self.config.slo
         self.metrics = OrchestratorMetrics(
             pb_utils,
             args["model_name"],
