@@ -91,6 +91,50 @@ ELSEWHERE = {
 }
 
 
+# spec keys whose value reaches what is deployed under other words, and why; every other key is a
+# configuration field (a config.pbtxt parameter) of the same name (test below)
+OTHER_WORDS = {
+    "model.versions": "Triton's model versions: a folder per version, not a parameter",
+    "model.serving": "Triton's model versions: which folders the server loads",
+    "pools.prefill.gpus": "Triton's instance_group (KIND_GPU, gpus)",
+    "pools.decode.gpus": "Triton's instance_group (KIND_GPU, gpus)",
+    "pools.colocated.gpus": "Triton's instance_group (KIND_GPU, gpus)",
+    "pools.prefill.instances": "Triton's instance_group (count)",
+    "pools.decode.instances": "Triton's instance_group (count)",
+    "pools.colocated.instances": "Triton's instance_group (count)",
+    "pools.colocated.chunk_tokens": "one key, two fields: chunked_prefill and max_prefill_tokens",
+    "pools.decode.conditional_chunk_tokens": "the decode pool's max_prefill_tokens (its prompts' chunk)",
+    "hot_prompts.pool": "a pool of its own (model decode_hot) and the entry points' hot_prompts.decode_model",
+}
+
+
+def _parameter_names(key: str) -> set[str]:
+    """The config.pbtxt parameter names a spec key may have: its own words within the model it
+    configures (``entry_points.slo.ttft_s`` -> ``slo.ttft_s``; ``pools.decode.cores`` -> ``cores``);
+    a section a pool holds flat, its field with or without the section's name (``kv.cache_mb`` ->
+    ``kv_cache_mb``, ``kv.block_size`` -> ``block_size``)."""
+    head, _, rest = key.partition(".")
+    if head == "entry_points":
+        return {rest}
+    if head == "pools":
+        return {rest.partition(".")[2]}
+    if head == "kv":
+        return {rest, f"kv_{rest}"}
+    return {key}
+
+
+def _parameters(out: Path) -> dict[tuple[str, str], str]:
+    import re
+
+    found = {}
+    for config in out.glob("*/config.pbtxt"):
+        for name, value in re.findall(
+            r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', config.read_text()
+        ):
+            found[(config.parent.name, name)] = value
+    return found
+
+
 def _keys(cls: type, prefix: str = "") -> list[str]:
     """Every key of the schema below ``cls``: a nested section's keys, a leaf's own (an optional
     section, such as a hot pool, is one key: it is set whole)."""
@@ -182,3 +226,22 @@ def test_every_deprecated_flag_names_a_key_of_the_spec():
     keys = set(_keys(Spec))
     for flag, key in DEPRECATED_FLAGS.items():
         assert key in keys or key.rsplit(".", 1)[0] in keys, (flag, key)
+
+
+def test_every_spec_key_is_a_configuration_field_of_the_same_name(tmp_path: Path):
+    """Setting a key changes a config.pbtxt parameter of the key's own name (within the model it
+    configures), unless the key is listed in OTHER_WORDS with why; a listed key that has since got a
+    parameter of its own name fails too, so the list only shrinks."""
+    for key in sorted(CHANGES):
+        changed, baseline = CHANGES[key]
+        out_a, out_b = tmp_path / f"{key}-a", tmp_path / f"{key}-b"
+        for out, overrides in ((out_a, changed), (out_b, baseline)):
+            assert repository_main(["--out", str(out), *(a for o in overrides for a in ("--set", o))]) == 0
+        a, b = _parameters(out_a), _parameters(out_b)
+        names = {name for (model, name) in set(a) | set(b) if a.get((model, name)) != b.get((model, name))}
+        own = bool(names & _parameter_names(key))
+        if key in OTHER_WORDS:
+            assert not own, f"{key} now reaches a parameter of its own name: take it off OTHER_WORDS"
+        else:
+            assert own, f"{key} changed {sorted(names)}, none named {sorted(_parameter_names(key))}"
+    assert set(OTHER_WORDS) <= set(CHANGES)
