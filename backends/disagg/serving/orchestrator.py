@@ -207,42 +207,34 @@ class OrchestratorConfig:
     dialed over mutual TLS; "": plain gRPC."""
 
     def __post_init__(self) -> None:
+        """Ranges and consistency; the types are ``config.build``'s (a config built by hand in code is
+        trusted to be typed)."""
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         parse_ladder(self.fallback_ladder, self.mode)
-        for name, top in (
-            ("local_max_tokens", 1 << 20),
-            ("migration_limit", 100),
-            ("conditional_prefill_tokens", 1 << 20),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
-                raise ValueError(f"{name} must be an integer in [0, {top}]")
-        if not isinstance(self.cancel_poll_s, int | float) or not 0 < self.cancel_poll_s <= 10:
-            raise ValueError("cancel_poll_s must be a number of seconds in (0, 10]")
-        if not isinstance(self.cancel_checks_per_s, int | float) or not 1 <= self.cancel_checks_per_s <= 1e6:
-            raise ValueError("cancel_checks_per_s must be a number in [1, 1e6]")
-        if (
-            not isinstance(self.conditional_backlog_s, int | float)
-            or not 0 <= self.conditional_backlog_s < 1e6
-        ):
+        ranges = (
+            ("local_max_tokens", 0, 1 << 20),
+            ("migration_limit", 0, 100),
+            ("conditional_prefill_tokens", 0, 1 << 20),
+            ("max_inflight", 1, MAX_INFLIGHT_LIMIT),
+            ("cancel_checks_per_s", 1, 1e6),
+        )
+        for name, low, top in ranges:
+            if not low <= getattr(self, name) <= top:
+                raise ValueError(f"{name} must be in [{low}, {top}]")
+        seconds = (
+            ("cancel_poll_s", 10),
+            ("retry_after_s", 3600),
+            ("probe_interval_s", 3600),
+            ("probe_timeout_s", 3600),
+            ("recovery_backoff_s", 3600),
+            ("request_timeout_s", 86400),
+        )
+        for name, top in seconds:
+            if not 0 < getattr(self, name) <= top:
+                raise ValueError(f"{name} must be a number of seconds in (0, {top}]")
+        if not 0 <= self.conditional_backlog_s < 1e6:
             raise ValueError("conditional_backlog_s must be a number of seconds >= 0")
-        for name in ("retry_after_s", "probe_interval_s", "probe_timeout_s", "recovery_backoff_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
-                raise ValueError(f"{name} must be a number of seconds in (0, 3600]")
-        if not 0 < self.request_timeout_s <= 86400:
-            raise ValueError("request_timeout_s must be in (0, 86400]")
-        inflight = self.max_inflight
-        if (
-            not isinstance(inflight, int)
-            or isinstance(inflight, bool)
-            or not 1 <= inflight <= MAX_INFLIGHT_LIMIT
-        ):
-            raise ValueError(f"max_inflight must be an integer in [1, {MAX_INFLIGHT_LIMIT}]")
-        for name in ("prefill_model", "decode_model", "colocated_model"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty model name")
         _ = self.admission  # validate its settings
         if self.remote_tls and not self.remote_pools:
             raise ValueError("remote_tls goes with remote_pools (the pools it dials over TLS)")
