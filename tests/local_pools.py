@@ -93,9 +93,6 @@ class LocalPools:
     async def stop(self, pool: str, handle: str) -> None:
         self._loop(pool).stop(handle)
 
-    async def abort_lease(self, lease_id: str) -> None:
-        self._loop("prefill").abort_lease(lease_id)
-
     async def ping(self, pool: str) -> PoolLoad:
         loop = self._loop(pool)
         if not loop.healthy:

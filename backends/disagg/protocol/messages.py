@@ -160,13 +160,6 @@ Message = Submit | Stop | Cancelled | Released
 
 
 @dataclass(frozen=True)
-class AbortLease:
-    """Give back an exported lease's blocks now (its request ended between prefill and decode)."""
-
-    lease_id: str
-
-
-@dataclass(frozen=True)
 class Ping:
     """A liveness probe: a live pool answers at once, with its ``PoolLoad``."""
 
@@ -200,4 +193,4 @@ class PoolLoad:
         return self.blocks_used / total if total else 0.0
 
 
-Control = Stop | AbortLease | Ping
+Control = Stop | Ping

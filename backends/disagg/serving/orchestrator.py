@@ -3,7 +3,7 @@
 disaggregated: prefill pool (first token + KV descriptor) -> first piece sent at once -> decode pool
 (imports the KV, streams the rest). colocated: one pool does both. The orchestrator detokenizes
 incrementally, applies stop strings, a deadline and cancellation (a stop request to the pool that
-runs the sequence, an explicit lease abort between the two legs), and maps every failure to a
+runs the sequence, which between the two legs is the prefill pool holding its KV), and maps every failure to a
 ServingError. Exactly one final response per request, in every case.
 
 Which way a request goes is the fallback ladder's choice (``disagg.serving.ladder``), from the pools'
@@ -93,9 +93,9 @@ class PoolClient(Protocol):
 
     def generate(self, handle: str, request: Request, pool: str = "colocated") -> AsyncIterator[Token]: ...
 
-    async def stop(self, pool: str, handle: str) -> None: ...
-
-    async def abort_lease(self, lease_id: str) -> None: ...
+    async def stop(self, pool: str, handle: str) -> None:
+        """Stop job ``handle`` on ``pool``: out of its queue, its sequence freed, or (the prefill pool,
+        after its prefill) the KV it holds under a lease for the decode pool given back."""
 
     async def ping(self, pool: str) -> PoolLoad: ...
 
@@ -486,7 +486,7 @@ class _Run:
         self.out = out
         self.outcome = Outcome(handle, owner.config.mode, arrival, prompt_tokens=len(prompt))
         self.reply = Reply(out, text, owner._decode_text, self.outcome)
-        self.lease_id: str | None = None  # held by the prefill pool until decode imports
+        self.holds_lease = False  # the prefill pool holds its KV for the decode pool (its job's lease)
         self.running_on: str | None = None  # pool to send a stop to
         self.tokens: list[int] = []  # every output token so far (what a migration resumes from)
         self.admitted = False  # passed admission by capacity
@@ -548,7 +548,7 @@ class _Run:
         (a prefill lease whose importer died before its ack keeps it until expiry)."""
         self.running_on = None  # no stop to the failed pool: it may never answer
         if failover.blame == "prefill":
-            self.lease_id = None  # its leases went with it
+            self.holds_lease = False  # its leases went with it
         await self.cleanup()
         self._check_cancelled()
         self.outcome.migrations += 1  # the next attempt: a handle of its own
@@ -609,10 +609,10 @@ class _Run:
         self.running_on = "prefill"
         first = await self._unless_cancelled(self.pools.prefill(self.handle, request))
         self.running_on = None
-        self.lease_id = first.lease_id
+        self.holds_lease = first.descriptor is not None
         self.outcome.finish_reason = first.finish_reason
         if self._token(first.token_id) or first.finished:
-            await self._abort_lease()
+            await self._release_lease()
             self._finish()
             return
         self._check_cancelled()
@@ -649,7 +649,7 @@ class _Run:
             # every later one is followed by a check of its own
             token = await self._unless_cancelled(anext(tokens, None))
             while token is not None:
-                self.lease_id = None  # decode produced a token: it has imported the KV
+                self.holds_lease = False  # decode produced a token: it has imported the KV
                 self.outcome.finish_reason = token.finish_reason
                 stop = self._token(token.token_id)
                 if token.finished:
@@ -697,15 +697,17 @@ class _Run:
                 await self.pools.stop(pool, self.handle)
             except Exception:
                 log.warning("stop request to %s failed", pool, exc_info=True)
-        await self._abort_lease()
+        await self._release_lease()
 
-    async def _abort_lease(self) -> None:
-        lease, self.lease_id = self.lease_id, None
-        if lease is not None:
+    async def _release_lease(self) -> None:
+        """The prefill pool gives back the KV it holds for this job: a stop of the job there, which owns
+        the lease (the request names its job, never the lease)."""
+        held, self.holds_lease = self.holds_lease, False
+        if held:
             try:
-                await self.pools.abort_lease(lease)
+                await self.pools.stop("prefill", self.handle)
             except Exception:
-                log.warning("lease abort failed; the lease expires on its own", exc_info=True)
+                log.warning("the lease's release failed; it expires on its own", exc_info=True)
 
     @property
     def finished(self) -> bool:

@@ -45,7 +45,7 @@ from disagg.protocol.errors import (
     Reason,
     ServingError,
 )
-from disagg.protocol.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.protocol.messages import Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.routing import pinned_version
 from disagg.triton import glue, wire
@@ -300,9 +300,6 @@ class TritonPools:
 
     async def stop(self, pool: str, handle: str) -> None:
         await self._control(pool, Stop(handle))
-
-    async def abort_lease(self, lease_id: str) -> None:
-        await self._control("prefill", AbortLease(lease_id))
 
     async def ping(self, pool: str) -> PoolLoad:
         """The pool's load; raises ServingError when it does not answer as live."""

@@ -10,7 +10,7 @@ from disagg.affinity import pin_process
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.errors import UNAVAILABLE, ServingError, classify
-from disagg.protocol.messages import AbortLease, Control, Event, Failed, PoolLoad, Stop
+from disagg.protocol.messages import Control, Event, Failed, PoolLoad, Stop
 from disagg.serving.auth import PARAMETER, TokenSigner, refused
 from disagg.triton import glue, wire
 from disagg.triton.metrics import PoolReporter
@@ -127,10 +127,8 @@ class PoolModel:
 
     def _control(self, control: Control) -> PoolLoad | None:
         """Act on a control request; a ping is answered with the pool's load."""
-        if isinstance(control, Stop):
+        if isinstance(control, Stop):  # a prefill pool's job after its prefill: its lease given back
             self.loop.stop(control.handle)
-        elif isinstance(control, AbortLease):
-            self.loop.abort_lease(control.lease_id)
         elif not self.loop.healthy:  # Ping
             raise ServingError(UNAVAILABLE, f"{self.config.role.value} pool is not serving")
         else:

@@ -59,9 +59,6 @@ class Pools:
     async def stop(self, pool: str, handle: str) -> None:
         await self._for(pool).stop(pool, handle)
 
-    async def abort_lease(self, lease_id: str) -> None:
-        await self._for("prefill").abort_lease(lease_id)
-
     async def ping(self, pool: str) -> PoolLoad:
         return await self._for(pool).ping(pool)
 

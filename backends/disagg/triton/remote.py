@@ -7,13 +7,13 @@ through Triton's own client (``tritonclient.grpc.aio``). A pool's servers come f
 - **The same protocol as BLS.** Each call is one bidirectional stream carrying one request to the pool
   model, with the same wire messages (``disagg.triton.wire``) and the same signed internal token, as
   the request parameter ``disagg_auth``. The pool cannot tell the two apart.
-- **Stop and lease abort.** A ``Stop`` goes to the server that runs the request's job, an
-  ``AbortLease`` to the server that exported the lease (both remembered per call). A caller that stops
-  reading early does not cancel the stream: it sends the stop, and the stream is read to its end in
-  the background (Triton 2.51 can keep a model referenced after a cancelled stream; see
+- **Stop.** A ``Stop`` goes to the server that ran the request's job (remembered per call): for a
+  prefill job after its prefill, the server that holds its KV under a lease, which gives it back. A
+  caller that stops reading early does not cancel the stream: it sends the stop, and the stream is
+  read to its end in the background (Triton 2.51 can keep a model referenced after a cancelled stream; see
   ``disagg.openai.client``). Only a stream that outlives ``DRAIN_TIMEOUT_S`` after that is cancelled.
 - **Deadlines.** A job's stream carries the request timeout as its gRPC deadline; a control request
-  (ping, stop, abort) ``CONTROL_TIMEOUT_S``.
+  (ping, stop) ``CONTROL_TIMEOUT_S``.
 - **Liveness.** A server that dies resets its connections: its streams end at once and the call fails
   UNAVAILABLE. A server cut off by a partition sends nothing at all; the channel's keepalive pings
   (every ``KEEPALIVE_TIME_MS``, each answered within ``KEEPALIVE_TIMEOUT_MS``) find that within seconds
@@ -42,7 +42,7 @@ from tritonclient.utils import InferenceServerException
 
 from disagg.engine.sequence import Request, SequenceState
 from disagg.protocol.errors import DEADLINE, INTERNAL, UNAVAILABLE, ServingError
-from disagg.protocol.messages import AbortLease, Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
+from disagg.protocol.messages import Control, Failed, Ping, PoolLoad, Prefilled, Stop, Token
 from disagg.serving.auth import PARAMETER, TokenSigner
 from disagg.serving.endpoints import Endpoint, Endpoints, Resolve, resolve_host
 from disagg.tls import GrpcTls
@@ -134,7 +134,6 @@ class RemotePools:
         self._client_factory = client_factory
         self._clients: dict[str, Any] = {}
         self._jobs: OrderedDict[tuple[str, str], Endpoint] = OrderedDict()  # (pool, handle) -> server
-        self._leases: OrderedDict[str, Endpoint] = OrderedDict()  # lease id -> its prefill server
         self._open: set[_Call] = set()
         self._draining: set[asyncio.Task[None]] = set()
 
@@ -320,8 +319,6 @@ class RemotePools:
                         event = wire.decode_event(raw, _output(result, "descriptor"))
                         if isinstance(event, Failed):
                             raise event.error
-                        if isinstance(event, Prefilled) and event.lease_id:
-                            self._remember(self._leases, event.lease_id, endpoint)
                         yield event  # type: ignore[misc]
                 return
             except ServingError:
@@ -372,11 +369,6 @@ class RemotePools:
         endpoint = self._jobs.pop((pool, handle), None)
         if endpoint is not None:  # else no job of it ever went out
             await self._control(pool, endpoint, Stop(handle))
-
-    async def abort_lease(self, lease_id: str) -> None:
-        endpoint = self._leases.pop(lease_id, None)
-        if endpoint is not None:
-            await self._control("prefill", endpoint, AbortLease(lease_id))
 
     async def ping(self, pool: str) -> PoolLoad:
         """Ping every server of the pool (resolving its spec again when due): the sum of the loads of

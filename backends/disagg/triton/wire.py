@@ -8,8 +8,7 @@ Pool inputs (all optional; which ones are present decides the kind of request):
                              decode): colocated, or a prefill pool with ``local_generate``
   ``descriptor``BYTES [1]    signed KV descriptor (decode)
   ``handle``    BYTES [1]    the orchestrator's request id (every job)
-  ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "abort_lease", "lease_id": ...}
-                             | {"op": "ping"}
+  ``control``   BYTES [1]    {"op": "stop", "handle": ...} | {"op": "ping"}
 Pool output: ``event`` BYTES [1], one JSON object per response (see ``encode_event``); a ping's one
 response carries the pool's load (``encode_load``). A job's first response is an empty acceptance
 (no outputs, not final), sent before the job is queued (``pool_model.TritonSink.accept``). A job's
@@ -32,7 +31,6 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.protocol.errors import CODES, INTERNAL, ServingError, invalid, reason_named
 from disagg.protocol.messages import (
-    AbortLease,
     Control,
     DecodeJob,
     Event,
@@ -110,8 +108,6 @@ def decode_handle(raw: bytes | None) -> str:
 def encode_control(control: Control) -> str:
     if isinstance(control, Stop):
         return json.dumps({"op": "stop", "handle": control.handle})
-    if isinstance(control, AbortLease):
-        return json.dumps({"op": "abort_lease", "lease_id": control.lease_id})
     return json.dumps({"op": "ping"})
 
 
@@ -123,8 +119,6 @@ def decode_control(raw: bytes) -> Control:
     op = data.get("op") if isinstance(data, dict) else None
     if op == "stop" and isinstance(data.get("handle"), str):
         return Stop(data["handle"])
-    if op == "abort_lease" and isinstance(data.get("lease_id"), str):
-        return AbortLease(data["lease_id"])
     if op == "ping" and set(data) == {"op"}:
         return Ping()
     raise invalid("malformed control request")

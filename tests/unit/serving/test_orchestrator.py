@@ -135,14 +135,15 @@ def test_cancel_mid_stream(deployment, mode):
 
 
 def test_cancel_between_prefill_and_decode_aborts_the_lease(deployment):
+    """The orchestrator stops the job on the prefill pool, which owns the lease and aborts it."""
     exporter = deployment.transports[0]  # the prefill pool's
     aborts = exporter.stats.snapshot().aborts
     rec = Recorder(cancel_after=1)  # cancelled as soon as the first piece is out
     params = SamplingParams(max_tokens=50)
     _run(deployment.orchestrator(), deployment.tokenizer, TextRequest("Hi there", params, stream=True), rec)
     assert rec.error.code == CANCELLED
-    assert exporter.stats.snapshot().aborts == aborts + 1
     assert _wait_clean(deployment, timeout_s=2.0), "released by the abort, long before the 5 s TTL"
+    assert exporter.stats.snapshot().aborts == aborts + 1
 
 
 def test_deadline(deployment):

@@ -7,7 +7,7 @@ import pytest
 from kv_support import Clock
 
 from disagg.protocol.errors import INVALID_ARG, ServingError
-from disagg.protocol.messages import AbortLease, Stop
+from disagg.protocol.messages import Stop
 from disagg.serving.auth import EXPIRED, MALFORMED, MISMATCH, TokenSigner
 from disagg.triton import wire
 
@@ -33,12 +33,10 @@ def test_a_token_admits_only_the_call_it_was_minted_for() -> None:
 
 def test_control_tokens_are_bound_to_their_message() -> None:
     signer = TokenSigner(SECRET, Clock())
-    abort = wire.call_subject(None, wire.encode_control(AbortLease("lease-1")))
-    token = signer.mint(abort)
-    assert signer.refusal(token, abort) is None
-    assert (
-        signer.refusal(token, wire.call_subject(None, wire.encode_control(AbortLease("lease-2")))) == MISMATCH
-    )
+    stop = wire.call_subject(None, wire.encode_control(Stop("job-1")))
+    token = signer.mint(stop)
+    assert signer.refusal(token, stop) is None
+    assert signer.refusal(token, wire.call_subject(None, wire.encode_control(Stop("job-2")))) == MISMATCH
     # the two sides compute the subject from str (the caller) and bytes (the pool's tensor) alike
     assert wire.call_subject("h", None) == wire.call_subject(b"h", None) != wire.call_subject(None, "h")
 

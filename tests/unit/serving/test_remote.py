@@ -20,7 +20,6 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.protocol.errors import CANCELLED, DEADLINE, INVALID_ARG, UNAVAILABLE, Reason, ServingError
 from disagg.protocol.messages import (
-    AbortLease,
     Control,
     Event,
     Failed,
@@ -634,7 +633,7 @@ def test_a_stop_goes_to_the_server_running_the_job() -> None:
     _run(test)
 
 
-def test_a_lease_abort_goes_to_the_prefill_server_that_exported_it() -> None:
+def test_a_stop_after_prefill_goes_to_the_prefill_server_that_holds_the_lease() -> None:
     fleet = _Fleet("a:1", "b:1")
     for url in ("a:1", "b:1"):
         fleet[url].script = [(Prefilled(1, False, None, b"d", f"lease-{url}", STATE), True)]
@@ -643,13 +642,13 @@ def test_a_lease_abort_goes_to_the_prefill_server_that_exported_it() -> None:
     async def test() -> None:
         leases = [(await pools.prefill(f"h{i}", Request((1,), PARAMS))).lease_id for i in range(2)]
         assert leases == ["lease-a:1", "lease-b:1"]  # idle servers in turn
-        await pools.abort_lease("lease-b:1")
-        assert fleet["b:1"].controls == [AbortLease("lease-b:1")] and fleet["a:1"].controls == []
+        await pools.stop("prefill", "h1")
+        assert fleet["b:1"].controls == [Stop("h1")] and fleet["a:1"].controls == []
         _check_request(fleet["b:1"].control_streams[0], "prefill-model", CONTROL_TIMEOUT_S)
-        await pools.abort_lease("lease-a:1")
-        assert fleet["a:1"].controls == [AbortLease("lease-a:1")]
-        await pools.abort_lease("lease-a:1")  # once only
-        await pools.abort_lease("unknown")
+        await pools.stop("prefill", "h0")
+        assert fleet["a:1"].controls == [Stop("h0")]
+        await pools.stop("prefill", "h0")  # once only
+        await pools.stop("prefill", "unknown")
         assert len(fleet["a:1"].controls) == len(fleet["b:1"].controls) == 1
         assert pools.open_calls == 0
 

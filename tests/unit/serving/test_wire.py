@@ -13,7 +13,6 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.protocol.errors import INTERNAL, INVALID_ARG, STUB_DEAD, UNAVAILABLE, Reason, ServingError
 from disagg.protocol.messages import (
-    AbortLease,
     DecodeJob,
     Failed,
     GenerateJob,
@@ -43,7 +42,7 @@ def _bytes(value: str | bytes) -> np.ndarray:
     return np.array([value.encode() if isinstance(value, str) else value], dtype=object)
 
 
-@pytest.mark.parametrize("control", [Stop("h1"), AbortLease("lease-7"), Ping()])
+@pytest.mark.parametrize("control", [Stop("h1"), Ping()])
 def test_controls_round_trip(control):
     assert wire.decode_control(wire.encode_control(control).encode()) == control
 
