@@ -690,24 +690,22 @@ class _Run:
             raise ServingError(CANCELLED, "request was cancelled by the client")
 
     async def cleanup(self) -> None:
-        """Stop whatever still runs for this request: the sequence on its pool, a held lease."""
+        """Stop whatever still runs for this request: its sequence on a pool, and the KV the prefill
+        pool holds for it under a lease (that pool owns the lease: the request names its job only)."""
         pool, self.running_on = self.running_on, None
-        if pool is not None:
-            try:
-                await self.pools.stop(pool, self.handle)
-            except Exception:
-                log.warning("stop request to %s failed", pool, exc_info=True)
+        await self._stop(pool)
         await self._release_lease()
 
     async def _release_lease(self) -> None:
-        """The prefill pool gives back the KV it holds for this job: a stop of the job there, which owns
-        the lease (the request names its job, never the lease)."""
         held, self.holds_lease = self.holds_lease, False
-        if held:
+        await self._stop("prefill" if held else None)
+
+    async def _stop(self, pool: str | None) -> None:
+        if pool is not None:
             try:
-                await self.pools.stop("prefill", self.handle)
-            except Exception:
-                log.warning("the lease's release failed; it expires on its own", exc_info=True)
+                await self.pools.stop(pool, self.handle)
+            except Exception:  # a lease not given back expires on its own
+                log.warning("stop request to %s failed", pool, exc_info=True)
 
     @property
     def finished(self) -> bool:
