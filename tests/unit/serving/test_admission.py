@@ -31,16 +31,29 @@ def test_the_prediction_is_backlog_over_throughput():
     assert admission.predict_ttft("decode", 300) is None, "no estimate for a pool never probed"
 
 
-def test_a_request_that_would_miss_is_refused_with_a_retry_hint_and_others_pass():
-    admission = _measured(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))
-    admission.admit("prefill", 300)  # 1.8 s <= 2 x 1 s
+def test_a_request_that_would_wait_too_long_is_refused_with_a_retry_hint_and_others_pass():
+    admission = _measured(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))  # 1,500 tokens wait, 1,000/s
+    admission.admit("prefill", 300)  # waits 1.5 s <= 2 x 1 s
+    admission.admit("prefill", 300)  # waits 1.8 s (its TTFT 2.1 s: its own prefill is not held against it)
     with pytest.raises(ServingError) as refused:
-        admission.admit("prefill", 300)  # 1,500 + 300 admitted + 300 = 2.1 s
+        admission.admit("prefill", 300)  # waits 2.1 s: 1,500 + 2 x 300 ahead
     assert refused.value.code == UNAVAILABLE
-    assert "predicted time to first token 2.1 s" in refused.value.message
+    assert "would wait 2.1 s" in refused.value.message
+    assert "predicted time to first token 2.4 s" in refused.value.message
     assert "retry after 1 s" in refused.value.message
-    admission.observe("prefill", _load(0, 2800, 2.8))  # the backlog drained: admitted again
+    admission.observe("prefill", _load(0, 3100, 3.1))  # the backlog drained: admitted again
     admission.admit("prefill", 300)
+
+
+def test_a_long_prompt_is_judged_by_its_wait_not_by_its_own_prefill():
+    """One 1,150-token prompt waits on a pool of 650 tokens/s (1.8 s): another such prompt waits 1.8 s,
+    within 2 x the 1 s target, and is admitted though its TTFT will be 3.5 s; a third waits 3.5 s."""
+    admission = Admission(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))
+    admission.observe("prefill", _load(0, 0, 0.0))
+    admission.observe("prefill", _load(1150, 650, 1.0))
+    admission.admit("prefill", 1150)
+    with pytest.raises(ServingError, match=r"would wait 3\.5 s"):
+        admission.admit("prefill", 1150)
 
 
 def test_a_prompt_too_long_for_the_target_alone_is_admitted_to_an_empty_pool():
@@ -55,7 +68,7 @@ def test_a_prompt_too_long_for_the_target_alone_is_admitted_to_an_empty_pool():
 def test_sheddable_requests_are_refused_first():
     admission = _measured(AdmissionConfig(margin=2.0, sheddable_margin=1.0, ttft_slo_s=1.0))
     with pytest.raises(ServingError):
-        admission.admit("prefill", 300, priority=-1)  # 1.8 s > 1 x 1 s
+        admission.admit("prefill", 300, priority=-1)  # waits 1.5 s > 1 x 1 s
     admission.admit("prefill", 300, priority=0)
     admission.admit("prefill", 100, priority=5)
 
@@ -115,10 +128,10 @@ def test_a_request_that_left_the_pool_no_longer_counts_in_its_backlog():
     found every burst request behind a backlog that was gone)."""
     admission = Admission(AdmissionConfig(margin=1.0, ttft_slo_s=0.3))
     admission.observe("prefill", _load(0, 0, 0.0))
-    admission.observe("prefill", _load(0, 100, 1.0))  # 100 tokens/s: any 300-token prompt misses 0.3 s
-    first = admission.admit("prefill", 3)
+    admission.observe("prefill", _load(0, 100, 1.0))  # 100 tokens/s: a 300-token prompt takes 3 s
+    first = admission.admit("prefill", 300)  # an empty pool: admitted, however long
     with pytest.raises(ServingError):
-        admission.admit("prefill", 300)  # behind the 3 tokens still waiting
+        admission.admit("prefill", 300)  # it would wait 3 s behind the first, over 0.3 s
     admission.release(first)
     assert admission.predict_ttft("prefill", 300) == pytest.approx(3.0)
     admission.admit("prefill", 300)  # nothing waits ahead any more: admitted
@@ -160,10 +173,10 @@ def test_refused_requests_are_given_retry_slots_one_prefill_apart():
     def hint() -> float:
         return _hint(admission, 300)
 
-    assert [hint() for _ in range(3)] == [2.0, 2.3, 2.6]  # room after 3.0 - 1.0 s, then a slot each
+    assert [hint() for _ in range(3)] == [1.7, 2.0, 2.3]  # room after 2.7 - 1.0 s, then a slot each
     now[0] += 2.0
-    admission.observe("prefill", _load(1000, 2700, 2.7))  # drained to 1,000 waiting: room in 0.3 s
-    assert hint() == 1.0  # MIN_RETRY_S, which also outlasts the last slot (0.9 s from now)
+    admission.observe("prefill", _load(1500, 2700, 2.7))  # drained to 1,500 waiting: room in 0.5 s
+    assert hint() == 1.0  # MIN_RETRY_S, which also outlasts the last slot (0.6 s from now)
     assert hint() == 1.3
     now[0] += 60.0  # slots long past: back to the backlog's own wait, at least MIN_RETRY_S
     assert hint() == 1.0
@@ -183,8 +196,8 @@ def test_refusals_beyond_the_horizon_are_spread_not_heaped_at_it():
     def hint() -> float:
         return _hint(admission, 1000)  # slots 1 s apart
 
-    slots = [hint() for _ in range(26)]
-    assert slots == [float(s) for s in range(5, 31)], "one prefill apart up to the horizon"
+    slots = [hint() for _ in range(27)]
+    assert slots == [float(s) for s in range(4, 31)], "one prefill apart up to the horizon"
     spread = [hint() for _ in range(40)]
     assert all(MAX_RETRY_S / 2 <= s <= MAX_RETRY_S for s in spread), spread
     assert len(set(spread)) >= 35, f"spread, not heaped at the cap: {sorted(spread)}"
