@@ -16,7 +16,7 @@ throughput, then its own prefill. It is refused, UNAVAILABLE with a retry hint, 
 x the SLO, so it goes first. Its own prefill is not held against it: a long prompt is served as fast as
 it can be. Judged by the whole predicted TTFT instead, the default deployment (its 1 s target, margin 2)
 refused about a fifth of ``summarize``'s 1,150-token prompts at any rate on two cores, because one such
-prompt alone takes 1.7 s and any other one waiting put it over 2 s; vLLM and llama.cpp served them all.
+prompt alone takes 1.7 s and any other one waiting put it over 2 s (vLLM and llama.cpp refuse none).
 
 Retry hints are slots, not one figure for all: the refused requests of a pool are told to come back
 one prompt's prefill apart, in the order they were refused, from the time the backlog has room again.
