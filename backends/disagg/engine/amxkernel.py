@@ -104,28 +104,4 @@ def gemm(emulated: bool = False) -> kernel.Gemm | None:
     loaded = library(emulated)
     if loaded is None:
         return None
-    function = loaded.gemm_amx_bf16
-
-    def call(
-        x: torch.Tensor, weight: kernel.PackedWeight, bias: torch.Tensor | None, wide: bool = False
-    ) -> torch.Tensor:
-        x, out = kernel.bf16_operands("amx gemm", x, weight.in_features, weight.out_features, bias, wide)
-        rows, width = x.shape
-        if rows:
-            bias_at = None if bias is None else bias.contiguous().data_ptr()
-            failed = function(
-                x.data_ptr(),
-                weight.tiles.data_ptr(),
-                bias_at,
-                out.data_ptr(),
-                rows,
-                weight.out_features,
-                width,
-                kernel.team_threads(),
-                int(wide),
-            )
-            if failed:
-                raise MemoryError("amx gemm: no memory for the last rows' padded copy")
-        return out
-
-    return call
+    return kernel.packed_gemm("amx gemm", loaded.gemm_amx_bf16)

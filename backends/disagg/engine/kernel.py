@@ -253,16 +253,21 @@ def gemm() -> Gemm | None:
     loaded = library()
     if loaded is None:
         return None
-    function = loaded.gemm_bf16
+    return packed_gemm("gemm", loaded.gemm_bf16)
+
+
+def packed_gemm(name: str, function: Callable[..., int | None]) -> Gemm:
+    """The ``gemm`` of a C projection ``function(x, packed, bias, y, M, N, K, threads, wide)`` on a
+    ``PackedWeight``; a nonzero return is its failure to allocate (MemoryError naming ``name``)."""
 
     def call(
         x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, wide: bool = False
     ) -> torch.Tensor:
-        x, out = bf16_operands("gemm", x, weight.in_features, weight.out_features, bias, wide)
+        x, out = bf16_operands(name, x, weight.in_features, weight.out_features, bias, wide)
         rows, width = x.shape
         if rows:
             bias_at = None if bias is None else bias.contiguous().data_ptr()
-            function(
+            failed = function(
                 x.data_ptr(),
                 weight.tiles.data_ptr(),
                 bias_at,
@@ -273,6 +278,8 @@ def gemm() -> Gemm | None:
                 team_threads(),
                 int(wide),
             )
+            if failed:
+                raise MemoryError(f"{name}: no memory for its scratch")
         return out
 
     return call
