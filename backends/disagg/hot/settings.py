@@ -16,36 +16,38 @@ from disagg.hot.throttle import ThrottleConfig
 
 @dataclass(frozen=True)
 class HotPromptsConfig:
-    threshold: int = 4
+    """Each default is the one of the component that takes the setting (one place for each)."""
+
+    threshold: int = HotConfig.threshold
     """Detection (``disagg.hot.hotness``): requests in ``window_s`` that share a prefix of at least
     ``min_prefix_tokens`` for their group to be hot (0: detection off), if that prefix's share of the
     window's requests is ``surge`` times its share over ``baseline_s``."""
-    window_s: float = 10.0
-    surge: float = 2.0
-    baseline_s: float = 300.0
-    min_prefix_tokens: int = 64
-    max_prefix_tokens: int = 1024
-    block_tokens: int = 16
-    cool_ratio: float = 0.5
+    window_s: float = HotConfig.window_s
+    surge: float = HotConfig.surge
+    baseline_s: float = HotConfig.baseline_s
+    min_prefix_tokens: int = HotConfig.min_prefix_tokens
+    max_prefix_tokens: int = HotConfig.max_prefix_tokens
+    block_tokens: int = HotConfig.block_tokens
+    cool_ratio: float = HotConfig.cool_ratio
     decode_model: str = ""
     """Isolation on a pool of its own: hot requests decode on this model (a decode pool with its own
     cores or CPU share, the spec's ``hot_prompts.pool``) while it is healthy; "": none."""
-    group_rate: float = 0.0
+    group_rate: float = BucketConfig.rate
     """Isolation by rate, where no hot pool takes a request: each hot group starts at most this many
     requests per second (a token bucket of ``group_burst``); a request that would wait for its token
     longer than ``max_wait_s`` is refused UNAVAILABLE with the retry hint (0: no cap)."""
-    group_burst: int = 1
-    max_wait_s: float = 30.0
+    group_burst: int = BucketConfig.burst
+    max_wait_s: float = BucketConfig.max_wait_s
     rate_adaptive: bool = False
     """The group rate adapts (``disagg.hot.throttle``): ``group_rate`` is its maximum; while a group is
     hot, the cap halves (``rate_decrease``, down to ``rate_min``) after each probe interval whose mean
     decode step time exceeds ``step_ratio`` x the step time learnt while no group was hot, and grows by
     ``rate_increase`` after each interval within it. The shared decode pool's engine measures it
     (``colocated`` in colocated mode). Needs ``group_rate`` > 0."""
-    step_ratio: float = 1.1
-    rate_min: float = 0.1
-    rate_decrease: float = 0.5
-    rate_increase: float = 0.25
+    step_ratio: float = ThrottleConfig.step_ratio
+    rate_min: float = ThrottleConfig.min_rate
+    rate_decrease: float = ThrottleConfig.decrease
+    rate_increase: float = ThrottleConfig.increase
 
     def __post_init__(self) -> None:
         _ = self.detection, self.bucket  # their own range checks

@@ -159,8 +159,9 @@ class Admission:
         budget = margin * config.ttft_slo_s
         # the wait for its turn, not its own prefill: a prompt too long for the target is served as fast
         # as it can be (refusing it for its length would leave it no way to be served at all)
-        wait = predicted - prompt_tokens / self._pools[pool].throughput
-        if self.backlog(pool) and wait > budget:
+        backlog = self.backlog(pool)
+        wait = backlog / self._pools[pool].throughput
+        if backlog and wait > budget:
             retry = self._retry_slot(pool, prompt_tokens, wait - budget)
             raise ServingError(
                 UNAVAILABLE,

@@ -3,8 +3,8 @@
 disaggregated: prefill pool (first token + KV descriptor) -> first piece sent at once -> decode pool
 (imports the KV, streams the rest). colocated: one pool does both. The orchestrator detokenizes
 incrementally, applies stop strings, a deadline and cancellation (a stop request to the pool that
-runs the sequence, which between the two legs is the prefill pool holding its KV), and maps every failure to a
-ServingError. Exactly one final response per request, in every case.
+runs the sequence, which between the two legs is the prefill pool holding its KV), and maps every
+failure to a ServingError. Exactly one final response per request, in every case.
 
 Which way a request goes is the fallback ladder's choice (``disagg.serving.ladder``), from the pools'
 health (``disagg.serving.health``, fed by the calls made here and by ``disagg.serving.watcher``'s
@@ -177,7 +177,8 @@ class OrchestratorConfig:
     recovery_backoff_s: float = 5.0
     """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
     admission_margin: float = 0.0
-    """Refuse a request whose predicted TTFT exceeds this x ``slo.ttft_s`` (0: off; see admission)."""
+    """Refuse a request whose wait for its turn (its predicted TTFT without its own prefill) exceeds
+    this x ``slo.ttft_s`` (0: off; see admission)."""
     admission_sheddable_margin: float = 0.5
     """The same for requests of negative ``priority``, which are so refused first."""
     admission_cold_backlog_tokens: int = 2048
