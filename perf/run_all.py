@@ -919,12 +919,15 @@ async def measure(
             workload, cal = WORKLOADS[base_workload(name)], _calibration(cals[name])
             if await _misses_alone(client, dep, name, workload, factory, cal, results, records):
                 continue
+            alone_s = results["alone"][name][dep.name].get("ttft_s")
             idle = start_rate(cal.idle_ttft_s, cal.idle_tpot_s, workload.output.median())
+            if alone_s:  # no faster than its prompts back to back: a slow peer starts where it can pass
+                idle = min(idle, 1.0 / alone_s)
             earlier = (starts or {}).get(name, {}).get(dep.name)
             start, growth = (earlier, NEAR_GROWTH) if earlier else (idle, profile.growth)
             search = SearchConfig(
                 start=start, min_rate=min(start, idle) / 16, max_rate=max(start, idle) * 64,
-                rel_tol=profile.rel_tol, max_probes=profile.max_probes, growth=growth,
+                rel_tol=profile.rel_tol, max_probes=profile.max_probes, growth=growth, alone_s=alone_s,
             )  # fmt: skip
             where = "a goodput known from the grid or an earlier run" if earlier else "the idle start"
             log(f"{dep.name}: goodput search on {name} from {start:.2f} req/s ({where}, x{growth:g})")

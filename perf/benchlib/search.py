@@ -4,7 +4,8 @@
 measure attainment there, `record(rate, attainment)`, repeat until `next_rate()` returns None.
 
 1. Bracket: from `start`, multiply by `growth` (2) while the rate passes (up to `max_rate`), divide by
-   it while it fails (down to `min_rate`, or until attainment stops rising as the rate falls: FLAT).
+   it while it fails (down to `min_rate`, or until attainment stops rising as the rate falls, at rates
+   the deployment's prompts alone leave mostly idle: FLAT).
    A search started near a known goodput (an earlier run's) brackets it in fewer probes with a
    smaller `growth`.
 2. Bisect the bracket [highest pass, lowest fail] at its arithmetic midpoint until its relative width
@@ -39,6 +40,11 @@ the search stops rather than spend ever longer probes (16 requests at a few hund
 The three probes must span about 2x in rate (FLAT_SPAN; two x1.4 steps): small steps (a search
 started near a known goodput) are inside the noise of one another."""
 FLAT_SPAN = 1.9
+FLAT_LOAD = 0.5
+"""With the deployment's TTFT alone known (`SearchConfig.alone_s`), FLAT is called only at rates where
+back-to-back prompts would keep it busy at most this share of the time (rate x alone_s): above that, a
+slow server's queue alone explains the misses, and lower rates still help. Without it, a peer whose
+prompt takes 1.1 s was stopped as flat at 0.84 req/s, a rate its prompts alone could not sustain."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,12 @@ class SearchConfig:
     rel_tol: float = 0.03
     max_probes: int = 10
     growth: float = 2.0
+    alone_s: float | None = None
+    """The TTFT of one request served alone, when measured: FLAT waits for rates below FLAT_LOAD / it."""
 
     def __post_init__(self) -> None:
+        if self.alone_s is not None and not self.alone_s > 0:
+            raise ValueError("alone_s must be positive")
         if not 0 < self.min_rate <= self.start <= self.max_rate:
             raise ValueError("need 0 < min_rate <= start <= max_rate")
         if not 0 < self.target <= 1:
@@ -157,7 +167,8 @@ class RateSearch:
             return BOTTOM
         if best == 0.0 and len(self.probes) >= 3:
             (high, first), _, (low, last) = self.probes[-3:]
-            if last - first < FLAT_GAIN and high >= FLAT_SPAN * low:
+            idle_enough = cfg.alone_s is None or low * cfg.alone_s <= FLAT_LOAD
+            if last - first < FLAT_GAIN and high >= FLAT_SPAN * low and idle_enough:
                 return FLAT
         if len(self.probes) >= cfg.max_probes:
             return PROBES

@@ -145,3 +145,23 @@ def test_small_steps_down_are_not_called_flat():
     s = run(config, lambda r: 1.0 if r < 0.25 else 0.6)
     rates = [round(r, 3) for r, _ in s.probes]
     assert rates[:3] == [0.435, 0.378, 0.329] and len(rates) == 6 and s.best > 0
+
+
+def test_a_slow_server_is_not_called_flat_while_its_prompts_alone_keep_it_busy():
+    # llama.cpp-like: a prompt takes 1.1 s alone; misses at 1.64, 1.17 and 0.84 req/s are its queue,
+    # not a floor: the search goes on down to where prompts leave it half idle, and finds the pass
+    def curve(rate: float) -> float:
+        return 0.95 if rate <= 0.45 else (0.0 if rate > 1.0 else 0.03)
+
+    slow = SearchConfig(start=1.64, growth=1.4, min_rate=0.01, max_probes=10, alone_s=1.1)
+    s = run(slow, curve)
+    assert s.best > 0 and s.stop_reason != FLAT
+    assert min(r for r, _ in s.probes) < 0.5
+    # without the prompt's time alone, the same misses stop it as flat at 0.84
+    s = run(SearchConfig(start=1.64, growth=1.4, min_rate=0.01, max_probes=10), curve)
+    assert s.stop_reason == FLAT and s.best == 0.0
+    # and with it, a server that misses even half idle is still stopped as flat, without a pass
+    s = run(SearchConfig(start=1.64, growth=1.4, min_rate=0.01, max_probes=10, alone_s=1.1), lambda r: 0.0)
+    assert s.stop_reason == FLAT and min(r for r, _ in s.probes) * 1.1 <= 0.5
+    with pytest.raises(ValueError):
+        SearchConfig(start=1.0, alone_s=0.0)
