@@ -392,7 +392,7 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
         "request_timeout_s": str(layout.request_timeout_s),
     }
     if mode == "disaggregated" and layout.conditional_prefill_tokens:
-        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["conditional.prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, mode))
     params.update(_slo_params(layout))
     params.update(_remote_params(layout, mode))
@@ -404,7 +404,7 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
 def _slo_params(layout: Layout) -> dict[str, str]:
     """An entry point's SLOs, where the layout sets them (else the orchestrator's defaults), and its
     admission margin."""
-    params = {"admission_margin": f"{layout.admission_margin:g}"}
+    params = {"admission.margin": f"{layout.admission_margin:g}"}
     if layout.slo_ttft_s is not None:
         params["slo.ttft_s"] = f"{layout.slo_ttft_s:g}"
     if layout.slo_tpot_s is not None:
@@ -418,9 +418,9 @@ def _remote_params(layout: Layout, mode: str) -> dict[str, str]:
     remote = {p: spec for p, spec in parse_remote_pools(layout.remote_pools).items() if p in used}
     if not remote:
         return {}
-    params = {"remote_pools": ";".join(f"{p}={spec}" for p, spec in remote.items())}
+    params = {"remote.pools": ";".join(f"{p}={spec}" for p, spec in remote.items())}
     if layout.remote_tls:
-        params["remote_tls"] = layout.remote_tls
+        params["remote.tls"] = layout.remote_tls
     return params
 
 
@@ -448,7 +448,7 @@ def _llm(layout: Layout) -> str:
     params = {"mode": "disaggregated", "cores": layout.frontend_cores}
     params["request_timeout_s"] = str(layout.request_timeout_s)
     if layout.conditional_prefill_tokens:
-        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["conditional.prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, "disaggregated"))
     params.update(_slo_params(layout))
     params.update(_remote_params(layout, "disaggregated"))
@@ -746,15 +746,15 @@ DEPRECATED_FLAGS = {
     "--lease-ttl-s": "kv.lease_ttl_s",
     "--request-timeout-s": "entry_points.request_timeout_s",
     "--colocated-chunk-tokens": "pools.colocated.chunk_tokens",
-    "--conditional-prefill-tokens": "pools.decode.conditional_prefill_tokens",
-    "--conditional-chunk-tokens": "pools.decode.conditional_chunk_tokens",
+    "--conditional-prefill-tokens": "pools.decode.conditional.prefill_tokens",
+    "--conditional-chunk-tokens": "pools.decode.conditional.chunk_tokens",
     "--decode-batch-tpot-slo": "pools.decode.batch_tpot_slo_s",
     "--decode-batch-start": "pools.decode.batch_start",
     "--prefill-borrow": "pools.prefill.borrow",
     "--decode-lend-tpot": "pools.decode.lend_tpot_s",
     "--prefix-cache": "kv.prefix_cache",
     "--no-prefix-cache": "kv.prefix_cache",
-    "--admission-margin": "entry_points.admission_margin",
+    "--admission-margin": "entry_points.admission.margin",
     "--hot-decode-cores": "hot_prompts.pool.cores",
     "--hot-decode-nice": "hot_prompts.pool.nice",
     "--hot-group-rate": "hot_prompts.group_rate",
