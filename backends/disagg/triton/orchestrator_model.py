@@ -43,10 +43,10 @@ from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
-from disagg.triton.metrics import OrchestratorMetrics, VersionMetrics
 from disagg.triton.pools import Pools
 from disagg.triton.readiness import ServerReadiness
 from disagg.triton.remote import RemotePools, new_client
+from disagg.triton.request_metrics import OrchestratorMetrics, VersionMetrics
 
 log = logging.getLogger(__name__)
 
