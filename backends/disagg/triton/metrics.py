@@ -185,8 +185,8 @@ class SerialMetric:
     it. Two threads operating on one metric at once (the orchestrator's event loop ending a request and
     the SLO refresher, say) free the record the server is still reading, and the server process dies
     with SIGSEGV in ``libtriton_python.so`` (``ModelInstanceState::ProcessMetricRequest`` ->
-    ``Metric::~Metric`` -> ``rbtree_best_fit::priv_deallocate``). ``perf/metric_race.py`` reproduces
-    it. Every metric this package creates goes through this lock.
+    ``Metric::~Metric`` -> ``rbtree_best_fit::priv_deallocate``). ``disagg_tools.repro.metric_race``
+    reproduces it. Every metric this package creates goes through this lock.
     """
 
     def __init__(self, metric: Any) -> None:
