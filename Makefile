@@ -99,11 +99,11 @@ bench-multihost: test-models
 
 # Reproductions of Triton 2.51 defects the project works around (docs/triton-2.51.md).
 repro-metric-race: install
-	$(PY) -m perf.metric_race --workdir "$$(mktemp -d)"
+	$(PY) -m disagg_tools.repro.metric_race --workdir "$$(mktemp -d)"
 repro-stub-kill: test-models
-	$(PY) -m perf.stub_kill_stress
+	$(PY) -m disagg_tools.repro.stub_kill_stress
 repro-bls-release: install
-	$(PY) -m perf.bls_release_stress
+	$(PY) -m disagg_tools.repro.bls_release_stress
 
 # On a machine with an NVIDIA GPU, after perf/gpu_pack.sh here: the GPU tests, a served KIND_GPU
 # deployment, the cuda_ipc hand-off and the engine on the GPU (results under OUT, default /tmp/gpu_check).

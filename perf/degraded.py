@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="degraded-") as scratch:
         repository = (
-            with_orchestrator_parameters(args.repository, Path(scratch), {"pool_recovery": "false"})
+            with_orchestrator_parameters(args.repository, Path(scratch), {"health.recovery": "false"})
             if args.no_recovery
             else args.repository
         )

@@ -1,7 +1,7 @@
 """RELIABILITY E1 measured: arrivals far above the goodput, and what admission by capacity does.
 
 One run against a fresh Triton on a copy of the project's repository whose orchestrators refuse a
-request when its predicted TTFT exceeds `--admission-margin` x the TTFT SLO (`admission_margin`), the
+request when its predicted TTFT exceeds `--admission-margin` x the TTFT SLO (`admission.margin`), the
 SLO being the workload's frozen one; or, with `--as-deployed`, on the repository as it is (its own
 margin and SLO: the default deployment, as `make serve` starts it). The load, to `--model` for
 `--duration` seconds: an open-loop Poisson load of one workload at `--rate` (10x the measured
@@ -294,7 +294,7 @@ def markdown(out: dict[str, Any], command: str) -> str:
         "# Overload and admission by capacity (RELIABILITY E1)",
         "",
         f"Written by `perf/overload.py`: `{command}`. {load} to `{out['entry_point']}`, {deployed}"
-        f"`admission_margin` {out['admission_margin']:g} (x the entry point's TTFT SLO, "
+        f"`admission.margin` {out['admission_margin']:g} (x the entry point's TTFT SLO, "
         f"{out['admission_slo_ttft_s']:g} s); goodput judged by the frozen SLOs {slos}. {out['machine']}.",
         "",
         "| | |",
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = frozen.slo
     if args.as_deployed:  # what the entry points of the repository were deployed with
         args.admission_margin = float(
-            pool_parameter(args.repository, "orchestrator", "admission_margin") or 0
+            pool_parameter(args.repository, "orchestrator", "admission.margin") or 0
         )
         deployed_slo = pool_parameter(args.repository, "orchestrator", "slo.ttft_s")
         admission_slo = float(deployed_slo) if deployed_slo else SloConfig.ttft_s
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="overload-") as scratch:
         repository = args.repository
         if not args.as_deployed:
-            params = {"admission_margin": f"{args.admission_margin:g}", "slo.ttft_s": f"{slo.ttft_s:g}"}
+            params = {"admission.margin": f"{args.admission_margin:g}", "slo.ttft_s": f"{slo.ttft_s:g}"}
             repository = with_orchestrator_parameters(args.repository, Path(scratch), params)
         server = start_triton(repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:

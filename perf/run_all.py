@@ -765,7 +765,7 @@ class DisaggChoice:
             "max_prefill_tokens": str(self.chunk_tokens),
         }
         pools = with_pool_parameters(repository, scratch / "pools", "decode", pool)
-        orchestrators = {"conditional_prefill_tokens": str(self.conditional_tokens)}
+        orchestrators = {"conditional.prefill_tokens": str(self.conditional_tokens)}
         return with_orchestrator_parameters(pools, scratch, orchestrators, mode="disaggregated")
 
 

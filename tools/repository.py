@@ -133,34 +133,35 @@ class Layout:
     admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
 
     def __post_init__(self) -> None:
+        """Values, ranges and consistency; the types are trusted (the spec, typed by ``config.build``, and
+        ``disagg repository``'s flags, typed by its parser, build it in code)."""
         for field in ("dtype", "prefill_dtype", "decode_dtype", "colocated_dtype", "kv_dtype"):
             value = getattr(self, field)
             if value not in DTYPES and not (value == "" and field != "dtype"):
                 raise ValueError(f"{field} must be one of {', '.join(DTYPES)}; got {value!r}")
-        if not isinstance(self.colocated_chunk_tokens, int) or self.colocated_chunk_tokens < 0:
-            raise ValueError("colocated_chunk_tokens must be an integer >= 0 (0: whole prompts)")
-        if not isinstance(self.conditional_prefill_tokens, int) or self.conditional_prefill_tokens < 0:
-            raise ValueError("conditional_prefill_tokens must be an integer >= 0 (0: off)")
-        if not isinstance(self.conditional_chunk_tokens, int) or self.conditional_chunk_tokens < 1:
-            raise ValueError("conditional_chunk_tokens must be a positive integer")
-        if not isinstance(self.decode_batch_tpot_slo_s, int | float) or self.decode_batch_tpot_slo_s < 0:
+        if self.colocated_chunk_tokens < 0:
+            raise ValueError("colocated_chunk_tokens must be >= 0 (0: whole prompts)")
+        if self.conditional_prefill_tokens < 0:
+            raise ValueError("conditional_prefill_tokens must be >= 0 (0: off)")
+        if self.conditional_chunk_tokens < 1:
+            raise ValueError("conditional_chunk_tokens must be positive")
+        if self.decode_batch_tpot_slo_s < 0:
             raise ValueError("decode_batch_tpot_slo_s must be a number of seconds >= 0 (0: off)")
-        if not isinstance(self.decode_batch_start, int) or self.decode_batch_start < 0:
-            raise ValueError("decode_batch_start must be an integer >= 0 (0: max_batch_size)")
-        if not isinstance(self.admission_margin, int | float) or not 0 <= self.admission_margin <= 1000:
+        if self.decode_batch_start < 0:
+            raise ValueError("decode_batch_start must be >= 0 (0: max_batch_size)")
+        if not 0 <= self.admission_margin <= 1000:
             raise ValueError("admission_margin must be a number in [0, 1000] (0: off)")
-        if not isinstance(self.hot_decode_nice, int) or not 0 <= self.hot_decode_nice <= 19:
-            raise ValueError("hot_decode_nice must be an integer in [0, 19]")
-        if not isinstance(self.hot_group_rate, int | float) or self.hot_group_rate < 0:
+        if not 0 <= self.hot_decode_nice <= 19:
+            raise ValueError("hot_decode_nice must be in [0, 19]")
+        if self.hot_group_rate < 0:
             raise ValueError("hot_group_rate must be a number of requests per second >= 0")
         if self.hot_rate_adaptive and not self.hot_group_rate:
             raise ValueError("hot_rate_adaptive needs hot_group_rate > 0 (the adaptive rate's maximum)")
-        if not isinstance(self.hot_step_ratio, int | float) or not 1 < self.hot_step_ratio <= 100:
+        if not 1 < self.hot_step_ratio <= 100:
             raise ValueError("hot_step_ratio must be a number in (1, 100]")
         for pool in ("prefill", "decode", "colocated"):
-            count = getattr(self, f"{pool}_instances")
-            if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 64:
-                raise ValueError(f"{pool}_instances must be an integer in 1..64")
+            if not 1 <= getattr(self, f"{pool}_instances") <= 64:
+                raise ValueError(f"{pool}_instances must be in 1..64")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
         remote = parse_remote_pools(self.remote_pools)
@@ -392,7 +393,7 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
         "request_timeout_s": str(layout.request_timeout_s),
     }
     if mode == "disaggregated" and layout.conditional_prefill_tokens:
-        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["conditional.prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, mode))
     params.update(_slo_params(layout))
     params.update(_remote_params(layout, mode))
@@ -404,7 +405,7 @@ def _orchestrator(name: str, mode: str, layout: Layout) -> str:
 def _slo_params(layout: Layout) -> dict[str, str]:
     """An entry point's SLOs, where the layout sets them (else the orchestrator's defaults), and its
     admission margin."""
-    params = {"admission_margin": f"{layout.admission_margin:g}"}
+    params = {"admission.margin": f"{layout.admission_margin:g}"}
     if layout.slo_ttft_s is not None:
         params["slo.ttft_s"] = f"{layout.slo_ttft_s:g}"
     if layout.slo_tpot_s is not None:
@@ -418,9 +419,9 @@ def _remote_params(layout: Layout, mode: str) -> dict[str, str]:
     remote = {p: spec for p, spec in parse_remote_pools(layout.remote_pools).items() if p in used}
     if not remote:
         return {}
-    params = {"remote_pools": ";".join(f"{p}={spec}" for p, spec in remote.items())}
+    params = {"remote.pools": ";".join(f"{p}={spec}" for p, spec in remote.items())}
     if layout.remote_tls:
-        params["remote_tls"] = layout.remote_tls
+        params["remote.tls"] = layout.remote_tls
     return params
 
 
@@ -448,7 +449,7 @@ def _llm(layout: Layout) -> str:
     params = {"mode": "disaggregated", "cores": layout.frontend_cores}
     params["request_timeout_s"] = str(layout.request_timeout_s)
     if layout.conditional_prefill_tokens:
-        params["conditional_prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["conditional.prefill_tokens"] = str(layout.conditional_prefill_tokens)
     params.update(_hot_params(layout, "disaggregated"))
     params.update(_slo_params(layout))
     params.update(_remote_params(layout, "disaggregated"))
@@ -746,15 +747,15 @@ DEPRECATED_FLAGS = {
     "--lease-ttl-s": "kv.lease_ttl_s",
     "--request-timeout-s": "entry_points.request_timeout_s",
     "--colocated-chunk-tokens": "pools.colocated.chunk_tokens",
-    "--conditional-prefill-tokens": "pools.decode.conditional_prefill_tokens",
-    "--conditional-chunk-tokens": "pools.decode.conditional_chunk_tokens",
+    "--conditional-prefill-tokens": "pools.decode.conditional.prefill_tokens",
+    "--conditional-chunk-tokens": "pools.decode.conditional.chunk_tokens",
     "--decode-batch-tpot-slo": "pools.decode.batch_tpot_slo_s",
     "--decode-batch-start": "pools.decode.batch_start",
     "--prefill-borrow": "pools.prefill.borrow",
     "--decode-lend-tpot": "pools.decode.lend_tpot_s",
     "--prefix-cache": "kv.prefix_cache",
     "--no-prefix-cache": "kv.prefix_cache",
-    "--admission-margin": "entry_points.admission_margin",
+    "--admission-margin": "entry_points.admission.margin",
     "--hot-decode-cores": "hot_prompts.pool.cores",
     "--hot-decode-nice": "hot_prompts.pool.nice",
     "--hot-group-rate": "hot_prompts.group_rate",

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from disagg.config import ConfigError, build
 from disagg.serving.endpoints import parse_remote_pools
@@ -82,14 +82,32 @@ class PrefillPool:
 
 
 @dataclass(frozen=True)
+class Conditional:
+    """Conditional disaggregation: prompts of at most ``prefill_tokens`` are prefilled on the decode pool,
+    in chunks of ``chunk_tokens``, while the prefill pool is backlogged (0: off)."""
+
+    prefill_tokens: int = 0
+    chunk_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefill_tokens <= 1 << 20:
+            raise ValueError(f"prefill_tokens: must be in [0, {1 << 20}] (0: off)")
+        if not 1 <= self.chunk_tokens <= 1 << 20:
+            raise ValueError(f"chunk_tokens: must be in [1, {1 << 20}]")
+
+
+@dataclass(frozen=True)
 class DecodePool:
+    RENAMED: ClassVar[dict[str, str]] = {
+        "conditional_prefill_tokens": "conditional.prefill_tokens",
+        "conditional_chunk_tokens": "conditional.chunk_tokens",
+    }  # old key -> new (config.build)
+
     cores: tuple[int, ...] = (1,)
     gpus: tuple[int, ...] = ()
     instances: int = 1
     dtype: Dtype = ""
-    # conditional disaggregation: short prompts prefilled here while prefill is backlogged (0: off)
-    conditional_prefill_tokens: int = 0
-    conditional_chunk_tokens: int = 128
+    conditional: Conditional = field(default_factory=Conditional)
     # the decode batch tuner (disagg.scheduling.tuner): tunes the batch limit under this TPOT (0: off),
     # starting from batch_start (0: the engine's max_batch_size)
     batch_tpot_slo_s: float = 0.0
@@ -180,21 +198,30 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class Admission:
+    # refuse at once a request whose wait for its turn exceeds this x the TTFT SLO (0: admit everything)
+    margin: float = Layout.admission_margin
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin <= 1000:
+            raise ValueError("margin: must be in [0, 1000] (0: off)")
+
+
+@dataclass(frozen=True)
 class EntryPoints:
     """The entry points (ensemble, llm, their orchestrators and text steps)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"admission_margin": "admission.margin"}  # old key -> new
 
     cores: tuple[int, ...] = (0,)
     request_timeout_s: float = 600.0
     slo: Slo = field(default_factory=Slo)
-    # refuse at once a request whose predicted TTFT exceeds this x the TTFT SLO (0: admit everything)
-    admission_margin: float = Layout.admission_margin
+    admission: Admission = field(default_factory=Admission)
 
     def __post_init__(self) -> None:
         _check_ids(self.cores, "cores", "core")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError("request_timeout_s: must be in (0, 86400]")
-        if not 0 <= self.admission_margin <= 1000:
-            raise ValueError("admission_margin: must be in [0, 1000] (0: off)")
 
 
 @dataclass(frozen=True)
@@ -328,7 +355,7 @@ class Spec:
             request_timeout_s=self.entry_points.request_timeout_s,
             slo_ttft_s=self.entry_points.slo.ttft_s,
             slo_tpot_s=self.entry_points.slo.tpot_s,
-            admission_margin=self.entry_points.admission_margin,
+            admission_margin=self.entry_points.admission.margin,
             prefill_nice=p.nice,
             local_decode=p.local_decode,
             colocated_chunk_tokens=c.chunk_tokens,
@@ -338,8 +365,8 @@ class Spec:
             hot_group_rate=self.hot_prompts.group_rate,
             hot_rate_adaptive=self.hot_prompts.rate_adaptive,
             hot_step_ratio=self.hot_prompts.step_ratio,
-            conditional_prefill_tokens=d.conditional_prefill_tokens,
-            conditional_chunk_tokens=d.conditional_chunk_tokens,
+            conditional_prefill_tokens=d.conditional.prefill_tokens,
+            conditional_chunk_tokens=d.conditional.chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
             decode_batch_start=d.batch_start,
             prefill_borrow=AUTO_BORROW if p.borrow is None else _cores(p.borrow),

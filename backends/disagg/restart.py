@@ -3,8 +3,8 @@
 Why it must: on Triton 2.51 a Python backend stub killed while it holds the lock of its shared-memory
 message queue (a pool's stub OOM-killed or crashing mid-response) makes tritonserver itself abort
 (`terminate called after throwing an instance of 'boost::interprocess::lock_exception'`), taking every
-model with it (`perf/stub_kill_stress.py` measures how often). The launcher then starts it again, so
-the deployment loses the requests in flight instead of serving nothing until someone intervenes.
+model with it (`disagg_tools.repro.stub_kill_stress` measures how often). The launcher then starts it
+again, so the deployment loses the requests in flight instead of serving nothing until someone intervenes.
 
 The policy is pure: the launcher tells it what happened and asks.
 """

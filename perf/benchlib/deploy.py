@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from disagg_tools.loopback import free_port, start_loopback
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -43,12 +44,6 @@ def check_cpus(cpus: str) -> None:
     """ValueError unless `cpus` is a taskset list such as '0,1' or '0-1' (a peer's pinning)."""
     if not cpus or not all(part.replace("-", "").isdigit() for part in cpus.split(",")):
         raise ValueError("cpus must be a taskset list such as '0,1' or '0-1'")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -264,30 +259,16 @@ def start_triton(
     cpus: tuple[int, ...] = (),
     exit_timeout_s: int | None = None,
 ) -> Any:
-    """Start Triton with the project's launcher on `repository`, loopback and free ports; returns the
-    running `disagg.server.TritonServer` (its `config.grpc_url` is what the Triton client needs).
-    Its pools and text models load `model_dir`.
+    """Start Triton with the project's launcher on `repository`, loopback and free ports
+    (`disagg_tools.loopback`); returns the running `disagg.server.TritonServer` (its `config.grpc_url`
+    is what the Triton client needs). Its pools and text models load `model_dir`.
     `cpus`: where tritonserver's own threads run (empty: unpinned)."""
-    from disagg.server import ServerError, TritonServer, server_config
+    from disagg.server import ServerError
 
-    config = server_config(
-        Path(repository).resolve(),
-        state_dir=workdir / ".triton",
-        address="127.0.0.1",
-        metrics_address="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        cpus=cpus,
-        model_dir=Path(model_dir).resolve(),
-        **({} if exit_timeout_s is None else {"exit_timeout_s": exit_timeout_s}),
-    )
-    server = TritonServer(config, workdir / "tritonserver.log").start()
     try:
-        server.wait_ready(ready_timeout_s)
+        return start_loopback(repository, workdir, model_dir, ready_timeout_s, cpus, exit_timeout_s)
     except ServerError as exc:
         raise DeployError(f"Triton did not become ready: {exc}") from None
-    return server
 
 
 def spec_repository(

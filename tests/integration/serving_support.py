@@ -135,7 +135,7 @@ def text_inputs(prompt: str | bytes, max_tokens: int, **extra: Any) -> dict[str,
 
 
 NO_ADMISSION = {
-    model: {"admission_margin": "0"} for model in ("orchestrator", "orchestrator_colocated", "llm")
+    model: {"admission.margin": "0"} for model in ("orchestrator", "orchestrator_colocated", "llm")
 }
 """Entry points that admit every request: for tests that load the pools past the default admission
 bound on purpose, to exercise something else (the suite's tiny model prefills its warm-up too fast to

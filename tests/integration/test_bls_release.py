@@ -1,18 +1,18 @@
 """The Python backend's BLS iterator-release defect on Triton 2.51, and the graveyard that avoids it.
 
-Runs `perf/bls_release_stress.py`'s stress models (a decoupled BLS relay like the orchestrator, over a
-streaming source) for a short while per release policy: letting finished iterators go at once frees
-their responses without the GIL on the stub's own thread (which usually kills the stub); keeping them in
-`disagg.triton.graveyard.Graveyard` frees every response array with the GIL and nothing dies. The
-first half shows the second can fail: if Triton's Python backend no longer has the defect, it fails
-and says so."""
+Runs the stress models of `disagg_tools.repro.bls_release_stress` (a decoupled BLS relay like the
+orchestrator, over a streaming source) for a short while per release policy: letting finished iterators
+go at once frees their responses without the GIL on the stub's own thread (which usually kills the
+stub); keeping them in `disagg.triton.graveyard.Graveyard` frees every response array with the GIL and
+nothing dies. The first half shows the second can fail: if Triton's Python backend no longer has the
+defect, it fails and says so."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from perf import bls_release_stress
+from disagg_tools.repro import bls_release_stress
 
 # the drop policy's stub usually dies within a second (perf/results/bls_release_stress.md: 0.6 s);
 # 4 s of the graveyard make about 700 calls here

@@ -70,7 +70,7 @@ def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFacto
     # this machine's speed (admission is tested on its own, tests/integration/test_serving_admission.py)
     repository = tmp_path_factory.mktemp("openai_repository") / "repository"
     shutil.copytree(REPOSITORY, repository)
-    set_parameters(repository, {m: {"admission_margin": "0"} for m in ENTRY_ORCHESTRATORS})
+    set_parameters(repository, {m: {"admission.margin": "0"} for m in ENTRY_ORCHESTRATORS})
     server = triton_factory.start(repository, exit_timeout_s=5)
     triton_factory.release(server)  # its exit is checked by stop_checked
     try:

@@ -20,7 +20,7 @@ PROMPT_WORDS = 300  # about 300 tokens each: the burst is several seconds of pre
 @pytest.fixture(scope="module")
 def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
     # admission by capacity on for `llm`: margin 1, 0.3 s TTFT
-    parameters = {"admission_margin": "1", "slo.ttft_s": "0.3"}
+    parameters = {"admission.margin": "1", "slo.ttft_s": "0.3"}
     repository = repository_with_llm_parameters(tmp_path_factory.mktemp("admission"), parameters)
     return triton_factory.start(repository, exit_timeout_s=10)
 

@@ -32,7 +32,7 @@ def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFacto
         # `llm`'s watcher gives up on a ping after 1 s
         # and admits every prompt: the backlog is what this test builds (admission: test_serving_admission)
         repository_with_llm_parameters(
-            tmp_path_factory.mktemp("backlog"), {"probe_timeout_s": "1", "admission_margin": "0"}
+            tmp_path_factory.mktemp("backlog"), {"health.probe_timeout_s": "1", "admission.margin": "0"}
         ),
         exit_timeout_s=10,
         extra_args=(f"--backend-config=python,thread-pool-size={THREADS}",),

@@ -28,7 +28,7 @@ def server(triton_factory: TritonFactory, tmp_path_factory: pytest.TempPathFacto
     command = ["--out", str(out), "--dtype", "float32", "--conditional-prefill-tokens", "64"]
     assert write_repository(command) == 0
     config = out / "llm" / "config.pbtxt"
-    entry = '  { key: "conditional_backlog_s", value: { string_value: "0" } },\n'
+    entry = '  { key: "conditional.backlog_s", value: { string_value: "0" } },\n'
     config.write_text(re.sub(r"parameters \[\n", "parameters [\n" + entry, config.read_text(), count=1))
     return triton_factory.start(out, exit_timeout_s=10)
 

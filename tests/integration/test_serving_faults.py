@@ -7,8 +7,8 @@ requests the dead stub held never get a response from Triton. The orchestrator n
 pool (a liveness probe, `disagg.triton.bls`) and ends those streams UNAVAILABLE; afterwards requests
 needing the dead pool fail fast with an error naming it, and `ensemble_colocated` keeps serving.
 
-Also seen on Triton 2.51 (about 1 kill in 10, `perf/stub_kill_stress.py`): a stub killed while it holds
-the lock of its shared-memory message queue makes tritonserver itself abort (`boost::interprocess::
+Also seen on Triton 2.51 (about 1 kill in 10, `disagg_tools.repro.stub_kill_stress`): a stub killed while
+it holds the lock of its shared-memory message queue makes tritonserver itself abort (`boost::interprocess::
 lock_exception`), and every stream ends with the socket closed. That is Triton's defect; `disagg serve`
 starts such a server again (`disagg.restart`, tested in test_server_startup.py)."""
 

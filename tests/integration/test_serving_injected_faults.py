@@ -43,7 +43,7 @@ LINK_DELAY_S = 0.5  # B6: three such imports one after the other still end well 
 LATE_DELAY_S = 6.0  # B2: twice the lease
 CHUNK_TOKENS = 16  # C2: the prefill pool's chunk
 LONG_PROMPT = " ".join(["word"] * 60)  # C2: four chunks or more
-PUBLISHED_S = 0.25  # how often a pool publishes its gauges (disagg.triton.metrics.PoolReporter)
+PUBLISHED_S = 0.25  # how often a pool publishes its gauges (disagg.triton.pool_metrics.PoolReporter)
 SEEDS = {  # seed -> fault (the grammar of disagg.pool.faults)
     901: "drop_ack",
     902: f"delay:{LATE_DELAY_S}",

@@ -338,3 +338,62 @@ def test_a_renamed_key_still_works_for_a_release_with_a_warning_naming_the_new_o
         PoolConfig.from_dict(
             {"role": "prefill", "local_generate": "1", "local_decode": "1", **engine}, strings=True
         )
+
+
+SECTION_RENAMES = {  # the orchestrator's old flat parameters: each with a value other than its default
+    "admission_margin": "3",
+    "admission_sheddable_margin": "0.25",
+    "admission_cold_backlog_tokens": "512",
+    "conditional_prefill_tokens": "64",
+    "conditional_backlog_s": "0.5",
+    "probe_interval_s": "2",
+    "probe_timeout_s": "3",
+    "pool_recovery": "false",
+    "recovery_backoff_s": "7",
+    "cancel_poll_s": "0.05",
+    "cancel_checks_per_s": "50",
+    "remote_pools": "prefill=10.0.0.2:8001",
+    "fallback_ladder": "disaggregated,shed",
+    "local_max_tokens": "16",
+    "migration_limit": "1",
+    "retry_after_s": "9",
+    "shed_sheddable_when_degraded": "false",
+    "colocated_first_when_decode_gone": "false",
+}
+
+
+@pytest.mark.parametrize("old", sorted(SECTION_RENAMES))
+def test_an_orchestrator_parameter_moved_into_a_section_still_works_for_a_release(old: str, caplog) -> None:
+    new = OrchestratorConfig.RENAMED[old]
+    value = SECTION_RENAMES[old]
+    with caplog.at_level(logging.WARNING, logger="disagg.config"):
+        by_old = build(OrchestratorConfig, {old: value}, strings=True)
+    assert f"{old} is deprecated and goes in the next release: it is now {new}" in caplog.text
+    by_new = build(OrchestratorConfig, {new: value}, strings=True)
+    assert by_old == by_new != OrchestratorConfig()
+    section, field = new.split(".")
+    assert getattr(getattr(by_new, section), field) != getattr(getattr(OrchestratorConfig(), section), field)
+
+
+def test_every_section_rename_is_tested() -> None:
+    moved = {
+        old for old, new in OrchestratorConfig.RENAMED.items() if not new.startswith(("hot_prompts.", "slo."))
+    }
+    assert moved == set(SECTION_RENAMES)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"admission.margin": "-1"}, "admission.margin: must be a number >= 0"),
+        ({"conditional.prefill_tokens": "-1"}, "conditional.prefill_tokens: must be in [0, 1048576]"),
+        ({"health.probe_timeout_s": "0"}, "health.probe_timeout_s: must be a number of seconds in (0, 3600]"),
+        ({"cancel.checks_per_s": "0.5"}, "cancel.checks_per_s: must be in [1, 1e+06]"),
+        ({"degradation.ladder": "local"}, "degradation.ladder: must end with 'shed'"),
+        ({"degradation.migration_limit": "101"}, "degradation.migration_limit: must be in [0, 100]"),
+        ({"remote.pools": "embed=h:1"}, "remote: pools names pools this entry point has not"),
+        ({"remote.tls": "/nowhere"}, "remote.tls: goes with pools"),
+    ],
+)
+def test_a_section_refuses_its_bad_values_naming_its_key(params: dict[str, str], message: str) -> None:
+    assert message in refused(OrchestratorConfig, params, strings=True)

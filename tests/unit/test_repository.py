@@ -160,8 +160,8 @@ def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_mod
     assert (scheduling.local_prefill_tokens, scheduling.max_prefill_tokens) == (512, 64)
     assert scheduling.chunked_prefill
     for name in ("orchestrator", "llm"):
-        assert build(OrchestratorConfig, params(name), strings=True).conditional_prefill_tokens == 512
-    assert "conditional_prefill_tokens" not in rendered["orchestrator_colocated"]
+        assert build(OrchestratorConfig, params(name), strings=True).conditional.prefill_tokens == 512
+    assert "conditional.prefill_tokens" not in rendered["orchestrator_colocated"]
     assert "local_prefill_tokens" not in rendered["prefill"] + rendered["colocated"]
     assert "conditional" not in render(Layout())["llm"], "off by default"
 
@@ -200,7 +200,7 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
     for flag, cached in (("--no-prefix-cache", False), ("--prefix-cache", True)):
         assert main(["--out", str(tmp_path), "--admission-margin", "2.5", flag]) == 0
         for name in ("orchestrator", "orchestrator_colocated", "llm"):
-            assert build(OrchestratorConfig, params(name), strings=True).admission_margin == 2.5, name
+            assert build(OrchestratorConfig, params(name), strings=True).admission.margin == 2.5, name
         for name in ("prefill", "colocated"):
             config = pool_config(
                 {**params(name), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "p"}
@@ -210,7 +210,7 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
         render(Layout(admission_margin=-1))
     default = render(Layout())
     for name in ("orchestrator", "orchestrator_colocated", "llm"):  # on in the default deployment
-        assert 'key: "admission_margin", value: { string_value: "2" }' in default[name]
+        assert 'key: "admission.margin", value: { string_value: "2" }' in default[name]
 
 
 def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, tiny_model_dir):

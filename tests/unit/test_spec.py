@@ -40,7 +40,7 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
         },
         "dtype": "float32",
         "pools": {"decode": {"cores": [1], "instances": 2}},
-        "entry_points": {"slo": {"ttft_s": 0.5}, "admission_margin": 3},
+        "entry_points": {"slo": {"ttft_s": 0.5}, "admission": {"margin": 3}},
     }
     spec_file.write_text(yaml.safe_dump(spec))
     out = tmp_path / "repo"
@@ -59,7 +59,7 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
     assert 'key: "slo.ttft_s", value: { string_value: "0.5" }' in (out / "llm" / "config.pbtxt").read_text()
     for model in ("llm", "orchestrator", "orchestrator_colocated"):
         assert (
-            'key: "admission_margin", value: { string_value: "3" }'
+            'key: "admission.margin", value: { string_value: "3" }'
             in (out / model / "config.pbtxt").read_text()
         )
 

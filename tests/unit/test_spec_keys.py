@@ -26,7 +26,7 @@ CHANGES: dict[str, tuple[list[str], list[str]]] = {
     "entry_points.request_timeout_s": (["entry_points.request_timeout_s=300"], []),
     "entry_points.slo.ttft_s": (["entry_points.slo.ttft_s=2"], []),
     "entry_points.slo.tpot_s": (["entry_points.slo.tpot_s=0.2"], []),
-    "entry_points.admission_margin": (["entry_points.admission_margin=3"], []),
+    "entry_points.admission.margin": (["entry_points.admission.margin=3"], []),
     "pools.prefill.cores": (["pools.prefill.cores=[2]"], []),
     "pools.prefill.gpus": (
         ["pools.prefill.gpus=[0]", "pools.decode.gpus=[1]"],
@@ -44,10 +44,10 @@ CHANGES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "pools.decode.instances": (["pools.decode.instances=2"], []),
     "pools.decode.dtype": (["pools.decode.dtype=float32"], []),
-    "pools.decode.conditional_prefill_tokens": (["pools.decode.conditional_prefill_tokens=64"], []),
-    "pools.decode.conditional_chunk_tokens": (
-        ["pools.decode.conditional_prefill_tokens=64", "pools.decode.conditional_chunk_tokens=32"],
-        ["pools.decode.conditional_prefill_tokens=64"],
+    "pools.decode.conditional.prefill_tokens": (["pools.decode.conditional.prefill_tokens=64"], []),
+    "pools.decode.conditional.chunk_tokens": (
+        ["pools.decode.conditional.prefill_tokens=64", "pools.decode.conditional.chunk_tokens=32"],
+        ["pools.decode.conditional.prefill_tokens=64"],
     ),
     "pools.decode.batch_tpot_slo_s": (["pools.decode.batch_tpot_slo_s=0.05"], []),
     "pools.decode.batch_start": (
@@ -103,7 +103,7 @@ OTHER_WORDS = {
     "pools.decode.instances": "Triton's instance_group (count)",
     "pools.colocated.instances": "Triton's instance_group (count)",
     "pools.colocated.chunk_tokens": "one key, two fields: chunked_prefill and max_prefill_tokens",
-    "pools.decode.conditional_chunk_tokens": "the decode pool's max_prefill_tokens (its prompts' chunk)",
+    "pools.decode.conditional.chunk_tokens": "the decode pool's max_prefill_tokens (its prompts' chunk)",
     "hot_prompts.pool": "a pool of its own (model decode_hot) and the entry points' hot_prompts.decode_model",
 }
 
@@ -245,3 +245,22 @@ def test_every_spec_key_is_a_configuration_field_of_the_same_name(tmp_path: Path
         else:
             assert own, f"{key} changed {sorted(names)}, none named {sorted(_parameter_names(key))}"
     assert set(OTHER_WORDS) <= set(CHANGES)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("entry_points.admission_margin=3", "entry_points.admission.margin=3"),
+        ("pools.decode.conditional_prefill_tokens=64", "pools.decode.conditional.prefill_tokens=64"),
+        ("pools.decode.conditional_chunk_tokens=32", "pools.decode.conditional.chunk_tokens=32"),
+    ],
+)
+def test_an_old_key_loads_as_its_new_one_with_a_deprecation_warning(caplog, old: str, new: str):
+    with caplog.at_level("WARNING", logger="disagg.config"):
+        assert load_spec(None, [old]) == load_spec(None, [new]) != Spec()
+    old_key, new_key = old.partition("=")[0], new.partition("=")[0]
+    section = old_key.rsplit(".", 1)[0]  # the warning names the new key within the old one's section
+    said = f"{old_key} is deprecated and goes in the next release: it is now {new_key[len(section) + 1 :]}"
+    assert said in caplog.text
+    with pytest.raises(ConfigError, match="give"):  # both at once: refused
+        load_spec(None, [old, new])

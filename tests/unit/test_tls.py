@@ -11,6 +11,7 @@ import pytest
 from disagg.config import build
 from disagg.serverconfig import ServerConfig, build_command
 from disagg.serving.orchestrator import OrchestratorConfig
+from disagg.serving.settings import RemoteSettings
 from disagg.tls import GrpcTls, grpc_tls
 from disagg.tritonbin import TritonFiles
 from disagg_tools.cli import pool_tls
@@ -71,14 +72,14 @@ def test_the_spec_switches_tls_on_for_every_role(tmp_path: Path) -> None:
     for name in ("llm", "orchestrator"):
         body = (front / name / "config.pbtxt").read_text()
         params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
-        assert params["remote_tls"] == str(folder)
+        assert params["remote.tls"] == str(folder)
         config = build(OrchestratorConfig, {k: v for k, v in params.items() if k != "role"}, strings=True)
-        assert grpc_tls(config.remote_tls) == GrpcTls(folder)
+        assert grpc_tls(config.remote.tls) == GrpcTls(folder)
     plain = tmp_path / "plain.yaml"
     plain.write_text(SPEC.replace("  tls: certs\n", ""))
     assert pool_tls(plain, "prefill") is None
     body = (write_owned(plain, tmp_path / "front-plain", "frontend") / "llm" / "config.pbtxt").read_text()
-    assert "remote_tls" not in body
+    assert "remote.tls" not in body
 
 
 def test_a_missing_folder_or_tls_without_remote_pools_is_refused(tmp_path: Path) -> None:
@@ -86,5 +87,5 @@ def test_a_missing_folder_or_tls_without_remote_pools_is_refused(tmp_path: Path)
     spec.write_text(SPEC)
     with pytest.raises(ValueError, match="missing"):
         pool_tls(spec, "decode")  # no certs folder beside the spec
-    with pytest.raises(ValueError, match="remote_tls goes with remote_pools"):
-        OrchestratorConfig(remote_tls=str(tls_folder(tmp_path / "certs")))
+    with pytest.raises(ValueError, match="tls: goes with pools"):
+        RemoteSettings(tls=str(tls_folder(tmp_path / "certs")))

@@ -78,6 +78,8 @@ class EngineConfig:
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
+        """Ranges, and ``auto`` resolved; the types are ``config.build``'s (a config built by hand in
+        code is trusted to be typed; ``model_dir`` may be given as text, ``cores`` as a list)."""
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if self.dtype == AUTO:
             object.__setattr__(self, "dtype", auto_dtype(self.device))
@@ -90,19 +92,15 @@ class EngineConfig:
         if self.kv_dtype not in DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(DTYPES)} or {AUTO!r}, got {self.kv_dtype!r}")
         for name in ("block_size", "kv_cache_mb", "max_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer")
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
         for name in ("num_blocks", "max_tokens_cap", "num_threads"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or unset")
-        for name in ("native_kernels", "pack_weights", "prefix_cache"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive or unset")
         if self.cores is not None:
             object.__setattr__(self, "cores", tuple(self.cores))
-            if not self.cores or any(not isinstance(c, int) or c < 0 for c in self.cores):
+            if not self.cores or any(c < 0 for c in self.cores):
                 raise ValueError("cores must be a non-empty list of core numbers")
 
     @classmethod

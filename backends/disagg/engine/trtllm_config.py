@@ -45,26 +45,26 @@ class TrtllmConfig:
     step_wait_s: float = 0.05
 
     def __post_init__(self) -> None:
+        """Ranges; the types are ``config.build``'s (``from_dict``; a config built by hand in code is
+        trusted to be typed; ``model`` may be given as text, ``eos_token_ids`` as a list)."""
         object.__setattr__(self, "model", Path(self.model))
         for name in ("max_batch_size", "num_blocks", "tokens_per_block", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer")
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
         if self.tokens_per_block < 2 or self.tokens_per_block & (self.tokens_per_block - 1):
             raise ValueError("tokens_per_block must be a power of two > 1 (TensorRT-LLM's rule)")
         for name in ("max_context", "max_tokens_cap", "vocab_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or unset")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive or unset")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if self.transceiver_backend not in TRANSCEIVER_BACKENDS:
             raise ValueError(f"transceiver_backend must be one of {list(TRANSCEIVER_BACKENDS)}")
-        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+        if self.secret is not None and len(self.secret) < 16:
             raise ValueError("secret must be at least 16 bytes")
         for name in ("ttl_s", "request_timeout_s", "step_wait_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
+            if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be a number of seconds in (0, 3600]")
 
     @classmethod

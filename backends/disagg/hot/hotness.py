@@ -63,6 +63,8 @@ class HotConfig:
     sketch_width: int = 4096
 
     def __post_init__(self) -> None:
+        """Ranges and consistency; the types are ``config.build``'s (through ``HotPromptsConfig``; a
+        config built by hand in code is trusted to be typed)."""
         ints = (
             ("threshold", 0, 1 << 20),
             ("min_prefix_tokens", 1, 1 << 20),
@@ -71,18 +73,17 @@ class HotConfig:
             ("sketch_width", 16, 1 << 20),
         )
         for name, low, top in ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
-                raise ValueError(f"{name}: must be an integer in [{low}, {top}]")
+            if not low <= getattr(self, name) <= top:
+                raise ValueError(f"{name}: must be in [{low}, {top}]")
         if self.min_prefix_tokens > self.max_prefix_tokens:
             raise ValueError("min_prefix_tokens: must be at most max_prefix_tokens")
-        if not isinstance(self.window_s, int | float) or not 0 < self.window_s <= 3600:
+        if not 0 < self.window_s <= 3600:
             raise ValueError("window_s: must be a number of seconds in (0, 3600]")
-        if not isinstance(self.cool_ratio, int | float) or not 0 < self.cool_ratio <= 1:
+        if not 0 < self.cool_ratio <= 1:
             raise ValueError("cool_ratio: must be in (0, 1]")
-        if not isinstance(self.surge, int | float) or not 0 <= self.surge <= 1000:
+        if not 0 <= self.surge <= 1000:
             raise ValueError("surge: must be a number in [0, 1000]")
-        if not isinstance(self.baseline_s, int | float) or not self.window_s <= self.baseline_s <= 86400:
+        if not self.window_s <= self.baseline_s <= 86400:
             raise ValueError("baseline_s: must be a number of seconds in [window_s, 86400]")
 
     @property

@@ -31,12 +31,12 @@ class FaultConfig:
     drop_ack: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.delay_s, int | float) or not 0 <= self.delay_s <= 60:
+        """Ranges; the types are trusted (tests build it in code, ``disagg.pool.faults`` from the
+        numbers it parsed)."""
+        if not 0 <= self.delay_s <= 60:
             raise ValueError("FaultConfig.delay_s must be in [0, 60]")
-        if self.fail_after_run is not None and (
-            not isinstance(self.fail_after_run, int) or self.fail_after_run < 0
-        ):
-            raise ValueError("FaultConfig.fail_after_run must be None or a non-negative integer")
+        if self.fail_after_run is not None and self.fail_after_run < 0:
+            raise ValueError("FaultConfig.fail_after_run must be None or >= 0")
 
 
 class FaultHooks(TransferHooks):

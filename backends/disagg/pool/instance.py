@@ -78,6 +78,8 @@ class PoolConfig:
     lend_tpot_s: float = 0.0
 
     def __post_init__(self) -> None:
+        """Ranges and consistency; the types are ``config.build``'s (a config built by hand in code is
+        trusted to be typed; ``role`` may be given by name)."""
         object.__setattr__(self, "role", Role.parse(self.role))
         if not 0 < self.lease_ttl_s <= 3600:
             raise ValueError("lease_ttl_s must be in (0, 3600]")
@@ -86,10 +88,10 @@ class PoolConfig:
             raise ValueError("local_decode is a prefill pool's setting")
         if self.local_prefill_tokens and self.role is not Role.DECODE:
             raise ValueError("local_prefill_tokens is a decode pool's setting")
-        if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
-            raise ValueError("nice must be an integer in [0, 19]")
-        if not isinstance(self.warm_up_tokens, int) or not 0 <= self.warm_up_tokens <= 8192:
-            raise ValueError("warm_up_tokens must be an integer in [0, 8192]")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice must be in [0, 19]")
+        if not 0 <= self.warm_up_tokens <= 8192:
+            raise ValueError("warm_up_tokens must be in [0, 8192]")
         if self.tuning().enabled and self.role is not Role.DECODE:
             raise ValueError("batch_tpot_slo_s (the batch tuner) is a decode pool's setting")
         if self.batch_start > self.engine.max_batch_size:

@@ -12,11 +12,14 @@ Mooncake's prediction-based early rejection, on what the orchestrator sees of a 
 
 A request's predicted TTFT is (backlog + its prompt) / throughput: the wait for its turn, backlog /
 throughput, then its own prefill. It is refused, UNAVAILABLE with a retry hint, when the **wait** exceeds
-``margin`` x the TTFT SLO; a request of negative ``priority`` (sheddable) already at ``sheddable_margin``
-x the SLO, so it goes first. Its own prefill is not held against it: a long prompt is served as fast as
-it can be. Judged by the whole predicted TTFT instead, the default deployment (its 1 s target, margin 2)
-refused about a fifth of ``summarize``'s 1,150-token prompts at any rate on two cores, because one such
-prompt alone takes 1.7 s and any other one waiting put it over 2 s (vLLM and llama.cpp refuse none).
+``margin`` x its target: the TTFT SLO, or its own prefill where that is longer (no prompt is served
+faster than it is prefilled); a request of negative ``priority`` (sheddable) already at
+``sheddable_margin`` x it, so it goes first. So a long prompt is never refused for its length, and
+waits in proportion to it (a short one behind it is refused sooner). Judged by the whole predicted TTFT
+against the SLO, the default deployment (its 1 s target, margin 2) refused about a fifth of
+``summarize``'s 1,150-token prompts at any rate on two cores; judged by the wait against the SLO
+alone, still one in eight at a third of its capacity, whenever two such prompts were ahead (each takes
+1.1-1.8 s; vLLM and llama.cpp refuse none).
 
 Retry hints are slots, not one figure for all: the refused requests of a pool are told to come back
 one prompt's prefill apart, in the order they were refused, from the time the backlog has room again.
@@ -61,10 +64,11 @@ class AdmissionConfig:
     cold_backlog_tokens: int = 2048  # the most prompt tokens let wait on a pool of unknown throughput
 
     def __post_init__(self) -> None:
+        """Ranges; the types are ``config.build``'s (``OrchestratorConfig.admission``; a config built by
+        hand in code is trusted to be typed)."""
         for name in ("margin", "sheddable_margin", "ttft_slo_s", "cold_backlog_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1e6:
-                raise ValueError(f"{name} must be a number >= 0")
+            if not 0 <= getattr(self, name) < 1e6:
+                raise ValueError(f"{name} must be a number >= 0 (below 1e6)")
         if self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_s must be positive")
 
@@ -156,17 +160,19 @@ class Admission:
             self._admit_cold(pool, prompt_tokens)
             return
         margin = config.sheddable_margin if priority < 0 else config.margin
-        budget = margin * config.ttft_slo_s
-        # the wait for its turn, not its own prefill: a prompt too long for the target is served as fast
-        # as it can be (refusing it for its length would leave it no way to be served at all)
+        throughput = self._pools[pool].throughput
+        # the wait for its turn, against the TTFT it can have: the SLO, or its own prefill for a prompt
+        # too long for the SLO (refusing it for its length would leave it no way to be served at all)
+        target = max(config.ttft_slo_s, prompt_tokens / throughput)
+        budget = margin * target
         backlog = self.backlog(pool)
-        wait = backlog / self._pools[pool].throughput
+        wait = backlog / throughput
         if backlog and wait > budget:
             retry = self._retry_slot(pool, prompt_tokens, wait - budget)
             raise ServingError(
                 UNAVAILABLE,
                 f"server is over capacity: its prompt would wait {wait:.1f} s for its turn, over "
-                f"{margin:g} x the {config.ttft_slo_s:g} s target (predicted time to first token "
+                f"{margin:g} x its {target:.3g} s target (predicted time to first token "
                 f"{predicted:.1f} s); retry after {retry:g} s",
                 Reason.SHED,
             )

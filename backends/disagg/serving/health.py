@@ -51,16 +51,14 @@ class HealthConfig:
     clear_fraction: float = 0.5  # leave saturation below this share of every threshold
 
     def __post_init__(self) -> None:
+        """Ranges; the types are trusted (the orchestrator builds it in code)."""
         for name in ("recover_after", "saturated_queue", "saturated_prompt_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"health {name} must be a positive integer")
+            if getattr(self, name) < 1:
+                raise ValueError(f"health {name} must be positive")
         for name in ("saturated_kv_use", "clear_fraction"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+            if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"health {name} must be in (0, 1]")
-        value = self.saturated_probe_s
-        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        if not 0 < self.saturated_probe_s < math.inf:
             raise ValueError("health saturated_probe_s must be a positive number of seconds")
 
     def over(self, load: PoolLoad, probe_s: float, scale: float = 1.0) -> str | None:

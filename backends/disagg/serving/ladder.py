@@ -60,11 +60,11 @@ def parse_ladder(text: str, mode: str) -> tuple[str, ...]:
     rungs = tuple(part.strip() for part in text.split(","))
     unknown = [r for r in rungs if r not in RUNGS]
     if unknown:
-        raise ValueError(f"fallback_ladder: unknown rung {unknown[0]!r} (rungs: {', '.join(RUNGS)})")
+        raise ValueError(f"degradation.ladder: unknown rung {unknown[0]!r} (rungs: {', '.join(RUNGS)})")
     if len(set(rungs)) != len(rungs):
-        raise ValueError("fallback_ladder names a rung twice")
+        raise ValueError("degradation.ladder: names a rung twice")
     if rungs[-1] != SHED or rungs.count(SHED) != 1:
-        raise ValueError("fallback_ladder must end with 'shed'")
+        raise ValueError("degradation.ladder: must end with 'shed'")
     return rungs
 
 

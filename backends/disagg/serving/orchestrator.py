@@ -40,7 +40,6 @@ from disagg.protocol.errors import (
 )
 from disagg.protocol.messages import JobId, PoolLoad, Prefilled, Token
 from disagg.serving.admission import Admission, AdmissionConfig, Ticket
-from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.health import CALL_FAILED, DEAD, Change, HealthConfig, PoolHealth, PoolState
 from disagg.serving.ladder import (
     COLOCATED,
@@ -71,9 +70,17 @@ from disagg.serving.router import (
     SkipLocal,
     hot_refusal,
 )
+from disagg.serving.settings import (
+    ADMISSION_FIELDS,
+    AdmissionSettings,
+    CancelSettings,
+    ConditionalSettings,
+    DegradationSettings,
+    HealthSettings,
+    RemoteSettings,
+)
 from disagg.serving.telemetry import SloConfig, time_per_output_token
 from disagg.serving.text_api import TextRequest
-from disagg.tls import grpc_tls
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +143,16 @@ class OrchestratorConfig:
     RENAMED: ClassVar[dict[str, str]] = {
         **{f"hot_{name}": f"hot_prompts.{name}" for name in HOT_PROMPTS_FIELDS},
         **{f"slo_{name}": f"slo.{name}" for name in ("ttft_s", "tpot_s", "window_s")},
+        **{f"admission_{name}": f"admission.{name}" for name in ADMISSION_FIELDS},
+        **{f"conditional_{name}": f"conditional.{name}" for name in ("prefill_tokens", "backlog_s")},
+        **{name: f"health.{name}" for name in ("probe_interval_s", "probe_timeout_s", "recovery_backoff_s")},
+        "pool_recovery": "health.recovery",
+        **{f"cancel_{name}": f"cancel.{name}" for name in ("poll_s", "checks_per_s")},
+        **{f"remote_{name}": f"remote.{name}" for name in ("pools", "tls")},
+        "fallback_ladder": "degradation.ladder",
+        **{name: f"degradation.{name}" for name in ("local_max_tokens", "migration_limit", "retry_after_s")},
+        "shed_sheddable_when_degraded": "degradation.shed_sheddable",
+        "colocated_first_when_decode_gone": "degradation.colocated_first_when_decode_gone",
     }  # old config.pbtxt parameter -> its name in its section (config.build)
 
     mode: str = "disaggregated"
@@ -146,108 +163,44 @@ class OrchestratorConfig:
     """Names of the pool models (the targets of BLS calls)."""
     decode_model: str = "decode"
     colocated_model: str = "colocated"
-    slo: SloConfig = field(default_factory=SloConfig)
-    """The SLOs requests are judged by (``disagg_slo_*``) and admission predicts against
-    (config.pbtxt: ``slo.ttft_s``, ``slo.tpot_s``, ``slo.window_s``)."""
     role: Literal["orchestrator", "llm"] | None = None
     cores: str = ""
     """Core sets as ``glue.parse_cores`` reads them (``"0"``, ``"0,1"``, per instance ``"0;1"``)."""
     model_dir: Path | None = None
     """The tokenizer's checkpoint folder (default: ``disagg.paths.resolve_model_dir()``)."""
     secret_file: Path | None = None
-    fallback_ladder: str = ""
-    """Rungs in order, comma-separated (``disagg.serving.ladder``); empty: the mode's default."""
-    local_max_tokens: int = 128
-    """On the ``local`` rung a request gets at most this many more tokens (the degraded output cap)."""
-    migration_limit: int = 2
-    """Times one stream may move to another rung after its pool failed."""
-    retry_after_s: float = 5.0
-    """The retry hint of a shed request ("retry after N s")."""
-    shed_sheddable_when_degraded: bool = True
-    """A new request of negative ``priority`` is shed (fast UNAVAILABLE with the retry hint) while new
-    requests cannot take the ladder's first rung: the degraded capacity is kept for the rest."""
-    colocated_first_when_decode_gone: bool = True
-    """While the decode pool is gone, the ``colocated`` rung is tried before ``local`` (``ladder``)."""
-    probe_interval_s: float = 1.0
-    """How often each pool is pinged for its health and load."""
-    probe_timeout_s: float = 10.0
-    """A ping unanswered this long finds the pool gone."""
-    pool_recovery: bool = True
-    """This orchestrator restarts dead pools through model control (see ``disagg.serving.watcher``)."""
-    recovery_backoff_s: float = 5.0
-    """First wait between restarts of a pool that stays gone (doubling, up to 60 s)."""
-    admission_margin: float = 0.0
-    """Refuse a request whose wait for its turn (its predicted TTFT without its own prefill) exceeds
-    this x ``slo.ttft_s`` (0: off; see admission)."""
-    admission_sheddable_margin: float = 0.5
-    """The same for requests of negative ``priority``, which are so refused first."""
-    admission_cold_backlog_tokens: int = 2048
-    """While a pool's prefill speed is not measured yet, the most prompt tokens admitted to wait on it."""
-    conditional_prefill_tokens: int = 0
-    """Conditional disaggregation: a new request of at most this many prompt tokens is served whole by
-    the decode pool (deployed with ``local_prefill_tokens``) while the prefill pool's predicted time to
-    first token for it exceeds ``conditional_backlog_s`` and the decode pool is healthy (0: off)."""
-    conditional_backlog_s: float = 0.25
-    cancel_poll_s: float = 0.1
-    """How often a request waiting for its pool's first answer (queued, being prefilled, waiting for
-    decode blocks, or for its hot group's token) checks whether its client left; after that, every
-    token checks."""
-    cancel_checks_per_s: float = 100.0
-    """The most such checks per second of one instance's waiting requests together (each is a round
-    trip through the server): with more than ``cancel_checks_per_s x cancel_poll_s`` waiting, each
-    checks less often, so a backlog does not spend its core on asking whether clients left."""
+    slo: SloConfig = field(default_factory=SloConfig)
+    """The SLOs requests are judged by (``disagg_slo_*``) and admission predicts against
+    (config.pbtxt: ``slo.ttft_s``, ``slo.tpot_s``, ``slo.window_s``)."""
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    """Admission by capacity (``admission.margin``, ...; ``disagg.serving.settings``)."""
+    conditional: ConditionalSettings = field(default_factory=ConditionalSettings)
+    """Conditional disaggregation (``conditional.prefill_tokens``, ``conditional.backlog_s``)."""
+    degradation: DegradationSettings = field(default_factory=DegradationSettings)
+    """The fallback ladder, the degraded output cap, migrations and shedding (``degradation.*``)."""
+    health: HealthSettings = field(default_factory=HealthSettings)
+    """Pool probes and restarts (``health.*``)."""
+    cancel: CancelSettings = field(default_factory=CancelSettings)
+    """How waiting requests notice their client left (``cancel.poll_s``, ``cancel.checks_per_s``)."""
     hot_prompts: HotPromptsConfig = field(default_factory=HotPromptsConfig)
     """Hot prompts: detection, and isolation on a pool of their own or by rate (``disagg.hot.settings``);
     config.pbtxt spells its fields ``hot_prompts.<field>``."""
-    remote_pools: str = ""
-    """Pools served by other Triton servers, reached over gRPC (``disagg.triton.remote``):
-    ``POOL=SERVERS[;POOL=SERVERS]``, SERVERS being ``HOST:PORT,...`` or ``dns:NAME:PORT`` (see
-    ``disagg.serving.endpoints``); "": every pool is a model of this server."""
-    remote_tls: str = ""
-    """A folder of ``ca.pem``, ``cert.pem`` and ``key.pem`` (``disagg.tls``): the remote pools are
-    dialed over mutual TLS; "": plain gRPC."""
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    """Pools on other servers (``remote.pools``, ``remote.tls``)."""
 
     def __post_init__(self) -> None:
-        """Ranges and consistency; the types are ``config.build``'s (a config built by hand in code is
-        trusted to be typed)."""
+        """Ranges and consistency across sections (each section checks its own); the types are
+        ``config.build``'s (a config built by hand in code is trusted to be typed)."""
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
-        parse_ladder(self.fallback_ladder, self.mode)
-        ranges = (
-            ("local_max_tokens", 0, 1 << 20),
-            ("migration_limit", 0, 100),
-            ("conditional_prefill_tokens", 0, 1 << 20),
-            ("max_inflight", 1, MAX_INFLIGHT_LIMIT),
-            ("cancel_checks_per_s", 1, 1e6),
-        )
-        for name, low, top in ranges:
-            if not low <= getattr(self, name) <= top:
-                raise ValueError(f"{name} must be in [{low}, {top}]")
-        seconds = (
-            ("cancel_poll_s", 10),
-            ("retry_after_s", 3600),
-            ("probe_interval_s", 3600),
-            ("probe_timeout_s", 3600),
-            ("recovery_backoff_s", 3600),
-            ("request_timeout_s", 86400),
-        )
-        for name, top in seconds:
-            if not 0 < getattr(self, name) <= top:
-                raise ValueError(f"{name} must be a number of seconds in (0, {top}]")
-        if not 0 <= self.conditional_backlog_s < 1e6:
-            raise ValueError("conditional_backlog_s must be a number of seconds >= 0")
-        _ = self.admission  # validate its settings
-        if self.remote_tls and not self.remote_pools:
-            raise ValueError("remote_tls goes with remote_pools (the pools it dials over TLS)")
-        grpc_tls(self.remote_tls)  # a folder without its three files fails here, at load
-        unknown = set(self.remote) - set(self.pool_models)
+        parse_ladder(self.degradation.ladder, self.mode)
+        if not 1 <= self.max_inflight <= MAX_INFLIGHT_LIMIT:
+            raise ValueError(f"max_inflight must be in [1, {MAX_INFLIGHT_LIMIT}]")
+        if not 0 < self.request_timeout_s <= 86400:
+            raise ValueError("request_timeout_s must be a number of seconds in (0, 86400]")
+        unknown = set(self.remote.servers) - set(self.pool_models)
         if unknown:
-            raise ValueError(f"remote_pools names pools this entry point has not: {sorted(unknown)}")
-
-    @property
-    def remote(self) -> dict[str, str]:
-        """Pool -> the spec of its servers, for the pools on other servers."""
-        return parse_remote_pools(self.remote_pools)
+            raise ValueError(f"remote: pools names pools this entry point has not: {sorted(unknown)}")
 
     @property
     def pool_models(self) -> dict[str, str]:
@@ -263,12 +216,9 @@ class OrchestratorConfig:
 
     @property
     def router(self) -> RouterConfig:
+        d, c = self.degradation, self.conditional
         return RouterConfig(
-            self.local_max_tokens,
-            self.migration_limit,
-            self.shed_sheddable_when_degraded,
-            self.conditional_prefill_tokens,
-            self.conditional_backlog_s,
+            d.local_max_tokens, d.migration_limit, d.shed_sheddable, c.prefill_tokens, c.backlog_s
         )
 
     @property
@@ -278,16 +228,12 @@ class OrchestratorConfig:
 
     @property
     def ladder(self) -> tuple[str, ...]:
-        return parse_ladder(self.fallback_ladder, self.mode)
+        return parse_ladder(self.degradation.ladder, self.mode)
 
     @property
-    def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(
-            self.admission_margin,
-            self.admission_sheddable_margin,
-            self.slo.ttft_s,
-            self.admission_cold_backlog_tokens,
-        )
+    def admission_policy(self) -> AdmissionConfig:
+        """Admission's config, judged against ``slo.ttft_s``."""
+        return self.admission.policy(self.slo.ttft_s)
 
 
 @dataclass
@@ -345,9 +291,9 @@ class Orchestrator:
             rungs,
             self.health,
             local=local_generate,
-            colocated_first_when_decode_gone=config.colocated_first_when_decode_gone,
+            colocated_first_when_decode_gone=config.degradation.colocated_first_when_decode_gone,
         )
-        self.admission = Admission(config.admission)
+        self.admission = Admission(config.admission_policy)
         self.router = Router(config.router)
         self._listeners: list[Callable[[Change], None]] = [] if on_change is None else [on_change]
         # hot prompts: counted on the event loop, read by the metrics thread too
@@ -367,8 +313,8 @@ class Orchestrator:
 
     def cancel_poll_s(self) -> float:
         """How long a waiting request waits between two checks of its client now."""
-        config = self.config
-        return max(config.cancel_poll_s, self.waiting / config.cancel_checks_per_s)
+        cancel = self.config.cancel
+        return max(cancel.poll_s, self.waiting / cancel.checks_per_s)
 
     def heat(self, prompt: Sequence[int], now: float) -> Heat:
         """Count a new request's prompt; its hot group, if any."""
@@ -571,9 +517,9 @@ class _Run:
         wait = owner.hot_wait(heat.group, time.monotonic())
         if wait is None:
             outcome.hot_route = "hot_refused"
-            raise hot_refusal(
-                owner.hot_rate()[0], max(owner.config.retry_after_s, owner.config.hot_prompts.max_wait_s)
-            )
+            config = owner.config
+            retry = max(config.degradation.retry_after_s, config.hot_prompts.max_wait_s)
+            raise hot_refusal(owner.hot_rate()[0], retry)
         outcome.hot_route = "hot_delayed" if wait > 0 else "hot_shared"
         if wait > 0:
             await self._unless_cancelled(asyncio.sleep(wait))
@@ -582,7 +528,7 @@ class _Run:
         """Carry out the router's action on the pools."""
         if isinstance(action, Shed):
             self.running_on = None
-            raise action.error(self.owner.config.retry_after_s)
+            raise action.error(self.owner.config.degradation.retry_after_s)
         if isinstance(action, Finish):
             self.outcome.finish_reason = FINISH_LENGTH
             self._finish()
@@ -623,7 +569,7 @@ class _Run:
         await self._relay(self.pools.decode(self.handle, first.state, first.descriptor, decode_pool))
 
     async def _unless_cancelled(self, answer: Awaitable[T]) -> T:
-        """Await a pool's answer, checking every ``cancel_poll_s`` whether the client left meanwhile:
+        """Await a pool's answer, checking every ``cancel.poll_s`` whether the client left meanwhile:
         a request waiting in a pool's queue or being prefilled hears of a cancel no other way. A
         cancel stops the wait (its call is drained in the background) and raises CANCELLED; the
         caller's clean-up then sends the pool a stop, which takes the job out of its queue, or frees

@@ -43,9 +43,10 @@ class SloConfig:
     window_s: float = 60.0
 
     def __post_init__(self) -> None:
+        """Ranges; the types are ``config.build``'s (``OrchestratorConfig.slo``; a config built by hand
+        in code is trusted to be typed)."""
         for name in ("ttft_s", "tpot_s", "window_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < 1e6:
+            if not 0 < getattr(self, name) < 1e6:
                 raise ValueError(f"{name}: must be a positive number of seconds (below 1e6)")
 
 

@@ -1,7 +1,7 @@
 """The pool watcher: probes each pool for its health and load, and restarts the pools that are gone.
 
-Every ``probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
-answer, or its absence within ``probe_timeout_s``, goes to that pool's ``PoolHealth`` (and the load it
+Every ``health.probe_interval_s`` each deployed pool gets one ``ping`` (never two in flight to one pool); the
+answer, or its absence within ``health.probe_timeout_s``, goes to that pool's ``PoolHealth`` (and the load it
 answers to admission and to the adaptive hot-group cap, ``Orchestrator.observe_load``). A pool that
 misses ``DEAD_AFTER`` probes in a row is gone, and why matters: a model Triton still reports ready whose
 instance does not answer is ``DEAD`` (on Triton 2.51 a dead stub is neither restarted nor marked
@@ -12,8 +12,8 @@ whose stub died "Stub process '...' is not healthy" (``errors.STUB_DEAD``), and 
 that pool ``DEAD`` then; this watcher hears of it (``Orchestrator.listen``) as of its own probes.
 Only a dead pool's open calls are given up (the caller's ``on_change`` sees the reason), and only a dead
 pool is restarted through model control, after it stayed silent for a probe round plus this watcher's
-own random delay (under one probe interval), waiting ``recovery_backoff_s`` after each failed attempt
-(doubling, at most ``MAX_BACKOFF_S``). Every orchestrator's watcher may restart (``pool_recovery``);
+own random delay (under one probe interval), waiting ``health.recovery_backoff_s`` after each failed attempt
+(doubling, at most ``MAX_BACKOFF_S``). Every orchestrator's watcher may restart (``health.recovery``);
 the delays spread them, and a restart begins by checking the model is still ready (the one that came
 first is unloading it): so one restart happens, by whichever watcher saw the death first. A watcher
 starts with its orchestrator's first request. The pool is back in use once its probes say so; the
@@ -64,7 +64,7 @@ class PoolWatcher:
         self._restartable = restartable
         self._stub_dead = stub_dead
         self._is_ready = is_ready
-        interval = orchestrator.config.probe_interval_s
+        interval = orchestrator.config.health.probe_interval_s
         self._delay = random.uniform(0, interval) if restart_delay_s is None else restart_delay_s
         self._on_restart = on_restart
         self._on_recovered = on_recovered
@@ -82,7 +82,7 @@ class PoolWatcher:
 
     async def run(self) -> None:
         """Probe until cancelled."""
-        interval = self.orchestrator.config.probe_interval_s
+        interval = self.orchestrator.config.health.probe_interval_s
         while True:
             await self.probe_all()
             await asyncio.sleep(interval)
@@ -102,13 +102,13 @@ class PoolWatcher:
         pools = [p for p in self.orchestrator.health if p not in self._probing]
         probes = [asyncio.ensure_future(self._probe(pool)) for pool in pools]
         if probes:
-            await asyncio.wait(probes, timeout=self.orchestrator.config.probe_interval_s)
+            await asyncio.wait(probes, timeout=self.orchestrator.config.health.probe_interval_s)
         self._maybe_restart()
 
     async def _probe(self, pool: str) -> None:
         orchestrator = self.orchestrator
         health = orchestrator.health[pool]
-        timeout = orchestrator.config.probe_timeout_s
+        timeout = orchestrator.config.health.probe_timeout_s
         if self._stub_dead(pool):
             self._note(health.failed(DEAD))
             return
@@ -173,7 +173,8 @@ class PoolWatcher:
         # the first restart waits one probe round: a pool found gone by one slow answer that
         # answers the next probe is not restarted (a restart drops everything it was running)
         self._gone_at.setdefault(pool, now)
-        self._next_restart.setdefault(pool, now + self.orchestrator.config.probe_interval_s + self._delay)
+        interval = self.orchestrator.config.health.probe_interval_s
+        self._next_restart.setdefault(pool, now + interval + self._delay)
 
     def _maybe_restart(self) -> None:
         """Start the next due restart; one at a time (model control calls are serialised)."""
@@ -187,7 +188,7 @@ class PoolWatcher:
                 del self._next_restart[pool]  # it answered, is being unloaded, or is not ours to restart
                 continue
             if due <= now and health.answered == 0:
-                backoff = self._backoff.get(pool, self.orchestrator.config.recovery_backoff_s)
+                backoff = self._backoff.get(pool, self.orchestrator.config.health.recovery_backoff_s)
                 self._next_restart[pool] = now + backoff
                 self._backoff[pool] = min(backoff * 2, MAX_BACKOFF_S)
                 self._restarting = asyncio.ensure_future(self._restart(pool))

@@ -43,10 +43,10 @@ from disagg.triton import glue, wire
 from disagg.triton.bls import TritonPools
 from disagg.triton.degradation import DegradationMetrics
 from disagg.triton.graveyard import Graveyard
-from disagg.triton.metrics import OrchestratorMetrics, VersionMetrics
 from disagg.triton.pools import Pools
 from disagg.triton.readiness import ServerReadiness
 from disagg.triton.remote import RemotePools, new_client
+from disagg.triton.request_metrics import OrchestratorMetrics, VersionMetrics
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +113,21 @@ class OrchestratorModel:
         local = TritonPools(pb_utils, signer, self.config.pool_models, self.max_inflight)
         local.stubs.start()  # which of this server's pool stubs died (triton.stubs)
         remote = None
-        if self.config.remote:  # pools of other servers, over gRPC
+        if self.config.remote.servers:  # pools of other servers, over gRPC
             timeout = self.config.request_timeout_s
-            tls = grpc_tls(self.config.remote_tls)
+            tls = grpc_tls(self.config.remote.tls)
             dial = functools.partial(new_client, tls=tls)  # mutual TLS when the spec asks for it
-            remote = RemotePools(signer, self.config.remote, self.config.pool_models, timeout, dial)
+            remote = RemotePools(signer, self.config.remote.servers, self.config.pool_models, timeout, dial)
         self.pools = Pools(local, remote)
         instance = args["model_instance_name"]
         deployed = deployed_pools(self.config, args.get("model_repository", ""))
         # readiness over the server's HTTP endpoint (see readiness): without it a silent pool cannot
         # be told from one being unloaded, so it is routed around but never restarted
         self.readiness = ServerReadiness.from_environment()
-        recovery = self.config.pool_recovery and self.readiness is not None
+        recovery = self.config.health.recovery and self.readiness is not None
         # restarts share the server's one model-control owner with the autoscaler's actuator
         self.control = ModelControl(self.readiness.base) if self.readiness is not None else None
-        if self.config.pool_recovery and self.readiness is None:
+        if self.config.health.recovery and self.readiness is None:
             log.warning("%s not set: pools that die are routed around, not restarted", ENV_SERVER_HTTP)
         self.degradation = DegradationMetrics(
             pb_utils, args["model_name"], self.config.mode, instance, self.config.ladder, deployed, recovery
@@ -157,7 +157,7 @@ class OrchestratorModel:
             open_calls=lambda: self.pools.open_calls,
             hot_groups=lambda: self.orchestrator.hot_groups(time.monotonic()),
             remote_servers=remote.server_counts if remote is not None else None,
-            remote_pools=tuple(self.config.remote),
+            remote_pools=tuple(self.config.remote.servers),
             hot_rate=self.orchestrator.hot_rate,
         )
         self.metrics.start_refresher()
@@ -316,7 +316,7 @@ def deployed_pools(config: OrchestratorConfig, model_folder: str) -> tuple[str, 
     repository = Path(model_folder).parent if model_folder else None
     if repository is None or not repository.is_dir():
         return tuple(wanted)
-    remote = config.remote
+    remote = config.remote.servers
     return tuple(
         pool for pool in wanted if pool in remote or (repository / models[pool] / "config.pbtxt").is_file()
     )

@@ -13,7 +13,7 @@ from disagg.protocol.errors import UNAVAILABLE, ServingError, classify
 from disagg.protocol.messages import Control, Event, Failed, PoolLoad, Stop
 from disagg.serving.auth import PARAMETER, TokenSigner, refused
 from disagg.triton import glue, wire
-from disagg.triton.metrics import PoolReporter
+from disagg.triton.pool_metrics import PoolReporter
 from disagg.triton.readiness import ServerReadiness
 from disagg.triton.version import Manifest, read_manifest, run_probe
 

@@ -37,7 +37,8 @@ class Probe:
     max_tokens: int = 8
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 256:
+        """Its range; the types are ``config.build``'s (version.json's manifest, the spec's versions)."""
+        if not 1 <= self.max_tokens <= 256:
             raise ValueError("max_tokens: must be in 1..256")
 
 

@@ -57,11 +57,11 @@ def test_a_stream_that_failed_after_its_first_token_is_not_a_refusal():
 
 
 def test_orchestrators_get_the_parameters_and_pools_keep_theirs(tmp_path: Path):
-    copy = with_orchestrator_parameters(REPOSITORY, tmp_path, {"admission_margin": "1", "mode": "colocated"})
+    copy = with_orchestrator_parameters(REPOSITORY, tmp_path, {"admission.margin": "1", "mode": "colocated"})
     llm = (copy / "llm" / "config.pbtxt").read_text()
-    assert '{ key: "admission_margin", value: { string_value: "1" } }' in llm
+    assert '{ key: "admission.margin", value: { string_value: "1" } }' in llm
     assert llm.count('key: "mode"') == 1 and '{ key: "mode", value: { string_value: "colocated" } }' in llm
-    assert "admission_margin" not in (copy / "decode" / "config.pbtxt").read_text()
+    assert "admission.margin" not in (copy / "decode" / "config.pbtxt").read_text()
     assert (REPOSITORY / "llm" / "config.pbtxt").read_text() != llm, "the original is left as it was"
 
 

@@ -45,14 +45,19 @@ def test_a_request_that_would_wait_too_long_is_refused_with_a_retry_hint_and_oth
     admission.admit("prefill", 300)
 
 
-def test_a_long_prompt_is_judged_by_its_wait_not_by_its_own_prefill():
-    """One 1,150-token prompt waits on a pool of 650 tokens/s (1.8 s): another such prompt waits 1.8 s,
-    within 2 x the 1 s target, and is admitted though its TTFT will be 3.5 s; a third waits 3.5 s."""
+def test_a_long_prompt_is_judged_by_its_wait_against_its_own_prefill_not_its_length():
+    """On a pool of 575 tokens/s a 1,150-token prompt takes 2 s, longer than the 1 s SLO: its target is
+    its own prefill, so with margin 2 it may wait 4 s. Behind one such prompt another waits 2 s (its
+    TTFT will be 4 s) and is admitted, a third waits 4 s and is admitted, a fourth (6 s) is refused; a
+    300-token prompt (0.5 s, so its target is the 1 s SLO) is refused already behind two of them."""
     admission = Admission(AdmissionConfig(margin=2.0, ttft_slo_s=1.0))
     admission.observe("prefill", _load(0, 0, 0.0))
-    admission.observe("prefill", _load(1150, 650, 1.0))
-    admission.admit("prefill", 1150)
-    with pytest.raises(ServingError, match=r"would wait 3\.5 s"):
+    admission.observe("prefill", _load(1150, 575, 1.0))
+    admission.admit("prefill", 1150)  # waits 2 s
+    with pytest.raises(ServingError, match=r"would wait 4\.0 s for its turn, over 2 x its 1 s target"):
+        admission.admit("prefill", 300)  # waits 4 s: over 2 x 1 s
+    admission.admit("prefill", 1150)  # waits 4 s: within 2 x its own 2 s
+    with pytest.raises(ServingError, match=r"would wait 6\.0 s for its turn, over 2 x its 2 s target"):
         admission.admit("prefill", 1150)
 
 
@@ -131,7 +136,7 @@ def test_a_request_that_left_the_pool_no_longer_counts_in_its_backlog():
     admission.observe("prefill", _load(0, 100, 1.0))  # 100 tokens/s: a 300-token prompt takes 3 s
     first = admission.admit("prefill", 300)  # an empty pool: admitted, however long
     with pytest.raises(ServingError):
-        admission.admit("prefill", 300)  # it would wait 3 s behind the first, over 0.3 s
+        admission.admit("prefill", 30)  # it would wait 3 s behind the first, over its 0.3 s
     admission.release(first)
     assert admission.predict_ttft("prefill", 300) == pytest.approx(3.0)
     admission.admit("prefill", 300)  # nothing waits ahead any more: admitted

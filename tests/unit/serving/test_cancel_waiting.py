@@ -13,6 +13,7 @@ from disagg.engine.sequence import Request, SequenceState
 from disagg.protocol.errors import CANCELLED
 from disagg.protocol.messages import PoolLoad, Prefilled, Token
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.settings import CancelSettings
 from disagg.serving.text_api import TextRequest
 
 PARAMS = SamplingParams(max_tokens=16)
@@ -80,7 +81,7 @@ class _Client:
 
 
 def _serve(pools: _StuckPools, client: _Client, mode: str = "disaggregated", orchestrator=None):
-    config = OrchestratorConfig(mode=mode, cancel_poll_s=0.01, request_timeout_s=600)
+    config = OrchestratorConfig(mode=mode, cancel=CancelSettings(poll_s=0.01), request_timeout_s=600)
     orchestrator = orchestrator or Orchestrator(config, pools, lambda ids: "x" * len(ids))
     text = TextRequest("hello", PARAMS, stream=True)
     # the bound only turns a hang into a failure: the cancel ends these requests in tens of ms
@@ -111,7 +112,7 @@ def test_a_cancel_while_queued_for_prefill_stops_the_prefill_job():
 
 def test_a_cancel_while_queued_takes_the_prompt_out_of_the_backlog_at_once():
     pools, client = _StuckPools(), _Client(leaves_after=3)
-    config = OrchestratorConfig(cancel_poll_s=0.01, request_timeout_s=600)
+    config = OrchestratorConfig(cancel=CancelSettings(poll_s=0.01), request_timeout_s=600)
     orchestrator = Orchestrator(config, pools, lambda ids: "x" * len(ids))
     assert _cancelled(_serve(pools, client, orchestrator=orchestrator), client)
     assert orchestrator.admission.backlog("prefill") == 0, "admitted, then gone: not counted as waiting"
@@ -136,10 +137,10 @@ def test_a_cancel_while_waiting_for_the_first_token_of_one_pool_stops_it():
 
 def test_a_backlog_checks_its_clients_at_a_bounded_rate():
     """Forty requests stuck waiting on one instance: together they check at most
-    ``cancel_checks_per_s`` times a second (each every 40 / 200 = 0.2 s, not every 0.01 s), and a
+    ``cancel.checks_per_s`` times a second (each every 40 / 200 = 0.2 s, not every 0.01 s), and a
     client that leaves is still heard."""
     pools = _StuckPools()
-    config = OrchestratorConfig(cancel_poll_s=0.01, cancel_checks_per_s=200, request_timeout_s=600)
+    config = OrchestratorConfig(cancel=CancelSettings(poll_s=0.01, checks_per_s=200), request_timeout_s=600)
     orchestrator = Orchestrator(config, pools, lambda ids: "x" * len(ids))
     assert orchestrator.cancel_poll_s() == 0.01
     stuck = [_Client(leaves_after=10**9) for _ in range(39)]

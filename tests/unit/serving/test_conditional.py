@@ -22,6 +22,7 @@ from disagg.pool.offline import generate
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.ladder import Route
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.settings import ConditionalSettings
 from disagg.serving.text_api import TextRequest
 
 SHORT, LONG = "The quick brown fox", "The quick brown fox jumps over the lazy dog " * 6
@@ -72,7 +73,7 @@ def test_short_prompts_skip_a_backlogged_prefill_pool(
     loops, tokenizer, tiny_model_dir, prompt, queued_tokens, conditional
 ):
     assert (len(tokenizer.encode(SHORT)) <= LIMIT) and (len(tokenizer.encode(LONG)) > LIMIT)
-    config = OrchestratorConfig(conditional_prefill_tokens=LIMIT, conditional_backlog_s=0.5)
+    config = OrchestratorConfig(conditional=ConditionalSettings(prefill_tokens=LIMIT, backlog_s=0.5))
     orchestrator = Orchestrator(config, LocalPools(**loops), tokenizer.decode, deployed=("prefill", "decode"))
     _backlogged(orchestrator, queued_tokens)  # 2,000 queued: 2 s predicted; none queued: 0.005 s
     prefill_steps = loops["prefill"].stats().engine_steps
@@ -99,7 +100,7 @@ def test_the_rule_is_off_by_default_and_needs_a_healthy_decode_pool(loops, token
     )
     _backlogged(off, 2000)
     assert _serve(off, tokenizer, SHORT, SamplingParams(max_tokens=4))[0].fallbacks == []
-    config = OrchestratorConfig(conditional_prefill_tokens=LIMIT)
+    config = OrchestratorConfig(conditional=ConditionalSettings(prefill_tokens=LIMIT))
     busy = Orchestrator(config, LocalPools(**loops), tokenizer.decode, deployed=("prefill", "decode"))
     _backlogged(busy, 2000)
     busy.observe(busy.health["decode"].refused())  # saturated: it takes no extra prefill work

@@ -26,6 +26,7 @@ from disagg.serving import health
 from disagg.serving.health import PoolState
 from disagg.serving.ladder import Route
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.settings import DegradationSettings, HealthSettings
 from disagg.serving.text_api import TextRequest
 from disagg.serving.watcher import PoolWatcher
 from disagg.triton.glue import untagged_error
@@ -140,11 +141,13 @@ def _serve(orchestrator, tokenizer, text: TextRequest, recorder: Recorder | None
     return outcome, recorder
 
 
-def _orchestrator(pools, tokenizer, **settings) -> Orchestrator:
-    """An orchestrator over ``pools``; the local rung comes before the colocated one even while the
-    decode pool is gone, unless a test asks otherwise (most here are about the local rung)."""
-    settings.setdefault("colocated_first_when_decode_gone", False)
-    return Orchestrator(OrchestratorConfig(**settings), pools, tokenizer.decode)
+def _orchestrator(pools, tokenizer, mode: str = "disaggregated", **degradation) -> Orchestrator:
+    """An orchestrator over ``pools`` with ``degradation`` settings; the local rung comes before the
+    colocated one even while the decode pool is gone, unless a test asks otherwise (most here are about
+    the local rung)."""
+    degradation.setdefault("colocated_first_when_decode_gone", False)
+    config = OrchestratorConfig(mode=mode, degradation=DegradationSettings(**degradation))
+    return Orchestrator(config, pools, tokenizer.decode)
 
 
 @pytest.mark.parametrize("dying", ["decode", "prefill", "colocated"])
@@ -331,7 +334,10 @@ def test_the_watcher_finds_a_dead_pool_restarts_it_once_per_backoff_and_times_it
         restarted.append(pool)
 
     orchestrator = Orchestrator(
-        OrchestratorConfig(recovery_backoff_s=5), pools, lambda ids: "", deployed=("prefill", "decode")
+        OrchestratorConfig(health=HealthSettings(recovery_backoff_s=5)),
+        pools,
+        lambda ids: "",
+        deployed=("prefill", "decode"),
     )
     watcher = PoolWatcher(orchestrator, restart, clock=lambda: now[0], restart_delay_s=0)
 
@@ -395,7 +401,10 @@ def test_a_probe_that_does_not_answer_in_time_finds_the_pool_gone():
             return await super().ping(pool)
 
     orchestrator = Orchestrator(
-        OrchestratorConfig(probe_timeout_s=0.05), Hanging(), lambda ids: "", deployed=("prefill", "decode")
+        OrchestratorConfig(health=HealthSettings(probe_timeout_s=0.05)),
+        Hanging(),
+        lambda ids: "",
+        deployed=("prefill", "decode"),
     )
     watcher = PoolWatcher(orchestrator)
 
@@ -586,7 +595,7 @@ def test_while_degraded_sheddable_requests_are_shed_first(loops, tokenizer, refe
     refused at once with the retry hint instead (unless the setting is off), a normal one is served."""
     pools = FlakyPools(loops)
     pools.dead.add("decode")
-    orchestrator = _orchestrator(pools, tokenizer, retry_after_s=3, shed_sheddable_when_degraded=enabled)
+    orchestrator = _orchestrator(pools, tokenizer, retry_after_s=3, shed_sheddable=enabled)
     orchestrator.observe(orchestrator.health["decode"].failed("probe_failed"))
     params = SamplingParams(max_tokens=8)
 

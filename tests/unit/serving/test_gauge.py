@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.triton import metrics
+from disagg.triton import metrics, pool_metrics, request_metrics
 from disagg.triton.metrics import Gauge, SerialMetric
 
 
@@ -165,7 +165,7 @@ def test_the_hot_group_cap_and_its_decisions_are_published_from_the_orchestrator
             return series.setdefault((self.name, tuple(sorted(labels.items()))), FakeMetric())
 
     state: list[tuple[float, dict[tuple[str, str], int]]] = [(2.0, {})]
-    published = metrics.OrchestratorMetrics(
+    published = request_metrics.OrchestratorMetrics(
         SimpleNamespace(MetricFamily=FakeFamily),
         "llm",
         "disaggregated",
@@ -227,7 +227,7 @@ def _reporter_gauges(start: float) -> tuple[SimpleNamespace, list[ValuedMetric]]
     used, info, active = (Gauge(m) for m in series)
     fake = SimpleNamespace(used=used, info=info, active=active, free=None, cached=None, queue=None)
     fake.pending = fake.limit = None
-    fake._gauges = lambda: metrics.PoolReporter._gauges(fake)
+    fake._gauges = lambda: pool_metrics.PoolReporter._gauges(fake)
     return fake, series
 
 
@@ -239,7 +239,7 @@ def test_a_pool_takes_over_only_when_no_other_stub_of_it_lives(
     one alive (a reload beside a live instance), that one retires its own share and nothing is taken."""
     fake, series = _reporter_gauges(78)
     live = lambda server, model: [os.getpid(), *others]  # noqa: E731
-    metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=live)
+    pool_metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=live)
     fake.used.set(0)
     fake.info.set(1)
     assert series[0].value() == (0 if adopted else 78)
@@ -252,5 +252,5 @@ def test_a_failed_look_at_the_stubs_leaves_the_gauges_as_they_were() -> None:
     def broken(server: int, model: str) -> list[int]:
         raise OSError("no /proc")
 
-    metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=broken)
+    pool_metrics.PoolReporter._adopt_orphaned_shares(fake, "decode", live_stubs=broken)
     assert fake.used.value == 0 and series[0].value() == 3

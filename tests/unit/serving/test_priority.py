@@ -13,6 +13,7 @@ from disagg.engine.params import SamplingParams
 from disagg.protocol.errors import INVALID_ARG, UNAVAILABLE, ServingError
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
+from disagg.serving.settings import AdmissionSettings
 from disagg.serving.telemetry import SloConfig
 from disagg.serving.text_api import TextRequest, parse_text_request
 from disagg.triton import wire
@@ -44,7 +45,7 @@ class _NoPools:
 
 def test_over_capacity_a_sheddable_request_is_refused_before_any_pool_is_called():
     config = OrchestratorConfig(
-        admission_margin=2.0, admission_sheddable_margin=0.5, slo=SloConfig(ttft_s=1.0)
+        admission=AdmissionSettings(margin=2.0, sheddable_margin=0.5), slo=SloConfig(ttft_s=1.0)
     )
     orchestrator = Orchestrator(config, _NoPools(), lambda ids: "", deployed=("prefill", "decode"))
     orchestrator.admission.observe("prefill", PoolLoad(0, 0, 0, 0, 10, 0, 0.0))
@@ -71,7 +72,7 @@ def test_a_refusal_is_answered_without_a_cancellation_check_and_without_yielding
     asks whether its client left (on Triton a round trip through the stub's queue, behind every token
     relayed) nor waits for the event loop's next turn (it did, twice, behind every other request's
     work, while the request ran in a task of its own)."""
-    config = OrchestratorConfig(admission_margin=1.0, slo=SloConfig(ttft_s=1.0))
+    config = OrchestratorConfig(admission=AdmissionSettings(margin=1.0), slo=SloConfig(ttft_s=1.0))
     orchestrator = Orchestrator(config, _NoPools(), lambda ids: "", deployed=("prefill", "decode"))
     orchestrator.admission.observe("prefill", PoolLoad(0, 0, 0, 0, 10, 0, 0.0))
     orchestrator.admission.observe("prefill", PoolLoad(2, 1500, 0, 0, 10, 1000, 1.0))  # 1.5 s queued

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.config import ConfigError, build
+from disagg.hot.settings import HotPromptsConfig
 from disagg.hot.throttle import DECISIONS, Throttle, ThrottleConfig
 from disagg.protocol.messages import PoolLoad
 
@@ -161,9 +163,14 @@ def test_a_cold_probe_recovers_even_without_steps_to_judge():
         ({"max_rate": 1.0, "decrease": 1.0}, "rate_decrease: must"),
         ({"max_rate": 1.0, "increase": 0.0}, "rate_increase: must"),
         ({"max_rate": 1.0, "min_steps": 0}, "min_steps"),
-        ({"max_rate": True}, "group_rate: must"),
     ],
 )
 def test_bad_settings_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         ThrottleConfig(**kw)
+
+
+def test_a_rate_that_is_not_a_number_is_refused_by_config_build():
+    """The types are config.build's: the cap's maximum comes in as ``hot_prompts.group_rate``."""
+    with pytest.raises(ConfigError, match=r"^group_rate: must be a finite number$"):
+        build(HotPromptsConfig, {"group_rate": True, "rate_adaptive": True})

@@ -7,7 +7,7 @@ on one metric, either raw or through ``disagg.triton.metrics.SerialMetric``, and
 server survived and whether the metric on ``/metrics`` holds every increment. Writes JSON and a
 markdown table.
 
-    python -m perf.metric_race --workdir /tmp/metric_race --trials 3
+    python -m disagg_tools.repro.metric_race --workdir /tmp/metric_race --trials 3
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-from perf.benchlib.deploy import start_triton  # noqa: E402
+from disagg.paths import tiny_model_dir
+from disagg_tools.loopback import start_loopback
+from disagg_tools.repro import RESULTS
 
 CONFIG = """name: "metric_race"
 backend: "python"
@@ -90,7 +91,7 @@ def trial(workdir: Path, serial: bool, threads: int, count: int) -> dict:
 
     repository = write_repository(workdir, threads, count)
     # the model reads no checkpoint; the launcher wants a model folder to hand to its models
-    server = start_triton(repository, workdir, HERE.parent / ".models" / "tiny", ready_timeout_s=120)
+    server = start_loopback(repository, workdir, tiny_model_dir(), ready_timeout_s=120)
     config = server.config
     outcome = {"serial": serial, "threads": threads, "count": count}
     try:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--count", type=int, default=2000)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "metric_race.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "metric_race.json")
     args = parser.parse_args(argv)
     rows = []
     for index in range(args.trials):
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"trials": rows}, indent=2) + "\n")
     lines = [
-        f"# One metric, {args.threads} threads x {args.count} increments (`perf/metric_race.py`)",
+        f"# One metric, {args.threads} threads x {args.count} increments",
+        "",
+        "Written by `python -m disagg_tools.repro.metric_race` (`make repro-metric-race`).",
         "",
         "| operations | trials | server survived | every increment counted | SIGSEGV in the log |",
         "|---|---:|---:|---:|---:|",

@@ -11,7 +11,7 @@ concurrent gRPC streams, once per release policy, side by side:
 Each run lasts ``--seconds`` or until the server dies; it counts the BLS calls completed and reads
 the server log for a crashed stub.
 
-    python -m perf.bls_release_stress [--seconds 300] [--rounds 2] [--streams 16]
+    python -m disagg_tools.repro.bls_release_stress [--seconds 300] [--rounds 2] [--streams 16]
 
 Writes perf/results/bls_release_stress.{json,md}.
 """
@@ -24,7 +24,6 @@ import os
 import platform
 import queue
 import re
-import sys
 import tempfile
 import threading
 import time
@@ -33,12 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from disagg.paths import REPO_ROOT
 from disagg.server import ServerError, TritonServer, process_group_members, server_config
 from disagg.tritonbin import prepare_backend_directory
+from disagg_tools.loopback import free_port
+from disagg_tools.repro import log
 
-HERE = Path(__file__).resolve().parent
-BACKEND = HERE / "data" / "bls_stress_backend"
-RESULTS = HERE / "results"
+BACKEND = Path(__file__).resolve().parent / "bls_stress_backend"
+RESULTS = REPO_ROOT / "perf" / "results"
 POLICIES = ("drop", "graveyard")
 CRASH_MARKS = ("Segmentation fault", "Stub process", "terminate called", "signal 11", "core dumped")
 
@@ -60,10 +61,6 @@ parameters {{ key: "role" value: {{ string_value: "{role}" }} }}
 {extra}"""
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def write_repository(root: Path, policy: str) -> Path:
     repository = root / f"repo-{policy}"
     configs = {
@@ -77,8 +74,6 @@ def write_repository(root: Path, policy: str) -> Path:
 
 
 def start_server(root: Path, policy: str) -> TritonServer:
-    from perf.benchlib.deploy import free_port
-
     backends = prepare_backend_directory(root / "backends")
     link = backends / "bls_stress"
     if not link.is_symlink():
@@ -286,7 +281,7 @@ def main() -> None:
                 if (run.get("crashed") or run.get("client_errors")) and run.get("log"):
                     saved = keep / f"round{round_index}-{policy}.log"
                     saved.write_text(Path(run["log"]).read_text(errors="replace")[-20000:])
-                    run["log"] = str(saved.relative_to(HERE.parent))
+                    run["log"] = str(saved.relative_to(REPO_ROOT))
                 else:
                     run.pop("log", None)
                 log(f"  {json.dumps(run)}")

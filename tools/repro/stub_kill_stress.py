@@ -11,7 +11,7 @@ to its end. Outcomes per run:
     ends with the socket closed;
   - `other`: anything else (a hang, another error): a defect of this project.
 
-    python -m perf.stub_kill_stress [--runs 10] [--streams 3]
+    python -m disagg_tools.repro.stub_kill_stress [--runs 10] [--streams 3]
 
 Writes perf/results/stub_kill_stress.{json,md}.
 """
@@ -30,14 +30,13 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from disagg.paths import tiny_model_dir
+from disagg.paths import REPO_ROOT, tiny_model_dir
 from disagg.procfs import read_stat
 from disagg.server import process_group_members
 from disagg_tools.checkpoints import ensure_model
-from perf.benchlib.cliutil import REPO_ROOT, log, machine, write_json
-from perf.benchlib.deploy import start_triton
+from disagg_tools.loopback import start_loopback
+from disagg_tools.repro import RESULTS, log, machine, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POOL_ERROR = "decode pool stopped responding"
 CRASH_MARKERS = ("terminate called", "what():", "Segmentation fault", "Signal (")
 
@@ -106,7 +105,7 @@ def _until(predicate, timeout_s: float) -> bool:
 def one_run(index: int, streams_n: int, model_dir: Path, rng: random.Random) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"stub-kill-{index}-"))
     # a short exit timeout: the requests the dead stub held never end, so every stop waits it out
-    server = start_triton(REPO_ROOT / "model_repository", workdir, model_dir, exit_timeout_s=3)
+    server = start_loopback(REPO_ROOT / "model_repository", workdir, model_dir, exit_timeout_s=3)
     streams: list[Stream] = []
     try:
         streams = [Stream(server.config.grpc_url, ("llm", "ensemble")[i % 2]) for i in range(streams_n)]
@@ -151,7 +150,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# kill -9 of the decode stub mid-stream",
         "",
-        f"`perf/stub_kill_stress.py`: {result['runs']} runs, {result['streams']} streams each, tiny model, "
+        "`python -m disagg_tools.repro.stub_kill_stress`: "
+        f"{result['runs']} runs, {result['streams']} streams each, tiny model, "
         f"Triton 2.51, {result['machine']}.",
         "",
         "| outcome | runs |",
