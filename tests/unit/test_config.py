@@ -376,10 +376,10 @@ def test_an_orchestrator_parameter_moved_into_a_section_still_works_for_a_releas
 
 
 def test_every_section_rename_is_tested() -> None:
-    moved = {
-        old for old, new in OrchestratorConfig.RENAMED.items() if not new.startswith(("hot_prompts.", "slo."))
-    }
-    assert moved == set(SECTION_RENAMES)
+    earlier = ("hot_prompts.", "slo.")  # sections of their own tests
+    moved = {old for old, new in OrchestratorConfig.RENAMED.items() if not new.startswith(earlier)}
+    # remote_tls needs a folder of certificates: tests/unit/test_tls.py
+    assert moved == {*SECTION_RENAMES, "remote_tls"}
 
 
 @pytest.mark.parametrize(

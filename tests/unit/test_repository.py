@@ -295,7 +295,7 @@ def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tm
         body = (tmp_path / "front" / name / "config.pbtxt").read_text()
         params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', body))
         own = {k: v for k, v in params.items() if k not in ("role",)}
-        assert build(OrchestratorConfig, own, strings=True).remote == {
+        assert build(OrchestratorConfig, own, strings=True).remote.servers == {
             "prefill": "10.0.0.2:8001",
             "decode": "dns:decode.llm.svc:8001",
         }

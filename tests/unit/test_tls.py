@@ -89,3 +89,15 @@ def test_a_missing_folder_or_tls_without_remote_pools_is_refused(tmp_path: Path)
         pool_tls(spec, "decode")  # no certs folder beside the spec
     with pytest.raises(ValueError, match="tls: goes with pools"):
         RemoteSettings(tls=str(tls_folder(tmp_path / "certs")))
+
+
+def test_the_old_flat_tls_parameters_still_work_for_a_release(tmp_path: Path, caplog) -> None:
+    folder = str(tls_folder(tmp_path / "certs"))
+    old = {"remote_pools": "prefill=10.0.0.2:8001", "remote_tls": folder}
+    with caplog.at_level("WARNING", logger="disagg.config"):
+        config = build(OrchestratorConfig, old, strings=True)
+    assert "remote_tls is deprecated and goes in the next release: it is now remote.tls" in caplog.text
+    assert config.remote == RemoteSettings(pools="prefill=10.0.0.2:8001", tls=folder)
+    assert config == build(
+        OrchestratorConfig, {"remote.pools": old["remote_pools"], "remote.tls": folder}, strings=True
+    )
