@@ -10,7 +10,7 @@ AIPERF_VENV := $(CURDIR)/.venv-aiperf
 LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
 .PHONY: install model test-models test lint format llamacpp bench-engine bench-compile bench-attention bench-kv \
-	bench-planner bench-multihost repro-metric-race repro-stub-kill repro-bls-release gpu-check bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf serve \
+	bench-planner bench-multihost repro-metric-race repro-stub-kill repro-bls-release gpu-check bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf bench-summarize serve \
 	bench-overload bench-orchestration bench-degraded bench-cancel bench-conditional bench-tuner
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
@@ -155,6 +155,15 @@ BENCH_PARTS = $(if $(WORKLOADS),--workloads $(WORKLOADS) --keep-earlier) \
 bench: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed $(LLAMACPP)/build.json
 	$(PY) -m perf.run_all --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" $(BENCH_PARTS)
 	$(MAKE) bench-aiperf
+
+# make bench's summarize searches again, for our two deployments at the best configurations of its
+# grids (the colocated pool on both cores, whole prompts; disaggregated with core loans), each started at
+# the last make bench's goodput; a report of its own beside the full run's (~25 min).
+bench-summarize: model
+	$(PY) -m perf.run_all --full --start-triton --model-dir "$${MODEL_DIR:-$(SMOLLM2)}" --workloads summarize \
+		--deployments colocated,disagg --colocated-grid 0,1@4096 --disagg-grid 0 --experiments goodput \
+		--start-at perf/results/bench/bench.json --budget-min 24 --out-dir perf/results/bench_summarize \
+		--report perf/results/bench_summarize/RESULTS.md
 
 # AIPerf's figures beside the harness's on codegen (disaggregated, colocated, vLLM at the best of its
 # grid, at the disaggregated goodput from the last `make bench`), as a section of perf/RESULTS.md.
