@@ -700,8 +700,8 @@ def colocated_grid(text: str) -> list[ColocatedChoice]:
 class DisaggChoice:
     """One configuration of our disaggregated deployment: conditional disaggregation off (0), or the
     longest prompt the decode pool prefills itself, in chunks between its decode steps, while the
-    prefill pool is backlogged (`disagg repository --conditional-prefill-tokens`); and whether the
-    decode pool lends its cores to the prefill pool (`--prefill-borrow`), keeping a step plus the
+    prefill pool is backlogged (the spec's `pools.decode.conditional.prefill_tokens`); and whether the
+    decode pool lends its cores to the prefill pool (`pools.prefill.borrow`), keeping a step plus the
     time lent after it within `lend_tpot_ms` a token while prompts wait (`--decode-lend-tpot`)."""
 
     conditional_tokens: int
@@ -735,13 +735,16 @@ class DisaggChoice:
     @property
     def command(self) -> str:
         text = (
-            f"disagg repository --conditional-prefill-tokens {self.conditional_tokens}"
-            f" --conditional-chunk-tokens {self.chunk_tokens}"
+            f"disagg repository --set pools.decode.conditional.prefill_tokens={self.conditional_tokens}"
+            f" --set pools.decode.conditional.chunk_tokens={self.chunk_tokens}"
         )
         if self.lend_tpot_ms is not None:
-            text += f" --prefill-borrow DECODE_CORES --decode-lend-tpot {self.lend_tpot_ms / 1000:g}"
+            text += (
+                " --set 'pools.prefill.borrow=[DECODE_CORES]'"
+                f" --set pools.decode.lend_tpot_s={self.lend_tpot_ms / 1000:g}"
+            )
         if self.static:
-            text += " --prefill-borrow ''"
+            text += " --set 'pools.prefill.borrow=[]'"
         return text
 
     def repository(self, repository: Path, scratch: Path) -> Path:

@@ -1,6 +1,7 @@
 """Our disaggregated deployment at its best: conditional disaggregation off and on, with the
 repository's core loans or none, each on a repository of its own that carries what `disagg repository
---conditional-prefill-tokens N` (`--prefill-borrow`, `--decode-lend-tpot`) writes."""
+--set pools.decode.conditional.prefill_tokens=N` (`pools.prefill.borrow`, `pools.decode.lend_tpot_s`)
+writes."""
 
 from __future__ import annotations
 
