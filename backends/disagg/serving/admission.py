@@ -68,7 +68,7 @@ class AdmissionConfig:
         hand in code is trusted to be typed)."""
         for name in ("margin", "sheddable_margin", "ttft_slo_s", "cold_backlog_tokens"):
             if not 0 <= getattr(self, name) < 1e6:
-                raise ValueError(f"{name} must be a number >= 0 (below 1e6)")
+                raise ValueError(f"{name}: must be a number >= 0 (below 1e6)")
         if self.ttft_slo_s <= 0:
             raise ValueError("ttft_slo_s must be positive")
 
@@ -128,10 +128,17 @@ class Admission:
 
     def predict_ttft(self, pool: str, prompt_tokens: int) -> float | None:
         """Seconds until a new request's prompt would be prefilled on ``pool``; None: no estimate yet."""
+        throughput = self._throughput(pool)
+        if throughput is None:
+            return None
+        return (self.backlog(pool) + prompt_tokens) / throughput
+
+    def _throughput(self, pool: str) -> float | None:
+        """``pool``'s measured prompt tokens per second; None until it is probed and measured."""
         state = self._pools.get(pool)
         if state is None or state.load is None or not state.throughput:
             return None
-        return (self.backlog(pool) + prompt_tokens) / state.throughput
+        return state.throughput
 
     def admit(self, pool: str, prompt_tokens: int, priority: int = 0) -> Ticket:
         """Count the request into ``pool``'s backlog, or raise UNAVAILABLE when it would miss its TTFT.
@@ -155,25 +162,24 @@ class Admission:
 
     def _admit(self, pool: str, prompt_tokens: int, priority: int) -> None:
         config = self.config
-        predicted = self.predict_ttft(pool, prompt_tokens)
-        if predicted is None:
+        throughput = self._throughput(pool)
+        if throughput is None:
             self._admit_cold(pool, prompt_tokens)
             return
         margin = config.sheddable_margin if priority < 0 else config.margin
-        throughput = self._pools[pool].throughput
+        backlog = self.backlog(pool)
+        wait, own = backlog / throughput, prompt_tokens / throughput
         # the wait for its turn, against the TTFT it can have: the SLO, or its own prefill for a prompt
         # too long for the SLO (refusing it for its length would leave it no way to be served at all)
-        target = max(config.ttft_slo_s, prompt_tokens / throughput)
+        target = max(config.ttft_slo_s, own)
         budget = margin * target
-        backlog = self.backlog(pool)
-        wait = backlog / throughput
         if backlog and wait > budget:
             retry = self._retry_slot(pool, prompt_tokens, wait - budget)
             raise ServingError(
                 UNAVAILABLE,
                 f"server is over capacity: its prompt would wait {wait:.1f} s for its turn, over "
                 f"{margin:g} x its {target:.3g} s target (predicted time to first token "
-                f"{predicted:.1f} s); retry after {retry:g} s",
+                f"{wait + own:.1f} s); retry after {retry:g} s",
                 Reason.SHED,
             )
 

@@ -30,16 +30,14 @@ class AdmissionSettings:
 
     margin: float = AdmissionConfig.margin
     """Refuse a request whose wait for its turn (its predicted TTFT without its own prefill) exceeds
-    this x ``slo.ttft_s`` (0: off)."""
+    this x its target: ``slo.ttft_s``, or its own prefill where that is longer (0: off)."""
     sheddable_margin: float = AdmissionConfig.sheddable_margin
     """The same for requests of negative ``priority``, which are so refused first."""
     cold_backlog_tokens: int = AdmissionConfig.cold_backlog_tokens
     """While a pool's prefill speed is not measured yet, the most prompt tokens admitted to wait on it."""
 
     def __post_init__(self) -> None:
-        for name in ADMISSION_FIELDS:
-            if not 0 <= getattr(self, name) < 1e6:
-                raise ValueError(f"{name}: must be a number >= 0")
+        self.policy(AdmissionConfig.ttft_slo_s)  # the policy's own range checks
 
     def policy(self, ttft_slo_s: float) -> AdmissionConfig:
         """The admission policy's config, judged against the TTFT SLO ``ttft_slo_s``."""
