@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import sys
 from pathlib import Path
-from typing import Any
 
+from disagg_tools.runrecord import log as log  # re-exported: perf's scripts take them from here
+from disagg_tools.runrecord import machine as machine
+from disagg_tools.runrecord import write_json as write_json
 from perf.benchlib.clients import COUNT_MODES, ClientConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The tiny model unless MODEL_DIR says otherwise; `make bench` passes SmolLM2 explicitly.
 DEFAULT_MODEL_DIR = Path(os.environ.get("MODEL_DIR", REPO_ROOT / ".models" / "tiny"))
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -63,23 +58,6 @@ def pin_self(cpus: str | None) -> None:
     """Pin this process (the load generator) to `cpus` ("0" or "0,1"); None leaves it alone."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
-def machine() -> str:
-    from perf.benchlib.machine import cpu_model
-
-    try:
-        cpu = cpu_model(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        cpu = "unknown"
-    if cpu == "unknown":
-        cpu = platform.processor() or platform.machine()
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def add_run_args(parser: argparse.ArgumentParser, rate_help: str, rate_required: bool = True) -> None:

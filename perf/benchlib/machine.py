@@ -15,19 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from disagg_tools.runrecord import cpuinfo_field as _field
+
 FLAGS_THAT_MATTER = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 _BARRIER_TIMEOUT_S = 120.0  # a worker that never arrives breaks the barrier instead of hanging the rest
 _RESULT_TIMEOUT_S = 600.0
-
-
-def _field(cpuinfo: str, key: str) -> str | None:
-    """The value of the first `key : value` line of /proc/cpuinfo text, or None if there is none."""
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() == key:
-            return value.strip()
-    return None
 
 
 def cpu_model(cpuinfo: str) -> str:

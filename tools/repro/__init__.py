@@ -9,36 +9,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import sys
-from pathlib import Path
-from typing import Any
-
 from disagg.paths import REPO_ROOT
+from disagg_tools.runrecord import log, machine, write_json
+
+__all__ = ["RESULTS", "log", "machine", "write_json"]
 
 RESULTS = REPO_ROOT / "perf" / "results"
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def machine() -> str:
-    """The machine in a few words: its cores, CPU model and Python."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or platform.machine()
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
