@@ -300,6 +300,7 @@ def _model(
     gpus: list[int] | None = None,
     count: int = 1,
     serving: tuple[int, ...] = (),
+    batched: bool = False,
 ) -> str:
     text = HEADER + f'name: "{name}"\nbackend: "disagg"\nmax_batch_size: {max_batch}\n'
     if serving:  # the versions loaded at start; none said: Triton's default, the latest one
@@ -307,6 +308,8 @@ def _model(
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     text += _block("input", inputs) + _block("output", outputs)
+    if batched:  # requests that queued meanwhile go to one execute call, never held back to wait for more
+        text += "dynamic_batching { }\n"
     if gpus:
         text += f"instance_group [ {{ kind: KIND_GPU, count: 1, gpus: {_dims(gpus)} }} ]\n"
     else:
@@ -469,6 +472,7 @@ def _preprocessing(layout: Layout) -> str:
         max_batch=MAX_BATCH,
         decoupled=False,
         params=params,
+        batched=True,
     )
 
 
