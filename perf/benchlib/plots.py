@@ -63,7 +63,10 @@ def cdf_plots(results: dict[str, Any], records: dict[str, Any], out: Path) -> li
     passing probe), with the SLOs as vertical lines."""
     paths = []
     for workload, per_dep in records.get("goodput", {}).items():
-        slo = results["calibrations"][workload]["slo"]
+        calibration = results["calibrations"].get(workload)
+        if calibration is None:  # an earlier run's workload this run did not measure (--keep-earlier)
+            continue
+        slo = calibration["slo"]
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
         drawn = False
         for name, run in per_dep.items():

@@ -71,6 +71,14 @@ def test_plots_are_written(tmp_path):
     assert all(p.stat().st_size > 10_000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
 
+def test_an_earlier_runs_workload_without_calibration_is_not_plotted(tmp_path):
+    """--keep-earlier carries records of workloads this run did not calibrate: no CDF for those."""
+    plots = pytest.importorskip("perf.benchlib.plots", exc_type=ImportError)
+    res, records = results()
+    records["goodput"]["summarize"] = records["goodput"]["codegen"]
+    assert [p.name for p in plots.cdf_plots(res, records, tmp_path)] == ["cdf_codegen.png"]
+
+
 def test_report_states_slos_ratios_and_unique_prompts():
     res, _ = results()
     names = {"attainment": ["attainment_codegen.png"], "cdf": ["cdf_codegen.png"], "interference": ["i.png"]}
