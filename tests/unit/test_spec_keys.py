@@ -109,17 +109,14 @@ OTHER_WORDS = {
 
 
 def _parameter_names(key: str) -> set[str]:
-    """The config.pbtxt parameter names a spec key may have: its own words within the model it
-    configures (``entry_points.slo.ttft_s`` -> ``slo.ttft_s``; ``pools.decode.cores`` -> ``cores``);
-    a section a pool holds flat, its field with or without the section's name (``kv.cache_mb`` ->
-    ``kv_cache_mb``, ``kv.block_size`` -> ``block_size``)."""
+    """The config.pbtxt parameter name a spec key has: its own words within the model it configures
+    (``entry_points.slo.ttft_s`` -> ``slo.ttft_s``; ``pools.decode.cores`` -> ``cores``); a section the
+    pools hold, the key itself (``kv.cache_mb``)."""
     head, _, rest = key.partition(".")
     if head == "entry_points":
         return {rest}
     if head == "pools":
         return {rest.partition(".")[2]}
-    if head == "kv":
-        return {rest, f"kv_{rest}"}
     return {key}
 
 
