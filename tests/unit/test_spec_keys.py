@@ -261,3 +261,15 @@ def test_an_old_key_loads_as_its_new_one_with_a_deprecation_warning(caplog, old:
     assert said in caplog.text
     with pytest.raises(ConfigError, match="give"):  # both at once: refused
         load_spec(None, [old, new])
+
+
+def test_the_specs_kv_section_is_the_pools_in_the_same_words():
+    """The spec's ``kv`` keys are fields of the pools' KV section (``PoolConfig.kv``), with the same
+    defaults where the spec does not deploy another (``dtype``: the decode pool's; ``prefix_cache``: on)."""
+    from disagg.kv.settings import KVSettings
+    from disagg_tools.spec import KV
+
+    pool = {f.name: f.default for f in dataclasses.fields(KVSettings)}
+    spec = {f.name: f.default for f in dataclasses.fields(KV)}
+    assert set(spec) <= set(pool) and set(pool) - set(spec) == {"checksum"}
+    assert {k: v for k, v in spec.items() if spec[k] != pool[k]} == {"dtype": "", "prefix_cache": True}
