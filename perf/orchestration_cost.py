@@ -48,6 +48,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
+from disagg.kv.settings import KVSettings
 from disagg.paths import REPO_ROOT, resolve_model_dir
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob
@@ -90,8 +91,9 @@ class LocalPools:
         self.loops = {}
         self.transports = []
         for role, core in (("prefill", PREFILL_CORE), ("decode", DECODE_CORE)):
-            engine = EngineConfig(model_dir=model_dir, dtype=dtype, cores=(core,), kv_cache_mb=64)
-            loop, transport = build_instance(PoolConfig(role=role, engine=engine, prefix=prefix), secret)
+            engine = EngineConfig(model_dir=model_dir, dtype=dtype, cores=(core,))
+            config = PoolConfig(role=role, engine=engine, kv=KVSettings(cache_mb=64), prefix=prefix)
+            loop, transport = build_instance(config, secret)
             self.loops[role] = loop.start()  # the loop thread inherits this thread's pinning
             self.transports.append(transport)
         os.sched_setaffinity(0, {PREFILL_CORE})

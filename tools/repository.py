@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from disagg.hot.settings import HotPromptsConfig
+from disagg.kv.settings import KVSettings
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.serving.orchestrator import HOT_POOL
 from disagg.serving.telemetry import SloConfig
@@ -71,10 +72,11 @@ class Layout:
     prefill_dtype: str = ""  # "": dtype
     decode_dtype: str = ""  # "": dtype
     colocated_dtype: str = ""  # "": dtype
+    # the pools' kv section (disagg.kv.settings: its defaults), rendered as kv.<field>
     kv_dtype: str = ""  # of the prefill/decode pair; "": the decode pool's compute dtype
-    kv_cache_mb: int = 256
-    block_size: int = 16
-    lease_ttl_s: float = 30.0
+    kv_cache_mb: int = KVSettings.cache_mb
+    block_size: int = KVSettings.block_size
+    lease_ttl_s: float = KVSettings.lease_ttl_s
     request_timeout_s: float = 600.0
     prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
     # the prefill pool also decodes whole requests: the fallback ladder's "local" rung
@@ -334,14 +336,14 @@ def _pool(
     params = {
         "cores": cores,
         "dtype": layout.pool_dtype(role),
-        "kv_cache_mb": str(layout.kv_cache_mb),
-        "block_size": str(layout.block_size),
-    }
+        "kv.cache_mb": str(layout.kv_cache_mb),
+        "kv.block_size": str(layout.block_size),
+    }  # the pool's kv section: PoolConfig.kv (disagg.kv.settings), the spec's words
     if role != "colocated":
-        params["kv_dtype"] = layout.pair_kv_dtype()
-        params["lease_ttl_s"] = str(layout.lease_ttl_s)
+        params["kv.dtype"] = layout.pair_kv_dtype()
+        params["kv.lease_ttl_s"] = str(layout.lease_ttl_s)
         if layout.pool_transport() and not layout.gpus(role):
-            params["transport"] = layout.pool_transport()
+            params["kv.transport"] = layout.pool_transport()
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
     if nice:
@@ -364,7 +366,7 @@ def _pool(
         if layout.decode_batch_start:
             params["batch_start"] = str(layout.decode_batch_start)
     if role != "decode":
-        params["prefix_cache"] = "true" if layout.prefix_cache else "false"
+        params["kv.prefix_cache"] = "true" if layout.prefix_cache else "false"
     if role == "colocated" and layout.colocated_chunk_tokens:
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
@@ -372,7 +374,7 @@ def _pool(
     if gpus:  # the instance's GPU id comes from Triton (run on one GPU only)
         params["device"] = "cuda"
         if role != "colocated":
-            params["transport"] = "cuda_ipc"
+            params["kv.transport"] = "cuda_ipc"
     count = getattr(layout, f"{role}_instances") if name != HOT_POOL else 1
     return _model(
         name,

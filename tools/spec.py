@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from disagg.config import ConfigError, build
+from disagg.kv.settings import KVSettings
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
@@ -167,12 +168,14 @@ class Pools:
 
 @dataclass(frozen=True)
 class KV:
-    """The KV cache the prefill and decode pools share, and its hand-off."""
+    """The KV cache the prefill and decode pools share, and its hand-off: the pools' config.pbtxt
+    spells each key the same, ``kv.<key>`` (their ``PoolConfig.kv``, ``disagg.kv.settings``, which also
+    has ``checksum``, off here)."""
 
     dtype: Dtype = ""  # "": the decode pool's compute dtype
-    cache_mb: int = 256
-    block_size: int = 16
-    lease_ttl_s: float = 30.0
+    cache_mb: int = KVSettings.cache_mb
+    block_size: int = KVSettings.block_size
+    lease_ttl_s: float = KVSettings.lease_ttl_s
     transport: Literal["shm", "nixl"] = "shm"  # CPU pools; GPU pools hand off over CUDA IPC
     prefix_cache: bool = Layout.prefix_cache  # the prefill and colocated pools reuse shared prefixes' KV
 

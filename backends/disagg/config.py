@@ -6,7 +6,7 @@
 :func:`build` reads the dataclass's annotations (``typing.get_type_hints``) and converts each value to
 its field's type, recursing into nested dataclasses. Unknown keys, missing required keys and wrongly
 typed values are refused with a :class:`ConfigError` whose message starts with the key path
-(``pools[0].role``, ``engine.block_size``). Range and consistency checks stay in each dataclass's own
+(``pools[0].role``, ``kv.block_size``). Range and consistency checks stay in each dataclass's own
 ``__post_init__``; a ``ValueError`` raised there comes out as a ``ConfigError`` prefixed with the path of
 the dataclass (joined to the field's own path when the message starts with one: ``cores: ...``).
 Values are never echoed in messages (a value may be a path or a secret).

@@ -91,9 +91,9 @@ def block_bytes(server: TritonServer) -> tuple[int, int]:
     params = {k: v["string_value"] for k, v in model_config(server, "prefill")["parameters"].items()}
     hf = json.loads((resolve_model_dir() / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    block = int(params["block_size"])
+    block = int(params["kv.block_size"])
     per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim
-    return block, per_token * DTYPE_BYTES[resolved(params.get("kv_dtype", params["dtype"]))] * block
+    return block, per_token * DTYPE_BYTES[resolved(params.get("kv.dtype", params["dtype"]))] * block
 
 
 def pool_baseline(samples: dict) -> dict:
@@ -161,10 +161,10 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
             else "fp32-kernel" if fp32_kernels
             else "torch"
         )  # fmt: skip
-        fp32_cache = resolved(params.get("kv_dtype", params["dtype"])) == "float32"
+        fp32_cache = resolved(params.get("kv.dtype", params["dtype"])) == "float32"
         for info in mine:
             assert info["dtype"] == dtype
-            assert info["kv_dtype"] == resolved(params.get("kv_dtype", params["dtype"]))
+            assert info["kv_dtype"] == resolved(params.get("kv.dtype", params["dtype"]))
             assert info["projections"] == projections
             assert info["attention"] == ("kernel" if kernels or (fp32_kernels and fp32_cache) else "torch")
 

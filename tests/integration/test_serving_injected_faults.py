@@ -68,7 +68,7 @@ def _server(
     repository = out / "repository"
     assert write_repository(["--out", str(repository), "--lease-ttl-s", str(ttl_s)]) == 0
     if checksum:  # the exporter signs a digest of the blocks into each descriptor; the importer checks it
-        set_parameters(repository, {pool: {"checksum": "true"} for pool in ("prefill", "decode")})
+        set_parameters(repository, {pool: {"kv.checksum": "true"} for pool in ("prefill", "decode")})
     set_parameters(repository, {"prefill": prefill or {}})
     # the server's processes inherit these; this process does not keep them
     with pytest.MonkeyPatch.context() as env:

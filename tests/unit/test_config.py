@@ -397,3 +397,85 @@ def test_every_section_rename_is_tested() -> None:
 )
 def test_a_section_refuses_its_bad_values_naming_its_key(params: dict[str, str], message: str) -> None:
     assert message in refused(OrchestratorConfig, params, strings=True)
+
+
+KV_RENAMES = {  # a pool's old flat KV parameters: each with a value other than its default
+    "kv_cache_mb": "64",
+    "block_size": "32",
+    "kv_dtype": "bfloat16",
+    "prefix_cache": "true",
+    "transport": "nixl",
+    "lease_ttl_s": "5",
+    "checksum": "true",
+}
+POOL = {"role": "prefill", "model_dir": "/m"}  # the engine's float32 compute dtype, so bfloat16 KV differs
+
+
+@pytest.mark.parametrize("old", sorted(KV_RENAMES))
+def test_a_pool_kv_parameter_moved_into_its_section_still_works_for_a_release(old: str, caplog) -> None:
+    from disagg.kv.settings import ENGINE_FIELDS
+    from disagg.pool.instance import PoolConfig
+
+    new = PoolConfig.RENAMED[old]
+    value = KV_RENAMES[old]
+    with caplog.at_level(logging.WARNING, logger="disagg.config"):
+        by_old = PoolConfig.from_dict({**POOL, old: value}, strings=True)
+    assert f"{old} is deprecated and goes in the next release: it is now {new}" in caplog.text
+    by_new = PoolConfig.from_dict({**POOL, new: value}, strings=True)
+    default = PoolConfig.from_dict(POOL, strings=True)
+    assert by_old == by_new != default
+    name = new.removeprefix("kv.")
+    assert getattr(by_new.kv, name) != getattr(default.kv, name)
+    if name in ENGINE_FIELDS:  # the engine's KV part is built from the section
+        assert getattr(by_new.engine, ENGINE_FIELDS[name]) == getattr(by_new.kv, name)
+    with pytest.raises(ConfigError, match=f"{old} and {new} are one key"):  # both at once: refused
+        PoolConfig.from_dict({**POOL, old: value, new: value}, strings=True)
+
+
+def test_every_pool_kv_rename_is_tested() -> None:
+    from disagg.pool.instance import PoolConfig
+
+    assert {old for old, new in PoolConfig.RENAMED.items() if new.startswith("kv.")} == set(KV_RENAMES)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"kv.cache_mb": "0"}, "kv.cache_mb: must be positive"),
+        ({"kv.cache_mb": "many"}, "kv.cache_mb: must be an integer"),
+        ({"kv.block_size": "0"}, "kv.block_size: must be positive"),
+        ({"kv.dtype": "int8"}, "kv.dtype: must be one of bfloat16, float16, float32, auto"),
+        ({"kv.lease_ttl_s": "0"}, "kv.lease_ttl_s: must be a number of seconds in (0, 3600]"),
+        ({"kv.lease_ttl_s": "3601"}, "kv.lease_ttl_s: must be a number of seconds in (0, 3600]"),
+        ({"lease_ttl_s": "0"}, "kv.lease_ttl_s: must be a number of seconds in (0, 3600]"),  # old name
+        ({"kv.checksum": "maybe"}, "kv.checksum: must be one of"),
+        ({"kv.cachemb": "1"}, "kv: unknown key(s) cachemb"),
+        ({"kv": "x", "kv.block_size": "8"}, "kv is given whole and by its keys"),
+    ],
+)
+def test_the_kv_section_refuses_its_bad_values_naming_its_key(params: dict[str, str], message: str) -> None:
+    from disagg.pool.instance import PoolConfig
+
+    with pytest.raises(ConfigError) as info:
+        PoolConfig.from_dict({**POOL, **params}, strings=True)
+    assert message in str(info.value)
+
+
+def test_the_engine_takes_its_kv_part_from_the_section_and_never_a_second_copy() -> None:
+    from disagg.engine.engine import EngineConfig
+    from disagg.kv.settings import KVSettings
+    from disagg.pool.instance import PoolConfig
+
+    kv = KVSettings(cache_mb=64, block_size=32, dtype="bfloat16", prefix_cache=True)
+    config = PoolConfig(role="prefill", engine=EngineConfig(model_dir="/m"), kv=kv)
+    engine = config.engine
+    got = (engine.kv_cache_mb, engine.block_size, engine.kv_dtype, engine.prefix_cache)
+    assert got == (64, 32, "bfloat16", True)
+    assert PoolConfig(role="prefill", engine=engine, kv=kv) == config  # an engine that agrees is taken
+    plain = EngineConfig(model_dir="/m")
+    assert PoolConfig(role="prefill", engine=plain).engine == plain  # the section's defaults: the engine's
+    # a KV setting given to the engine alone would be dropped unseen: refused, naming the section's key
+    with pytest.raises(ValueError, match=r"engine\.block_size: .* give kv\.block_size"):
+        PoolConfig(role="prefill", engine=EngineConfig(model_dir="/m", block_size=32))
+    with pytest.raises(ConfigError, match=r"^engine\.kv_cache_mb: .* give kv\.cache_mb$"):
+        build(PoolConfig, {"role": "prefill", "engine": {"model_dir": "/m", "kv_cache_mb": 64}})

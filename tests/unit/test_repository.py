@@ -36,6 +36,7 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
     """Every parameter the repository gives a pool converts and validates as the adapter does it."""
     import re
 
+    from disagg.pool.instance import PoolConfig
     from disagg.triton.pool_model import pool_config
 
     for name in ("prefill", "decode", "colocated"):
@@ -47,6 +48,8 @@ def test_pool_parameters_parse_into_valid_configs(tiny_model_dir):
         assert config.role == name and config.engine.dtype == auto_dtype("cpu"), "auto, resolved by its rule"
         assert config.engine.cores == tuple(int(c) for c in params["cores"].split(","))
         assert config.nice == (10 if name == "prefill" else 0)
+        assert not set(params) & set(PoolConfig.RENAMED), "no parameter under a deprecated name"
+        assert {k for k in params if k.startswith("kv.")} >= {"kv.cache_mb", "kv.block_size"}
 
 
 def test_orchestrator_parameters_parse_into_valid_configs():
@@ -99,9 +102,9 @@ def test_gpu_variant_puts_pools_on_disjoint_gpus_and_hands_kv_over_cuda_ipc(tmp_
         config = pool_config({**params, "model_dir": str(tiny_model_dir)}, instance)
         assert config.engine.device == "cuda:2"
         if name == "colocated":
-            assert "transport" not in params and transport_options(config) == {}
+            assert "kv.transport" not in params and transport_options(config) == {}
         else:
-            assert config.transport == "cuda_ipc"
+            assert config.kv.transport == "cuda_ipc"
             assert transport_options(config)["cuda"].device == "cuda:2"  # its regions on its own GPU
     assert glue.instance_device({"model_instance_kind": "CPU", "model_instance_device_id": "0"}) is None
 
@@ -128,15 +131,15 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
     mixed = render(Layout(prefill_dtype="float32", decode_dtype="bfloat16"))
     assert params(mixed, "prefill")["dtype"] == "float32" and params(mixed, "decode")["dtype"] == "bfloat16"
     # unset: the decode pool's compute dtype, for both sides of the hand-off
-    assert params(mixed, "prefill")["kv_dtype"] == params(mixed, "decode")["kv_dtype"] == "bfloat16"
-    assert params(mixed, "colocated")["dtype"] == "auto" and "kv_dtype" not in params(mixed, "colocated")
+    assert params(mixed, "prefill")["kv.dtype"] == params(mixed, "decode")["kv.dtype"] == "bfloat16"
+    assert params(mixed, "colocated")["dtype"] == "auto" and "kv.dtype" not in params(mixed, "colocated")
     chosen = render(Layout(dtype="float32", kv_dtype="bfloat16"))
-    assert {params(chosen, p)["kv_dtype"] for p in ("prefill", "decode")} == {"bfloat16"}
+    assert {params(chosen, p)["kv.dtype"] for p in ("prefill", "decode")} == {"bfloat16"}
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         Layout(kv_dtype="int8")
     assert main(["--out", str(tmp_path), "--prefill-dtype", "float32", "--kv-dtype", "float32"]) == 0
     assert (
-        'key: "kv_dtype", value: { string_value: "float32" }'
+        'key: "kv.dtype", value: { string_value: "float32" }'
         in (tmp_path / "decode" / "config.pbtxt").read_text()
     )
 
@@ -180,9 +183,9 @@ def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{name}_0"}
         )
-        assert config.engine.prefix_cache is expected, name
+        assert config.kv.prefix_cache is config.engine.prefix_cache is expected, name
     for name in ("prefill", "colocated"):  # on in the default deployment too
-        assert 'key: "prefix_cache", value: { string_value: "true" }' in render(Layout())[name]
+        assert 'key: "kv.prefix_cache", value: { string_value: "true" }' in render(Layout())[name]
 
 
 def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tmp_path, tiny_model_dir):
@@ -205,7 +208,7 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
             config = pool_config(
                 {**params(name), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "p"}
             )
-            assert config.engine.prefix_cache is cached, (flag, name)
+            assert config.kv.prefix_cache is config.engine.prefix_cache is cached, (flag, name)
     with pytest.raises(ValueError, match="admission_margin"):
         render(Layout(admission_margin=-1))
     default = render(Layout())
@@ -307,6 +310,6 @@ def test_role_variants_split_the_models_and_the_pools_hand_kv_over_quiet_nixl(tm
         config = pool_config(
             {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{role}_0"}
         )
-        assert config.transport == "nixl" and transport_options(config)["nixl"].progress_thread is False
+        assert config.kv.transport == "nixl" and transport_options(config)["nixl"].progress_thread is False
     with pytest.raises(SystemExit):  # a frontend without its pools' servers is refused
         main(["--out", str(tmp_path / "bad"), "--role", "frontend"])

@@ -109,17 +109,14 @@ OTHER_WORDS = {
 
 
 def _parameter_names(key: str) -> set[str]:
-    """The config.pbtxt parameter names a spec key may have: its own words within the model it
-    configures (``entry_points.slo.ttft_s`` -> ``slo.ttft_s``; ``pools.decode.cores`` -> ``cores``);
-    a section a pool holds flat, its field with or without the section's name (``kv.cache_mb`` ->
-    ``kv_cache_mb``, ``kv.block_size`` -> ``block_size``)."""
+    """The config.pbtxt parameter name a spec key has: its own words within the model it configures
+    (``entry_points.slo.ttft_s`` -> ``slo.ttft_s``; ``pools.decode.cores`` -> ``cores``); a section the
+    pools hold, the key itself (``kv.cache_mb``)."""
     head, _, rest = key.partition(".")
     if head == "entry_points":
         return {rest}
     if head == "pools":
         return {rest.partition(".")[2]}
-    if head == "kv":
-        return {rest, f"kv_{rest}"}
     return {key}
 
 
@@ -264,3 +261,15 @@ def test_an_old_key_loads_as_its_new_one_with_a_deprecation_warning(caplog, old:
     assert said in caplog.text
     with pytest.raises(ConfigError, match="give"):  # both at once: refused
         load_spec(None, [old, new])
+
+
+def test_the_specs_kv_section_is_the_pools_in_the_same_words():
+    """The spec's ``kv`` keys are fields of the pools' KV section (``PoolConfig.kv``), with the same
+    defaults where the spec does not deploy another (``dtype``: the decode pool's; ``prefix_cache``: on)."""
+    from disagg.kv.settings import KVSettings
+    from disagg_tools.spec import KV
+
+    pool = {f.name: f.default for f in dataclasses.fields(KVSettings)}
+    spec = {f.name: f.default for f in dataclasses.fields(KV)}
+    assert set(spec) <= set(pool) and set(pool) - set(spec) == {"checksum"}
+    assert {k: v for k, v in spec.items() if spec[k] != pool[k]} == {"dtype": "", "prefix_cache": True}

@@ -14,7 +14,7 @@ engine would otherwise break each pool it migrates to. The faults:
   until the lease expires (B1);
 - ``fail_copy``: the import fails after its first run of blocks, the rest uncopied (B3);
 - ``corrupt``: a byte of the first imported block is flipped after the copy (B5; caught with
-  ``checksum`` on);
+  ``kv.checksum`` on);
 - ``delay:S``: the import waits S seconds before its first byte moves (a slow link, B6; longer than
   the lease, a late read, B2);
 - ``step_error``: the first decode step after the sequence joins the batch fails it alone, as an

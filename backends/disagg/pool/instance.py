@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from disagg.config import ConfigError, build
 from disagg.engine import kernel
 from disagg.engine.engine import Engine, EngineConfig, plan_kv
 from disagg.engine.loan import Borrower, Lender, Loans
+from disagg.kv.settings import ENGINE_FIELDS, TRANSPORT_FIELDS, KVSettings
 from disagg.kv.transport import Transport, TransportConfig, create_transport
 from disagg.loanpath import loan_scope
 from disagg.pool import faults
@@ -20,18 +21,25 @@ from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """One pool instance. ``engine`` settings as EngineConfig; the rest is serving policy."""
+    """One pool instance. ``engine`` settings as EngineConfig, but for its KV part, which is the ``kv``
+    section's (``disagg.kv.settings``); the rest is serving policy."""
 
-    RENAMED: ClassVar[dict[str, str]] = {"local_generate": "local_decode"}  # old key -> new (config.build)
+    RENAMED: ClassVar[dict[str, str]] = {
+        "local_generate": "local_decode",
+        **{engine: f"kv.{name}" for name, engine in ENGINE_FIELDS.items()},
+        **{name: f"kv.{name}" for name in TRANSPORT_FIELDS},
+    }  # old config.pbtxt parameter -> its name now (config.build)
 
     role: Role
     engine: EngineConfig
-    transport: str = "shm"
-    lease_ttl_s: float = 30.0
-    checksum: bool = False
+    kv: KVSettings = field(default_factory=KVSettings)
+    """The KV cache and its hand-off (config.pbtxt: ``kv.cache_mb``, ``kv.transport``, ...); the
+    engine's KV fields are built from it (``_engine_kv``)."""
     max_queue: int = 256
     # prompt tokens per engine step, and whether prompts are cut into chunks to fill it exactly (see
     # disagg.scheduling.SchedulerConfig); chunking bounds how long one prompt stalls a colocated batch
@@ -81,8 +89,7 @@ class PoolConfig:
         """Ranges and consistency; the types are ``config.build``'s (a config built by hand in code is
         trusted to be typed; ``role`` may be given by name)."""
         object.__setattr__(self, "role", Role.parse(self.role))
-        if not 0 < self.lease_ttl_s <= 3600:
-            raise ValueError("lease_ttl_s must be in (0, 3600]")
+        object.__setattr__(self, "engine", self._engine_kv())
         self.scheduling()  # validates the scheduler's settings
         if self.local_decode and self.role is not Role.PREFILL:
             raise ValueError("local_decode is a prefill pool's setting")
@@ -97,6 +104,19 @@ class PoolConfig:
         if self.batch_start > self.engine.max_batch_size:
             raise ValueError(f"batch_start must be at most max_batch_size ({self.engine.max_batch_size})")
         self._check_loans()
+
+    def _engine_kv(self) -> EngineConfig:
+        """``engine`` with its KV part from the ``kv`` section, the one place a pool's KV is set: an
+        engine KV field given otherwise than the section says (not its engine default) is refused, so a
+        setting is never dropped unseen."""
+        given = self.engine
+        built = replace(given, **self.kv.engine_values())
+        for name, engine in ENGINE_FIELDS.items():
+            value = getattr(given, engine)
+            unset = given.dtype if engine == "kv_dtype" else _ENGINE_DEFAULTS[engine]
+            if value != getattr(built, engine) and value != unset:
+                raise ValueError(f"engine.{engine}: a pool's KV is its kv section's: give kv.{name}")
+        return built
 
     def _check_loans(self) -> None:
         own = set(self.engine.cores or ())
@@ -135,10 +155,11 @@ class PoolConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False) -> PoolConfig:
-        """From flat parameters (config.pbtxt ones with ``strings``): EngineConfig's keys make ``engine``,
-        the rest are this class's. Typed by :func:`disagg.config.build`; unknown keys are errors
-        (``ConfigError``, a ``ValueError``, naming the key: ``engine.block_size``)."""
-        engine_keys = {f.name for f in fields(EngineConfig)}
+        """From flat parameters (config.pbtxt ones with ``strings``): EngineConfig's keys make ``engine``
+        (but for its KV part: ``kv.<field>``, and under their old flat names ``RENAMED``), the rest are
+        this class's. Typed by :func:`disagg.config.build`; unknown keys are errors (``ConfigError``, a
+        ``ValueError``, naming the key: ``engine.max_batch_size``, ``kv.block_size``)."""
+        engine_keys = {f.name for f in fields(EngineConfig)} - set(ENGINE_FIELDS.values())
         own = {k: v for k, v in data.items() if k not in engine_keys}
         flat = {k: v for k, v in data.items() if k in engine_keys}
         if "engine" not in own:
@@ -151,11 +172,11 @@ class PoolConfig:
 def transport_options(config: PoolConfig) -> dict[str, Any]:
     """Transport settings that follow from the pool: ``cuda_ipc`` regions live on its engine's GPU;
     ``nixl`` runs its progress thread only where ``nixl_progress_thread`` says so."""
-    if config.transport == "nixl":
+    if config.kv.transport == "nixl":
         from disagg.kv.nixl import NixlConfig
 
         return {"nixl": NixlConfig(progress_thread=config.nixl_progress_thread)}
-    if config.transport != "cuda_ipc":
+    if config.kv.transport != "cuda_ipc":
         return {}
     from disagg.kv.cuda_ipc import CudaIpcConfig
 
@@ -191,11 +212,10 @@ def build_instance(
     transport: Transport | None = None
     relay: list[EngineLoop] = []
     if config.role.needs_transport:
+        kv = config.kv
         transport = create_transport(
-            config.transport,
-            TransportConfig(
-                secret=secret, prefix=config.prefix, ttl_s=config.lease_ttl_s, checksum=config.checksum
-            ),
+            kv.transport,
+            TransportConfig(secret=secret, prefix=config.prefix, ttl_s=kv.lease_ttl_s, checksum=kv.checksum),
             # the loop exists only after the engine, which needs the transport's memory first
             on_release=lambda lease_id, reason: relay[0].lease_released(lease_id, reason) if relay else None,
             **transport_options(config),

@@ -144,7 +144,7 @@ class PoolModel:
         # its decode call at SIGTERM leaves one).
         server = ServerReadiness.from_environment()
         exiting = server is not None and server.server_exiting()
-        if not self.loop.drain(min(self.config.lease_ttl_s, DRAIN_TIMEOUT_S), leases=not exiting):
+        if not self.loop.drain(min(self.config.kv.lease_ttl_s, DRAIN_TIMEOUT_S), leases=not exiting):
             log.warning(
                 "%s pool instance unloads with work or KV leases still outstanding", self.config.role.value
             )

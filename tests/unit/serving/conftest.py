@@ -10,6 +10,7 @@ from local_pools import LocalPools
 
 from disagg.engine.engine import EngineConfig
 from disagg.engine.tokenizer import Tokenizer
+from disagg.kv.settings import KVSettings
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.pool.loop import EngineLoop
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
@@ -43,7 +44,7 @@ def deployment(tiny_model_dir) -> Iterator[Deployment]:
     for role in ("prefill", "decode", "colocated"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
         built[role] = build_instance(
-            PoolConfig(role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix), secret
+            PoolConfig(role=role, engine=engine, kv=KVSettings(lease_ttl_s=5.0), prefix=prefix), secret
         )
     loops = {role: loop.start() for role, (loop, _) in built.items()}
     transports = [t for _, t in built.values() if t is not None]

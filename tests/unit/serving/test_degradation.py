@@ -18,6 +18,7 @@ from disagg.engine.engine import Engine, EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request, SequenceState
 from disagg.engine.tokenizer import Tokenizer
+from disagg.kv.settings import KVSettings
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.pool.offline import generate
 from disagg.protocol.errors import INVALID_ARG, PROBE_UNANSWERED, UNAVAILABLE, Reason, ServingError
@@ -91,7 +92,11 @@ def loops(tiny_model_dir) -> Iterator[dict]:
     for role in ("prefill", "decode", "colocated"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
         config = PoolConfig(
-            role=role, engine=engine, lease_ttl_s=5.0, prefix=prefix, local_decode=role == "prefill"
+            role=role,
+            engine=engine,
+            kv=KVSettings(lease_ttl_s=5.0),
+            prefix=prefix,
+            local_decode=role == "prefill",
         )
         built[role] = build_instance(config, secret)
     started = {role: loop.start() for role, (loop, _) in built.items()}

@@ -12,6 +12,7 @@ import pytest
 from disagg.engine.engine import EngineConfig
 from disagg.engine.params import SamplingParams
 from disagg.engine.sequence import Request
+from disagg.kv.settings import KVSettings
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.protocol.errors import UNAVAILABLE, ServingError
 from disagg.protocol.messages import DecodeJob, Failed, Prefilled, PrefillJob, Token
@@ -38,7 +39,7 @@ def pools(tiny_model_dir):
     for role in ("prefill", "decode"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=32, block_size=16)
         built[role] = build_instance(
-            PoolConfig(role=role, engine=engine, prefix=prefix, lease_ttl_s=30.0), secret
+            PoolConfig(role=role, engine=engine, prefix=prefix, kv=KVSettings(lease_ttl_s=30.0)), secret
         )
     loops = {role: loop.start() for role, (loop, _) in built.items()}
     yield loops
@@ -174,7 +175,7 @@ def test_decode_imports_beyond_the_batch_cap_wait_for_a_slot(tiny_model_dir):
                 role=role,
                 engine=EngineConfig(model_dir=tiny_model_dir, num_blocks=64, block_size=16, max_batch_size=2),
                 prefix=prefix,
-                lease_ttl_s=30.0,
+                kv=KVSettings(lease_ttl_s=30.0),
             ),
             secret,
         )
@@ -229,7 +230,7 @@ def test_a_kv_lease_is_renewed_while_its_import_waits_for_decode_blocks(tiny_mod
                 role=role,
                 engine=EngineConfig(model_dir=model, num_blocks=blocks, block_size=16),
                 prefix=prefix,
-                lease_ttl_s=8.0,
+                kv=KVSettings(lease_ttl_s=8.0),
             ),
             secret,
         )
@@ -283,7 +284,7 @@ def test_the_batch_tuner_raises_a_slot_bound_limit_and_the_stats_show_it(tiny_mo
                     model_dir=tiny_model_dir, num_blocks=128, block_size=16, max_batch_size=8
                 ),
                 prefix=prefix,
-                lease_ttl_s=30.0,
+                kv=KVSettings(lease_ttl_s=30.0),
                 **(
                     {"batch_tpot_slo_s": 10.0, "batch_start": 2, "batch_interval_s": 0.05}
                     if role == "decode"
