@@ -108,14 +108,14 @@ def _copy_gb_s(device: str, reps: int) -> float | None:
 
 
 def _weight_bytes(engine: Engine) -> int:
-    """Bytes a decode step reads whole (projections, norms, head; the embedding is only looked up)."""
+    """Bytes a decode step reads whole: every layer's projections and norms, the final norm and the
+    output head (the embedding is only looked up)."""
     model = engine.model
-    tensors = {id(model.norm): model.norm, id(model.lm_head.weight): model.lm_head.weight}
+    norms = [model.norm, *(t for layer in model.layers for t in (layer.ln_attn, layer.ln_mlp))]
+    projections = [model.lm_head]
     for layer in model.layers:
-        for t in (layer.ln_attn, layer.ln_mlp, layer.qkv.weight, layer.o.weight, layer.gate_up.weight):
-            tensors[id(t)] = t
-        tensors[id(layer.down.weight)] = layer.down.weight
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+        projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return sum(p.nbytes for p in projections) + sum(t.numel() * t.element_size() for t in norms)
 
 
 def run(model: Path, args: argparse.Namespace) -> dict:
