@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from disagg.engine import paged
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request
 
 # the kernel runs on CPU tensors only in Triton's interpreter, which is read when triton loads
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -133,3 +135,20 @@ def test_triton_kernel_refuses_a_table_that_is_not_row_contiguous():
     q, cache, table, lens = _case([3, 4])
     with pytest.raises(ValueError, match="block_table"):
         kernel(q, cache, 0, table.t().contiguous().t(), lens)
+
+
+@needs_triton
+def test_the_static_decode_step_through_the_kernel_equals_the_eager_step(make_engine):
+    """The step a CUDA graph holds (Transformer.decode_static), attention by the kernel, against the
+    engine's eager decode step on the same batch."""
+    engine = make_engine(native_kernels=False)
+    prompts = [(1, *range(3, 3 + n)) for n in (2, 9, 20)]
+    outs = engine.prefill([Request(p, SamplingParams(max_tokens=4)) for p in prompts])
+    seqs = [engine._get(o.seq_id) for o in outs]
+    tokens, positions, table = engine._host_rows(seqs)
+    before = engine.kv.cache.clone()
+    eager, _ = engine.model.step(engine._decode_rows(seqs), [], engine.kv.cache)
+    engine.kv.cache.copy_(before)
+    kernel = paged.triton_attention()
+    static = engine.model.decode_static(tokens, positions, table, positions + 1, engine.kv.cache, kernel)
+    torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
