@@ -17,7 +17,13 @@
 #      engine's own greedy text;
 #   3. perf/kv_transfer_bench.py: cuda_ipc hand-off bandwidth beside a device-to-device copy;
 #   4. perf/gpu_engine_bench.py: the engine against transformers on the GPU, the tiny model and
-#      SmolLM2's shape with random weights (its real weights do not fit the transfer to the machine).
+#      SmolLM2's shape with random weights (its real weights do not fit the transfer to the machine);
+#   5. perf/graph_bench.py (graph_bench): Engine.decode_step() with the decode step captured as CUDA
+#      graphs per batch bucket against the eager step, SmolLM2's shape in bf16 at batch 1, 8 and 64 with
+#      512 tokens of context, and whether greedy tokens stay the same (fp32 and bf16). Prepared on CPU,
+#      NOT yet run on a GPU (issue 45); GRAPH_BENCH_ARGS replaces its arguments.
+# tests/gpu (step 1) includes the captured steps' and the Triton-lang kernel's GPU tests
+# (tests/gpu/test_graphs_cuda.py). A short run for the graphs alone: STEPS="pytest_gpu graph_bench".
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 ROOT=$(pwd)
@@ -27,7 +33,7 @@ export PYTHONUNBUFFERED=1
 RUN="$OUT/run.log"  # every step's log, appended as it ends (at most 8 files come back from a lent machine)
 : >"$RUN"
 
-STEPS=${STEPS:-pytest_gpu serve_check kv_bench engine_bench}  # a subset reruns only those
+STEPS=${STEPS:-pytest_gpu serve_check kv_bench engine_bench graph_bench}  # a subset reruns only those
 
 DRY_RUN=${DRY_RUN:-0}
 step() {  # step NAME SECONDS COMMAND...: run, log its status and duration
@@ -116,4 +122,7 @@ cp "$OUT/kv/kv_transfer.json" "$OUT/" 2>/dev/null
 # shellcheck disable=SC2086 # ENGINE_BENCH_ARGS is a list of arguments
 step engine_bench 150 $PY -m perf.gpu_engine_bench ${ENGINE_BENCH_ARGS:---model .models/tiny --model $SHAPE --reps 3} --out-dir "$OUT/bench"
 cp "$OUT/bench/gpu_engine_bench.md" "$OUT/bench/gpu_engine_bench.json" "$OUT/" 2>/dev/null
-rm -rf "$OUT/serve" "$OUT/kv" "$OUT/bench"
+# shellcheck disable=SC2086 # GRAPH_BENCH_ARGS is a list of arguments
+step graph_bench 150 $PY -m perf.graph_bench ${GRAPH_BENCH_ARGS:---model $SHAPE --batch 1 --batch 8 --batch 64 --context 512 --reps 3} --out-dir "$OUT/graph"
+cp "$OUT/graph/graph_bench.md" "$OUT/graph/graph_bench.json" "$OUT/" 2>/dev/null
+rm -rf "$OUT/serve" "$OUT/kv" "$OUT/bench" "$OUT/graph"

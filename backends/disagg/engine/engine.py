@@ -23,8 +23,12 @@ from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import AUTO, DTYPES, auto_dtype, kernel_threads, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.fingerprint import checkpoint_id, kv_fingerprint
+from disagg.engine.graphs import DEFAULT_BUCKETS, BucketView, GraphConfig, StaticBuffers, StepInputs
 from disagg.engine.kvcache import KVCache
+from disagg.engine.paged import reference as paged_reference
+from disagg.engine.paged import triton_attention
 from disagg.engine.prefix import block_keys
+from disagg.engine.replay import CudaGraphs, DecodeGraphs, GraphApi
 from disagg.engine.sampling import sample
 from disagg.engine.sequence import (
     FINISH_LENGTH,
@@ -76,6 +80,11 @@ class EngineConfig:
     # reuse the KV of full prompt blocks another prompt computed (``disagg.engine.kvcache``): a prompt
     # sharing a prefix of whole blocks with an earlier one is prefilled from the first block after it
     prefix_cache: bool = False
+    # device cuda only: capture the decode step as one CUDA graph per batch bucket at load, replayed
+    # each step (disagg.engine.replay); a batch above the largest bucket, or with prompt chunks, runs
+    # eagerly. NOT verified on a GPU, so off by default. One KV block is kept aside for padding rows
+    cuda_graphs: bool = False
+    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
 
     def __post_init__(self) -> None:
         """Ranges, and ``auto`` resolved; the types are ``config.build``'s (a config built by hand in
@@ -102,6 +111,13 @@ class EngineConfig:
             object.__setattr__(self, "cores", tuple(self.cores))
             if not self.cores or any(c < 0 for c in self.cores):
                 raise ValueError("cores must be a non-empty list of core numbers")
+        object.__setattr__(self, "graph_buckets", tuple(self.graph_buckets))
+        try:  # the buckets' own rules (positive, increasing), checked once here
+            GraphConfig(self.max_batch_size, 1, self.block_size, 0, self.graph_buckets)
+        except ValueError as e:
+            raise ValueError(f"graph_buckets: {e}") from None
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> EngineConfig:
@@ -124,7 +140,15 @@ def plan_kv(config: EngineConfig, model: ModelConfig | None = None) -> tuple[KVL
 class Engine:
     """One model, one KV block pool, any number of sequences."""
 
-    def __init__(self, config: EngineConfig, kv_memory: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_memory: torch.Tensor | None = None,
+        *,
+        graph_api: GraphApi | None = None,
+    ) -> None:
+        """``graph_api``: a test's stand-in for CUDA graphs (``disagg.engine.replay.Recorder``), which
+        turns captured decode steps on whatever the device; unset, ``config.cuda_graphs`` decides."""
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
@@ -157,11 +181,17 @@ class Engine:
                 num_blocks, self.kv_layout.block_bytes, dtype=torch.uint8, device=self.device
             )
         self.kv = KVCache(self.kv_layout, num_blocks, kv_memory, prefix_cache=config.prefix_cache)
+        graphs = config.cuda_graphs or graph_api is not None
+        if graphs and num_blocks < 2:
+            raise ValueError("cuda_graphs needs at least 2 KV blocks (one is kept for padding rows)")
+        # padding rows of a captured step write their KV here, a block no sequence ever holds
+        scratch = self.kv.allocate(1)[0] if graphs else None
+        self._reserved = 0 if scratch is None else 1
         self.max_tokens_cap = min(config.max_tokens_cap or mc.max_context, mc.max_context)
         self._sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
         self._limits = EngineLimits(
-            num_blocks,
+            num_blocks - self._reserved,
             config.block_size,
             config.max_batch_size,
             mc.max_context,
@@ -172,6 +202,8 @@ class Engine:
         # a step whose heavy work is the engine's own kernels runs them on the threads, torch on one
         native = self.device.type == "cpu" and self.native_step(paths)
         self._threads: Callable[[], AbstractContextManager[None]] = kernel_threads if native else nullcontext
+        # captured at load, so before the pool that builds this engine reports ready
+        self._graphs = None if scratch is None else self._capture_graphs(scratch, graph_api)
         log.info(
             "engine ready: %s %s, KV %s (projections: %s, attention: %s) on %s, %d KV blocks of %d tokens"
             ", prefix cache %s",
@@ -185,6 +217,43 @@ class Engine:
             config.block_size,
             "on" if config.prefix_cache else "off",
         )
+
+    def _capture_graphs(self, scratch: int, api: GraphApi | None) -> DecodeGraphs:
+        """Capture the decode step once per batch bucket (``disagg.engine.replay``). NOT verified on
+        a GPU. Attention: the Triton-lang paged kernel on CUDA where ``triton`` imports, else the
+        torch reference, which reads the whole block table's width every step (slow, but right)."""
+        config = GraphConfig(
+            self.config.max_batch_size,
+            self.kv.blocks_for(self.model_config.max_context),
+            self.config.block_size,
+            scratch,
+            self.config.graph_buckets,
+        )
+        buffers = StaticBuffers(config, self.device)
+        attention = triton_attention() if self.device.type == "cuda" else None
+        if attention is None:
+            if self.device.type == "cuda":
+                log.warning("captured decode steps: no triton package, attention by the torch reference")
+            attention = paged_reference
+        model, cache = self.model, self.kv.cache
+
+        def step(rows: BucketView) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.inference_mode():
+                # [b, V] float32
+                logits = model.decode_static(
+                    rows.tokens, rows.positions, rows.block_table, rows.seq_lens, cache, attention
+                )
+                return logits, torch.argmax(logits, dim=-1)  # greedy ids, sampled on the device
+
+        graphs = DecodeGraphs(config, buffers, step, api or CudaGraphs(self.device))
+        seconds = graphs.capture()
+        log.info("captured decode steps for batches %s in %.2f s", graphs.captured, seconds)
+        return graphs
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured decode steps (``cuda_graphs``), or None."""
+        return self._graphs
 
     # ----------------------------------------------------------------- queries
 
@@ -223,7 +292,7 @@ class Engine:
     def usage(self) -> BlockUsage:
         available, counters = self.kv.available_blocks, self.kv.counters()
         return BlockUsage(
-            self.kv.num_blocks - available,
+            self.kv.num_blocks - self._reserved - available,
             available,
             self.kv.cached_blocks,
             counters.hits,
@@ -363,6 +432,8 @@ class Engine:
             parts.append(PromptChunk(tokens, seq.num_cached, table, end == len(context)))
         if not batch and not parts:
             return [], []
+        if self._graphs is not None and batch and not parts and self._graphs.fits(len(batch)):
+            return self._graph_step(batch), []
         try:
             logits, chunk_logits = self.model.step(self._decode_rows(batch), parts, self.kv.cache)
         except BaseException:
@@ -394,6 +465,12 @@ class Engine:
     def _decode_rows(self, batch: list[Sequence]) -> DecodeRows | None:
         if not batch:
             return None
+        tokens, positions, table = self._host_rows(batch)
+        return DecodeRows(tokens.to(self.device), positions.to(self.device), table.to(self.device))
+
+    def _host_rows(self, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode batch's tokens and positions [B] and block table [B, MB] on the host, MB the
+        most blocks any row needs this step."""
         width = max(self.kv.blocks_for(s.num_cached + 1) for s in batch)
         table = torch.zeros(len(batch), width, dtype=torch.long)
         for row, seq in enumerate(batch):
@@ -401,21 +478,45 @@ class Engine:
             table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
         tokens = torch.tensor([s.last_token for s in batch], dtype=torch.long)
         positions = torch.tensor([s.num_cached for s in batch], dtype=torch.long)
-        return DecodeRows(tokens.to(self.device), positions.to(self.device), table.to(self.device))
+        return tokens, positions, table
+
+    def _graph_step(self, batch: list[Sequence]) -> list[StepOutput]:
+        """The decode batch's step as a replayed graph: a greedy row takes the id sampled on the
+        device (once its min_length is reached), any other row is sampled here from its logits."""
+        tokens, positions, table = self._host_rows(batch)
+        params = [s.params for s in batch]
+        inputs = StepInputs(
+            tokens,
+            positions,
+            table,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        )
+        sampled = self._graphs.run(inputs)  # type: ignore[union-attr]
+        outputs = []
+        for row, seq in enumerate(batch):
+            seq.num_cached += 1
+            device_id = seq.params.greedy and len(seq.generated) >= seq.params.min_length
+            token = sampled.greedy_ids[row] if device_id else None
+            outputs.append(self._append(seq, sampled.logits[row], token))
+        return outputs
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         params = seq.params
         ends = {params.end_id} if params.end_id is not None else set(self.model_config.eos_token_ids)
         return ends | set(params.stop_token_ids)
 
-    def _append(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Sample the next token from logits [V]; finish and free the sequence when it is done."""
+    def _append(self, seq: Sequence, logits: torch.Tensor, token: int | None = None) -> StepOutput:
+        """Sample the next token from logits [V] (or take ``token``, sampled already); finish and free
+        the sequence when it is done."""
         stops = self._stop_ids(seq)
         step = len(seq.generated)
-        if step < seq.params.min_length and stops:
-            logits = logits.clone()
-            logits[list(stops)] = float("-inf")
-        token = sample(logits.cpu(), seq.params, step)
+        if token is None:
+            if step < seq.params.min_length and stops:
+                logits = logits.clone()
+                logits[list(stops)] = float("-inf")
+            token = sample(logits.cpu(), seq.params, step)
         seq.generated.append(token)
         reason = None
         if token in stops:
