@@ -245,7 +245,7 @@ class Engine:
                 )
                 return logits, torch.argmax(logits, dim=-1)  # greedy ids, sampled on the device
 
-        graphs = DecodeGraphs(config, buffers, step, api or CudaGraphs(self.device))
+        graphs = DecodeGraphs(buffers, step, api or CudaGraphs(self.device))
         seconds = graphs.capture()
         log.info("captured decode steps for batches %s in %.2f s", graphs.captured, seconds)
         return graphs

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from disagg.engine.graphs import BucketView, GraphConfig, StaticBuffers, StepInputs, unpad
+from disagg.engine.graphs import BucketView, StaticBuffers, StepInputs, unpad
 
 # a step as captured: the bucket's static rows -> (logits [b, V] float32, greedy ids [b] int64)
 StepFn = Callable[[BucketView], tuple[torch.Tensor, torch.Tensor]]
@@ -107,10 +107,8 @@ class Sampled:
 class DecodeGraphs:
     """One captured decode step per bucket of ``config``, over ``buffers``."""
 
-    def __init__(self, config: GraphConfig, buffers: StaticBuffers, step: StepFn, api: GraphApi) -> None:
-        if buffers.config != config:
-            raise ValueError("buffers must be sized by the same GraphConfig")
-        self.config = config
+    def __init__(self, buffers: StaticBuffers, step: StepFn, api: GraphApi) -> None:
+        self.config = buffers.config  # the buckets are the ones the buffers are sized by
         self.buffers = buffers
         self._step = step
         self._api = api

@@ -33,7 +33,7 @@ def _runner(max_batch: int = 8, buckets: tuple[int, ...] = (1, 2, 4, 8)) -> tupl
         return logits, logits.argmax(-1)
 
     recorder = Recorder()
-    return DecodeGraphs(config, buffers, step, recorder), recorder
+    return DecodeGraphs(buffers, step, recorder), recorder
 
 
 def _rows(tokens: list[int]) -> StepInputs:
@@ -83,13 +83,6 @@ def test_a_replay_before_capture_is_refused():
     graphs, _ = _runner()
     with pytest.raises(RuntimeError, match="before capture"):
         graphs.run(_rows([1]))
-
-
-def test_buffers_of_another_config_are_refused():
-    graphs, recorder = _runner()
-    other = StaticBuffers(GraphConfig(4, max_blocks=4, block_size=4, scratch_block=0))
-    with pytest.raises(ValueError, match="buffers"):
-        DecodeGraphs(graphs.config, other, lambda rows: (rows.tokens, rows.tokens), recorder)
 
 
 def test_cuda_graphs_are_refused_off_a_cuda_device():
