@@ -29,7 +29,15 @@ from serving_support import (
     set_parameters,
     text_inputs,
 )
-from triton_support import GrpcStream, LeakProbe, TritonFactory, http_json, timed_stream, wait_until
+from triton_support import (
+    GrpcStream,
+    LeakProbe,
+    TritonFactory,
+    http_json,
+    log_count,
+    timed_stream,
+    wait_until,
+)
 
 from disagg.pool.faults import ENV_ALLOW, ENV_FAULTS
 from disagg.server import TritonServer
@@ -43,6 +51,7 @@ LINK_DELAY_S = 0.5  # B6: three such imports one after the other still end well 
 LATE_DELAY_S = 6.0  # B2: twice the lease
 CHUNK_TOKENS = 16  # C2: the prefill pool's chunk
 LONG_PROMPT = " ".join(["word"] * 60)  # C2: four chunks or more
+IMPORT_STRUCK = "injected fault 911=delay:3 on an import"  # the decode pool logs it as C3's import begins
 PUBLISHED_S = 0.25  # how often a pool publishes its gauges (disagg.triton.pool_metrics.PoolReporter)
 SEEDS = {  # seed -> fault (the grammar of disagg.pool.faults)
     901: "drop_ack",
@@ -305,8 +314,12 @@ def test_c3_a_cancel_between_prefill_and_decode_gives_the_lease_back_at_once(can
     baseline = idle_gauges(cancels)
     expired = metric_sum(cancels, "disagg_kv_lease_expired_total", pool="prefill")
     failures = metric_sum(cancels, "disagg_kv_transfer_failures_total", pool="decode")
+    imports = log_count(cancels, IMPORT_STRUCK)
     with CuedCancel(cancels.config.grpc_url, "llm", 200, 911) as client:
         client.pieces(1)
+        # the first piece goes out before the decode call is made: a cancel at once could reach the
+        # decode pool before it takes the job, and then no import ever runs; cue on the import's start
+        wait_until(lambda: log_count(cancels, IMPORT_STRUCK) > imports, 10, "the delayed import begun")
         cancelled = time.monotonic()
         assert client.cancel() == []
     wait_until(lambda: _at(cancels, baseline, "prefill"), 5, "the prefill lease given back")

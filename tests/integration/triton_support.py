@@ -56,6 +56,14 @@ def wait_until(
         time.sleep(interval_s)
 
 
+def log_count(server: Any, text: str) -> int:
+    """How often `text` occurs in `server`'s log so far: a cue a test can wait on (with `wait_until`)
+    where a server's step shows nowhere else, e.g. a pool's loop thread busy inside one call."""
+    if server.log_path is None:
+        raise ValueError("the server logs to the terminal: nothing to count in")
+    return server.log_path.read_text(encoding="utf-8", errors="replace").count(text)
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct TCP ports free right now on `host` (all bound at once, then released)."""
     sockets = []

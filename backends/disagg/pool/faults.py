@@ -71,6 +71,12 @@ class Fault:
     seconds: float = 0.0
     role: Role | None = None  # the pools it strikes in (None: every pool)
 
+    def __str__(self) -> str:
+        """The fault as ``DISAGG_FAULTS`` spells it: ``SEED=KIND[:SECONDS][@POOL]``."""
+        seconds = f":{self.seconds:g}" if self.kind in TIMED else ""
+        role = f"@{self.role.value}" if self.role is not None else ""
+        return f"{self.seed}={self.kind}{seconds}{role}"
+
     @property
     def kv(self) -> FaultConfig | None:
         """The transport faults of an import it strikes, or None (a step fault)."""

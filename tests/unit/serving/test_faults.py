@@ -88,6 +88,14 @@ def test_a_fault_may_strike_the_pools_of_one_role_only() -> None:
         parse("5=corrupt@everywhere")
 
 
+def test_a_fault_prints_as_its_entry_reads() -> None:
+    """What a pool logs as it strikes (a live test cues on it) reads back to the same fault."""
+    for entry in ("911=delay:3", "5=step_fatal@decode", "6=drop_ack", "9=slow_prefill:0.25"):
+        (fault,) = parse(entry).values()
+        assert str(fault) == entry
+        assert parse(str(fault)) == {fault.seed: fault}
+
+
 def test_step_error_loses_only_its_sequence_and_the_batch_carries_on() -> None:
     inner = FakeBackend()
     backend = FaultyBackend(inner, parse("7=step_error"))
