@@ -1,5 +1,5 @@
-"""KIND_GPU pools served by a real Triton on a GPU: the repository of ``disagg repository --prefill-gpus
---decode-gpus --colocated-gpus``, the KV hand-off over CUDA IPC, checked against the engine itself.
+"""KIND_GPU pools served by a real Triton on a GPU: the repository of ``disagg repository --set
+pools.<pool>.gpus=[...]``, the KV hand-off over CUDA IPC, checked against the engine itself.
 
     python -m perf.gpu_serve_check --out DIR [--max-tokens N]
 
@@ -101,8 +101,9 @@ def _write_repository(out: Path, decode_gpu: int) -> Path:
     from disagg_tools.repository import main as repository
 
     repo = out / "gpu_repository"
-    args = ["--out", str(repo), "--prefill-gpus", "0", "--decode-gpus", str(max(decode_gpu, 1))]
-    if repository([*args, "--colocated-gpus", "0"]) != 0:
+    gpus = {"prefill": 0, "decode": max(decode_gpu, 1), "colocated": 0}
+    keys = [f"pools.{pool}.gpus=[{gpu}]" for pool, gpu in gpus.items()]
+    if repository(["--out", str(repo), *(a for key in keys for a in ("--set", key))]) != 0:
         raise SystemExit("disagg repository failed")
     if decode_gpu == 0:  # one GPU: decode beside prefill on GPU 0 (see the module's docstring)
         config = repo / "decode" / "config.pbtxt"

@@ -306,11 +306,11 @@ def host_command(host: Host) -> list[str]:
 def start_single(
     topology: Topology, workdir: Path, secret: str, started: list[Host], transport: str = ""
 ) -> Deployment:
-    from disagg_tools.repository import Layout, write
+    from disagg_tools.repository import KV, Layout, write
 
     name = f"single-{transport}" if transport else "single"
     repository = workdir / f"{name}-repository"
-    write(repository, Layout(transport=transport))
+    write(repository, Layout(kv=KV(transport=transport or "shm")))
     host = start_host(topology, SINGLE, workdir, secret, "--model-repository", str(repository))
     started.append(host)
     wait_ready(host)

@@ -1,21 +1,25 @@
 """Write the model repository: config.pbtxt per model plus a version folder, no code.
 
-    disagg repository [--out model_repository] [--dtype bfloat16] [--prefill-cores 0] [--decode-cores 1]
-    disagg repository --out gpu_repository --prefill-gpus 0 --decode-gpus 1 --colocated-gpus 0
-    disagg repository --prefill-dtype float32 --decode-dtype bfloat16 --kv-dtype bfloat16
+    disagg repository [--out model_repository] [--spec deploy/spec.yaml] [--set KEY=VALUE ...]
+    disagg repository --set pools.prefill.dtype=float32 --set kv.dtype=bfloat16
+    disagg repository --set pools.prefill.gpus=[0] --set pools.decode.gpus=[1] --set pools.colocated.gpus=[0]
+
+A repository is what a deployment spec says (``disagg_tools.spec``: the defaults, a file, ``--set`` on
+either). The older layout flags (``--decode-cores 1``, ``--kv-dtype bfloat16``, ...) are those keys set on
+the default spec (``DEPRECATED_FLAGS``) and go in the next release.
 
 Every model uses the project's Python-based backend (``backend: "disagg"``); its ``role`` parameter
 picks the adapter. The default layout is for a 2-core machine: prefill (and the text steps and the
 orchestrator) on core 0, decode on core 1, the colocated baseline on both.
 
-``--dtype`` is every pool's compute dtype; ``--prefill-dtype`` / ``--decode-dtype`` override it for
-one pool. The prefill and decode pools share one KV cache dtype (``--kv-dtype``, default: the decode
+``dtype`` is every pool's compute dtype; ``pools.prefill.dtype`` / ``pools.decode.dtype`` override it for
+one pool. The prefill and decode pools share one KV cache dtype (``kv.dtype``, default: the decode
 pool's compute dtype), since a hand-off moves the cache's bytes as they are: a prefill pool computing
 in fp32 can hand bf16 KV to a bf16 decode pool.
 
-With ``--prefill-gpus`` / ``--decode-gpus`` (disjoint lists) the pools are ``KIND_GPU`` instance groups,
-one instance per listed GPU, the engine on that GPU and the KV hand-off over CUDA IPC. Served on one
-H200 with both pools on its one GPU (``perf/gpu_serve_check.py``); never on two GPUs.
+With ``pools.prefill.gpus`` / ``pools.decode.gpus`` (disjoint lists) the pools are ``KIND_GPU``
+instance groups, one instance per listed GPU, the engine on that GPU and the KV hand-off over CUDA IPC.
+Served on one H200 with both pools on its one GPU (``perf/gpu_serve_check.py``); never on two GPUs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import dataclasses
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from disagg.hot.settings import HotPromptsConfig
 from disagg.kv.settings import KVSettings
@@ -61,6 +66,40 @@ def _core_list(text: str, field: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class KV:
+    """The KV cache the prefill and decode pools share, and its hand-off: the spec's section ``kv``, whose
+    keys the pools' config.pbtxt spells the same, ``kv.<key>`` (their ``PoolConfig.kv``,
+    ``disagg.kv.settings``). The colocated pool takes ``cache_mb``, ``block_size`` and ``prefix_cache``."""
+
+    dtype: Literal["", "bfloat16", "float32", "float16", "auto"] = ""
+    """Of the prefill/decode pair; "": the decode pool's compute dtype."""
+    cache_mb: int = KVSettings.cache_mb
+    block_size: int = KVSettings.block_size
+    lease_ttl_s: float = KVSettings.lease_ttl_s
+    transport: Literal["shm", "nixl"] = "shm"
+    """The hand-off between CPU pools: ``shm`` on one server, ``nixl``. A server carrying one pool of the
+    pair (role prefill or decode) hands off over ``nixl`` whatever this says; GPU pools over CUDA IPC."""
+    prefix_cache: bool = True
+    """The prefill and colocated pools reuse the KV of full prompt blocks a prompt shares with an earlier
+    one (``disagg.engine.kvcache``; on, as vLLM's: perf/results/defaults shows the quick benchmark no
+    lower with it)."""
+    checksum: bool = KVSettings.checksum
+    """The exporter signs a digest of the blocks into each descriptor; the importer checks it."""
+
+    def __post_init__(self) -> None:
+        if self.dtype and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, or unset; got {self.dtype!r}")
+        if not 1 <= self.cache_mb <= 1 << 20:
+            raise ValueError("cache_mb: must be in 1..1048576")
+        if self.block_size not in (4, 8, 16, 32, 64, 128):
+            raise ValueError("block_size: must be one of 4, 8, 16, 32, 64, 128")
+        if not 0 < self.lease_ttl_s <= 3600:
+            raise ValueError("lease_ttl_s: must be in (0, 3600]")
+        if self.transport not in ("shm", "nixl"):
+            raise ValueError("transport: must be shm or nixl (GPU pools use CUDA IPC)")
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where the pools run and how they are sized."""
 
@@ -72,21 +111,13 @@ class Layout:
     prefill_dtype: str = ""  # "": dtype
     decode_dtype: str = ""  # "": dtype
     colocated_dtype: str = ""  # "": dtype
-    # the pools' kv section (disagg.kv.settings: its defaults), rendered as kv.<field>
-    kv_dtype: str = ""  # of the prefill/decode pair; "": the decode pool's compute dtype
-    kv_cache_mb: int = KVSettings.cache_mb
-    block_size: int = KVSettings.block_size
-    lease_ttl_s: float = KVSettings.lease_ttl_s
+    kv: KV = field(default_factory=KV)  # the pools' kv section, rendered as kv.<key>
     request_timeout_s: float = 600.0
     prefill_nice: int = 10  # prefill yields its shared core to the token relay (see PoolConfig.nice)
     # the prefill pool also decodes whole requests: the fallback ladder's "local" rung
     local_decode: bool = True
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
-    # the prefill and colocated pools reuse the KV of full prompt blocks a prompt shares with an
-    # earlier one (``disagg.engine.kvcache``; on, as vLLM's: perf/results/defaults shows the quick
-    # benchmark no lower with it)
-    prefix_cache: bool = True
     # hot prompts (disagg.hot.hotness): requests of a hot prompt group decode on a pool of their
     # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
     # an MPS thread percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5:
@@ -123,7 +154,6 @@ class Layout:
     prefill_instances: int = 1
     decode_instances: int = 1
     colocated_instances: int = 1
-    transport: str = ""  # KV hand-off of CPU pools ("": shm, or nixl for the prefill and decode roles)
     # what this server carries (multi-host: disagg.triton.remote): "all" (every model), "frontend" (the
     # entry points and orchestrators, the pools of remote_pools reached on other servers), "prefill" or
     # "decode" (that pool alone)
@@ -135,35 +165,9 @@ class Layout:
     admission_margin: float = 2.0  # the entry points refuse above this x the TTFT SLO (0: off)
 
     def __post_init__(self) -> None:
-        """Values, ranges and consistency; the types are trusted (the spec, typed by ``config.build``, and
-        ``disagg repository``'s flags, typed by its parser, build it in code)."""
-        for field in ("dtype", "prefill_dtype", "decode_dtype", "colocated_dtype", "kv_dtype"):
-            value = getattr(self, field)
-            if value not in DTYPES and not (value == "" and field != "dtype"):
-                raise ValueError(f"{field} must be one of {', '.join(DTYPES)}; got {value!r}")
-        if self.colocated_chunk_tokens < 0:
-            raise ValueError("colocated_chunk_tokens must be >= 0 (0: whole prompts)")
-        if self.conditional_prefill_tokens < 0:
-            raise ValueError("conditional_prefill_tokens must be >= 0 (0: off)")
-        if self.conditional_chunk_tokens < 1:
-            raise ValueError("conditional_chunk_tokens must be positive")
-        if self.decode_batch_tpot_slo_s < 0:
-            raise ValueError("decode_batch_tpot_slo_s must be a number of seconds >= 0 (0: off)")
-        if self.decode_batch_start < 0:
-            raise ValueError("decode_batch_start must be >= 0 (0: max_batch_size)")
-        if not 0 <= self.admission_margin <= 1000:
-            raise ValueError("admission_margin must be a number in [0, 1000] (0: off)")
-        if not 0 <= self.hot_decode_nice <= 19:
-            raise ValueError("hot_decode_nice must be in [0, 19]")
-        if self.hot_group_rate < 0:
-            raise ValueError("hot_group_rate must be a number of requests per second >= 0")
-        if self.hot_rate_adaptive and not self.hot_group_rate:
-            raise ValueError("hot_rate_adaptive needs hot_group_rate > 0 (the adaptive rate's maximum)")
-        if not 1 < self.hot_step_ratio <= 100:
-            raise ValueError("hot_step_ratio must be a number in (1, 100]")
-        for pool in ("prefill", "decode", "colocated"):
-            if not 1 <= getattr(self, f"{pool}_instances") <= 64:
-                raise ValueError(f"{pool}_instances must be in 1..64")
+        """What the spec's sections cannot see alone: the server's role and its remote pools, and the
+        pools' cores and GPUs as this layout spells them. Each value's range is checked once, by the
+        spec section that holds its key (``disagg_tools.spec``), which is how a layout is built."""
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}; got {self.role!r}")
         remote = parse_remote_pools(self.remote_pools)
@@ -175,10 +179,6 @@ class Layout:
             raise ValueError("remote_tls goes with remote_pools (the frontend's)")
         if set(remote) - {"prefill", "decode", "colocated"}:
             raise ValueError("remote_pools may name the prefill, decode and colocated pools")
-        if self.transport not in ("", "shm", "nixl"):
-            raise ValueError("transport must be shm or nixl (GPU pools use CUDA IPC)")
-        if self.hot_decode_cores and self.gpus("decode"):
-            raise ValueError("a hot decode pool is a CPU pool here (hot_decode_cores with decode_gpus)")
         ids = {pool: self.gpus(pool) for pool in ("prefill", "decode", "colocated")}
         if bool(ids["prefill"]) != bool(ids["decode"]):
             raise ValueError("prefill_gpus and decode_gpus go together (the KV hand-off is GPU to GPU)")
@@ -222,8 +222,8 @@ class Layout:
             raise ValueError("prefill_borrow: core loans are between one prefill and one decode CPU instance")
 
     def pool_transport(self) -> str:
-        """The KV transport of CPU prefill and decode pools ("": the pool's default, shm)."""
-        return self.transport or ("nixl" if self.role in ("prefill", "decode") else "")
+        """The KV transport of CPU prefill and decode pools: nixl on a server carrying one of them."""
+        return "nixl" if self.role in ("prefill", "decode") else self.kv.transport
 
     def pool_dtype(self, pool: str) -> str:
         """The compute dtype of a pool."""
@@ -236,7 +236,7 @@ class Layout:
 
     def pair_kv_dtype(self) -> str:
         """The KV cache dtype the prefill and decode pools share."""
-        return self.kv_dtype or self.pool_dtype("decode")
+        return self.kv.dtype or self.pool_dtype("decode")
 
     def gpus(self, pool: str) -> list[int]:
         """The GPU ids of a pool (empty: it runs on CPU)."""
@@ -336,14 +336,16 @@ def _pool(
     params = {
         "cores": cores,
         "dtype": layout.pool_dtype(role),
-        "kv.cache_mb": str(layout.kv_cache_mb),
-        "kv.block_size": str(layout.block_size),
+        "kv.cache_mb": str(layout.kv.cache_mb),
+        "kv.block_size": str(layout.kv.block_size),
     }  # the pool's kv section: PoolConfig.kv (disagg.kv.settings), the spec's words
     if role != "colocated":
         params["kv.dtype"] = layout.pair_kv_dtype()
-        params["kv.lease_ttl_s"] = str(layout.lease_ttl_s)
-        if layout.pool_transport() and not layout.gpus(role):
+        params["kv.lease_ttl_s"] = str(layout.kv.lease_ttl_s)
+        if layout.pool_transport() != KVSettings.transport and not layout.gpus(role):
             params["kv.transport"] = layout.pool_transport()
+        if layout.kv.checksum:
+            params["kv.checksum"] = "true"
     if role == "prefill" and layout.prefill_nice:
         params["nice"] = str(layout.prefill_nice)
     if nice:
@@ -366,7 +368,7 @@ def _pool(
         if layout.decode_batch_start:
             params["batch_start"] = str(layout.decode_batch_start)
     if role != "decode":
-        params["kv.prefix_cache"] = "true" if layout.prefix_cache else "false"
+        params["kv.prefix_cache"] = "true" if layout.kv.prefix_cache else "false"
     if role == "colocated" and layout.colocated_chunk_tokens:
         params["chunked_prefill"] = "true"
         params["max_prefill_tokens"] = str(layout.colocated_chunk_tokens)
@@ -442,9 +444,9 @@ def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
         params["rate_adaptive"] = "true"
     if layout.hot_step_ratio != HotPromptsConfig.step_ratio:
         params["step_ratio"] = f"{layout.hot_step_ratio:g}"
-    if layout.block_size != HotPromptsConfig.block_tokens:
+    if layout.kv.block_size != HotPromptsConfig.block_tokens:
         # the groups are the prefix cache's full blocks: the same block size
-        params["block_tokens"] = str(layout.block_size)
+        params["block_tokens"] = str(layout.kv.block_size)
     return {f"hot_prompts.{key}": value for key, value in params.items()}
 
 
@@ -580,12 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg repository", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("model_repository"))
     defaults = Layout()
-    fields = ("prefill_cores", "decode_cores", "colocated_cores", "frontend_cores", "dtype")
-    fields += ("prefill_dtype", "decode_dtype", "colocated_dtype", "kv_dtype")
-    for field in (*fields, "prefill_gpus", "decode_gpus", "colocated_gpus"):
-        parser.add_argument("--" + field.replace("_", "-"), default=getattr(defaults, field))
-    parser.add_argument("--kv-cache-mb", type=int, default=defaults.kv_cache_mb)
-    parser.add_argument("--lease-ttl-s", type=float, default=defaults.lease_ttl_s)
+    names = ("prefill_cores", "decode_cores", "colocated_cores", "frontend_cores", "dtype")
+    names += ("prefill_dtype", "decode_dtype", "colocated_dtype")
+    for name in (*names, "prefill_gpus", "decode_gpus", "colocated_gpus"):
+        parser.add_argument("--" + name.replace("_", "-"), default=getattr(defaults, name))
+    parser.add_argument("--kv-dtype", default=defaults.kv.dtype)
+    parser.add_argument("--kv-cache-mb", type=int, default=defaults.kv.cache_mb)
+    parser.add_argument("--lease-ttl-s", type=float, default=defaults.kv.lease_ttl_s)
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s)
     parser.add_argument(
         "--colocated-chunk-tokens",
@@ -633,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
-        default=defaults.prefix_cache,
+        default=defaults.kv.prefix_cache,
         help="the prefill and colocated pools reuse the KV of prompt prefixes they computed before",
     )
     parser.add_argument(
@@ -718,20 +721,70 @@ def main(argv: list[str] | None = None) -> int:
                 f"--spec and --set say the whole layout (and --role which part); drop {', '.join(extra)}"
             )
         return write_spec(args.spec, args.out, args.role, args.set)
-    for flag in given:
-        if flag in DEPRECATED_FLAGS:
-            print(
-                f"disagg repository: {flag} is deprecated and goes in the next release; "
-                f"use --set {DEPRECATED_FLAGS[flag]}=... (the spec's key)",
-                file=sys.stderr,
-            )
-    try:
-        layout = _layout(args)
+    overrides = _flag_overrides(parser, args)
+    for flag in sorted({flag for flag, _ in overrides}):
+        print(
+            f"disagg repository: {flag} is deprecated and goes in the next release; "
+            f"use --set {DEPRECATED_FLAGS[flag]}=... (the spec's key)",
+            file=sys.stderr,
+        )
+    try:  # the flags are the default spec's keys, set: the layout that spec deploys, on this role
+        layout, versions, serving = _from_spec(None, "all", [o for _, o in overrides])
+        layout = dataclasses.replace(layout, role=args.role, remote_pools=args.remote_pools)
     except ValueError as exc:
         parser.error(str(exc))
-    for path in write(args.out, layout):
+    for path in write(args.out, layout, versions, serving):
         print(path, file=sys.stderr)
     return 0
+
+
+def _flag_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The layout flags that differ from their defaults, as (flag, ``KEY=VALUE`` on the spec's key)."""
+
+    def ids(text: str) -> str:  # "0,1" -> [0,1]: the spec's list (checked there, naming its key)
+        return f"[{text}]"
+
+    def yes(value: bool) -> str:
+        return "true" if value else "false"
+
+    values = {  # dest -> (flag, value as the spec's YAML)
+        "kv_dtype": ("--kv-dtype", str),
+        "kv_cache_mb": ("--kv-cache-mb", str),
+        "lease_ttl_s": ("--lease-ttl-s", str),
+        "request_timeout_s": ("--request-timeout-s", str),
+        "colocated_chunk_tokens": ("--colocated-chunk-tokens", str),
+        "conditional_prefill_tokens": ("--conditional-prefill-tokens", str),
+        "conditional_chunk_tokens": ("--conditional-chunk-tokens", str),
+        "decode_batch_tpot_slo": ("--decode-batch-tpot-slo", str),
+        "decode_batch_start": ("--decode-batch-start", str),
+        "prefill_borrow": ("--prefill-borrow", lambda v: "null" if v == AUTO_BORROW else ids(v)),
+        "decode_lend_tpot": ("--decode-lend-tpot", str),
+        "prefix_cache": ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache", yes),
+        "admission_margin": ("--admission-margin", str),
+        "hot_group_rate": ("--hot-group-rate", str),
+        "hot_rate_adaptive": ("--hot-rate-adaptive", yes),
+        "hot_step_ratio": ("--hot-step-ratio", str),
+        "no_local_decode": ("--no-local-decode", lambda v: yes(not v)),
+        "transport": ("--transport", str),
+    }
+    for pool in ("prefill", "decode", "colocated", "frontend"):
+        values[f"{pool}_cores"] = (f"--{pool}-cores", ids)
+    for pool in ("prefill", "decode", "colocated"):
+        values[f"{pool}_gpus"] = (f"--{pool}-gpus", ids)
+        values[f"{pool}_dtype"] = (f"--{pool}-dtype", str)
+    values["dtype"] = ("--dtype", str)
+    if args.hot_decode_cores:  # a hot pool: its cores and niceness (without one, its niceness is moot)
+        values["hot_decode_cores"] = ("--hot-decode-cores", ids)
+        values["hot_decode_nice"] = ("--hot-decode-nice", str)
+    overrides = []
+    for dest, (flag, spell) in values.items():
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):
+            overrides.append((flag, f"{DEPRECATED_FLAGS[flag]}={spell(value)}"))
+            if dest.endswith("_gpus") and value:  # the spec counts a GPU pool's instances: one per GPU
+                pool = dest.removesuffix("_gpus")
+                overrides.append((flag, f"pools.{pool}.instances={len(value.split(','))}"))
+    return overrides
 
 
 # The layout flags, each with the spec key that says the same (`--set KEY=VALUE`). They keep working
@@ -837,44 +890,6 @@ def _from_spec(
     if role == "frontend":  # it dials the pools: over TLS when the spec's remote section asks
         layout = dataclasses.replace(layout, remote_tls=spec.tls_folder(base))
     return layout, spec.versions(base), (spec.model.serving,)
-
-
-def _layout(args: argparse.Namespace) -> Layout:
-    return Layout(
-        prefill_cores=args.prefill_cores,
-        decode_cores=args.decode_cores,
-        colocated_cores=args.colocated_cores,
-        frontend_cores=args.frontend_cores,
-        dtype=args.dtype,
-        prefill_dtype=args.prefill_dtype,
-        decode_dtype=args.decode_dtype,
-        colocated_dtype=args.colocated_dtype,
-        kv_dtype=args.kv_dtype,
-        kv_cache_mb=args.kv_cache_mb,
-        lease_ttl_s=args.lease_ttl_s,
-        request_timeout_s=args.request_timeout_s,
-        colocated_chunk_tokens=args.colocated_chunk_tokens,
-        conditional_prefill_tokens=args.conditional_prefill_tokens,
-        conditional_chunk_tokens=args.conditional_chunk_tokens,
-        decode_batch_tpot_slo_s=args.decode_batch_tpot_slo,
-        decode_batch_start=args.decode_batch_start,
-        prefill_borrow=args.prefill_borrow,
-        decode_lend_tpot_s=args.decode_lend_tpot,
-        local_decode=not args.no_local_decode,
-        prefix_cache=args.prefix_cache,
-        admission_margin=args.admission_margin,
-        hot_decode_cores=args.hot_decode_cores,
-        hot_decode_nice=args.hot_decode_nice,
-        hot_group_rate=args.hot_group_rate,
-        hot_rate_adaptive=args.hot_rate_adaptive,
-        hot_step_ratio=args.hot_step_ratio,
-        prefill_gpus=args.prefill_gpus,
-        decode_gpus=args.decode_gpus,
-        colocated_gpus=args.colocated_gpus,
-        role=args.role,
-        remote_pools=args.remote_pools,
-        transport=args.transport or "",
-    )
 
 
 if __name__ == "__main__":

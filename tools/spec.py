@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from disagg.config import ConfigError, build
-from disagg.kv.settings import KVSettings
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
-from disagg_tools.repository import AUTO_BORROW, Layout, ModelVersion
+from disagg_tools.repository import AUTO_BORROW, KV, Layout, ModelVersion
 
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
 
@@ -80,6 +79,8 @@ class PrefillPool:
 
     def __post_init__(self) -> None:
         _check_pool(self)
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice: must be in [0, 19]")
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,10 @@ class DecodePool:
         _check_pool(self)
         if self.lend_tpot_s is not None and not self.lend_tpot_s >= 0:
             raise ValueError("lend_tpot_s: must be a number of seconds >= 0, or null")
+        if not 0 <= self.batch_tpot_slo_s <= 3600:
+            raise ValueError("batch_tpot_slo_s: must be a number of seconds in [0, 3600] (0: off)")
+        if not 0 <= self.batch_start <= 4096:
+            raise ValueError("batch_start: must be in [0, 4096] (0: max_batch_size)")
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,8 @@ class ColocatedPool:
 
     def __post_init__(self) -> None:
         _check_pool(self)
+        if not 0 <= self.chunk_tokens <= 1 << 20:
+            raise ValueError(f"chunk_tokens: must be in [0, {1 << 20}] (0: whole prompts)")
 
 
 def _check_pool(pool: Any) -> None:
@@ -164,28 +171,6 @@ class Pools:
         for core in p.borrow or ():
             if core not in d.cores:
                 raise ValueError(f"prefill.borrow: core {core} is not the decode pool's {list(d.cores)}")
-
-
-@dataclass(frozen=True)
-class KV:
-    """The KV cache the prefill and decode pools share, and its hand-off: the pools' config.pbtxt
-    spells each key the same, ``kv.<key>`` (their ``PoolConfig.kv``, ``disagg.kv.settings``, which also
-    has ``checksum``, off here)."""
-
-    dtype: Dtype = ""  # "": the decode pool's compute dtype
-    cache_mb: int = KVSettings.cache_mb
-    block_size: int = KVSettings.block_size
-    lease_ttl_s: float = KVSettings.lease_ttl_s
-    transport: Literal["shm", "nixl"] = "shm"  # CPU pools; GPU pools hand off over CUDA IPC
-    prefix_cache: bool = Layout.prefix_cache  # the prefill and colocated pools reuse shared prefixes' KV
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.cache_mb <= 1 << 20:
-            raise ValueError("cache_mb: must be in 1..1048576")
-        if self.block_size not in (4, 8, 16, 32, 64, 128):
-            raise ValueError("block_size: must be one of 4, 8, 16, 32, 64, 128")
-        if not 0 < self.lease_ttl_s <= 3600:
-            raise ValueError("lease_ttl_s: must be in (0, 3600]")
 
 
 @dataclass(frozen=True)
@@ -236,6 +221,8 @@ class HotPool:
         _check_ids(self.cores, "cores", "core")
         if not self.cores:
             raise ValueError("cores: the hot prompts' pool needs at least one core")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice: must be in [0, 19]")
 
 
 @dataclass(frozen=True)
@@ -246,6 +233,8 @@ class HotPrompts:
     step_ratio: float = 1.1  # ... over this x the step time while no group was hot
 
     def __post_init__(self) -> None:
+        if not 0 <= self.group_rate <= 1e6:
+            raise ValueError("group_rate: must be a number of requests per second >= 0 (0: off)")
         if self.rate_adaptive and not self.group_rate > 0:
             raise ValueError("rate_adaptive: needs group_rate > 0 (the adaptive rate's maximum)")
         if not 1 < self.step_ratio <= 100:
@@ -350,11 +339,7 @@ class Spec:
             prefill_dtype=p.dtype,
             decode_dtype=d.dtype,
             colocated_dtype=c.dtype,
-            kv_dtype=self.kv.dtype,
-            kv_cache_mb=self.kv.cache_mb,
-            block_size=self.kv.block_size,
-            lease_ttl_s=self.kv.lease_ttl_s,
-            transport="" if self.kv.transport == "shm" else self.kv.transport,
+            kv=self.kv,
             request_timeout_s=self.entry_points.request_timeout_s,
             slo_ttft_s=self.entry_points.slo.ttft_s,
             slo_tpot_s=self.entry_points.slo.tpot_s,
@@ -362,7 +347,6 @@ class Spec:
             prefill_nice=p.nice,
             local_decode=p.local_decode,
             colocated_chunk_tokens=c.chunk_tokens,
-            prefix_cache=self.kv.prefix_cache,
             hot_decode_cores=_cores(hot.cores) if hot is not None else "",
             hot_decode_nice=hot.nice if hot is not None else 5,
             hot_group_rate=self.hot_prompts.group_rate,

@@ -75,9 +75,9 @@ def _server(
     prefill: dict[str, str] | None = None,
 ) -> TritonServer:
     repository = out / "repository"
-    assert write_repository(["--out", str(repository), "--lease-ttl-s", str(ttl_s)]) == 0
-    if checksum:  # the exporter signs a digest of the blocks into each descriptor; the importer checks it
-        set_parameters(repository, {pool: {"kv.checksum": "true"} for pool in ("prefill", "decode")})
+    # with checksum, the exporter signs a digest of the blocks into each descriptor; the importer checks it
+    keys = [f"kv.lease_ttl_s={ttl_s}", f"kv.checksum={str(checksum).lower()}"]
+    assert write_repository(["--out", str(repository), *(a for key in keys for a in ("--set", key))]) == 0
     set_parameters(repository, {"prefill": prefill or {}})
     # the server's processes inherit these; this process does not keep them
     with pytest.MonkeyPatch.context() as env:

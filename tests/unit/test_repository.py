@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.config import build
+from disagg.config import ConfigError, build
 from disagg.engine.device import auto_dtype
 from disagg.paths import REPO_ROOT
 from disagg.serving.text_api import ALL_INPUTS
-from disagg_tools.repository import Layout, main, render
+from disagg_tools.repository import KV, Layout, main, render
+from disagg_tools.spec import load_spec
 
 
 def test_committed_repository_matches_the_generator():
@@ -133,10 +134,10 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
     # unset: the decode pool's compute dtype, for both sides of the hand-off
     assert params(mixed, "prefill")["kv.dtype"] == params(mixed, "decode")["kv.dtype"] == "bfloat16"
     assert params(mixed, "colocated")["dtype"] == "auto" and "kv.dtype" not in params(mixed, "colocated")
-    chosen = render(Layout(dtype="float32", kv_dtype="bfloat16"))
+    chosen = render(Layout(dtype="float32", kv=KV(dtype="bfloat16")))
     assert {params(chosen, p)["kv.dtype"] for p in ("prefill", "decode")} == {"bfloat16"}
-    with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        Layout(kv_dtype="int8")
+    with pytest.raises(ValueError, match="dtype: must be one of"):
+        Layout(kv=KV(dtype="int8"))
     assert main(["--out", str(tmp_path), "--prefill-dtype", "float32", "--kv-dtype", "float32"]) == 0
     assert (
         'key: "kv.dtype", value: { string_value: "float32" }'
@@ -209,8 +210,8 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
                 {**params(name), "model_dir": str(tiny_model_dir)}, {"model_instance_name": "p"}
             )
             assert config.kv.prefix_cache is config.engine.prefix_cache is cached, (flag, name)
-    with pytest.raises(ValueError, match="admission_margin"):
-        render(Layout(admission_margin=-1))
+    with pytest.raises(ConfigError, match=r"entry_points\.admission\.margin: must be in"):
+        load_spec(None, ["entry_points.admission.margin=-1"])
     default = render(Layout())
     for name in ("orchestrator", "orchestrator_colocated", "llm"):  # on in the default deployment
         assert 'key: "admission.margin", value: { string_value: "2" }' in default[name]
@@ -244,8 +245,8 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
     assert colocated.hot_prompts.decode_model == "" and colocated.hot_prompts.group_rate == 2.0
     assert '"hot_prompts.group_rate"' in (tmp_path / "llm" / "config.pbtxt").read_text()
     assert HOT_POOL not in render(Layout()) and "hot_" not in render(Layout())["llm"]
-    with pytest.raises(ValueError, match="hot_decode_nice"):
-        Layout(hot_decode_cores="1", hot_decode_nice=20)
+    with pytest.raises(ConfigError, match=r"hot_prompts\.pool\.nice: must be in \[0, 19\]"):
+        load_spec(None, ["hot_prompts.pool={cores: [1], nice: 20}"])
 
 
 def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
@@ -266,10 +267,10 @@ def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
         assert throttle is not None and (throttle.max_rate, throttle.step_ratio) == (2.0, 1.3), name
     assert "hot_prompts.rate_adaptive" not in render(Layout(hot_group_rate=2))["llm"]
     assert "hot_prompts.step_ratio" not in render(Layout(hot_group_rate=2, hot_rate_adaptive=True))["llm"]
-    with pytest.raises(ValueError, match="hot_rate_adaptive needs hot_group_rate"):
-        Layout(hot_rate_adaptive=True)
-    with pytest.raises(ValueError, match="hot_step_ratio"):
-        Layout(hot_step_ratio=1.0)
+    with pytest.raises(ConfigError, match=r"hot_prompts\.rate_adaptive: needs group_rate > 0"):
+        load_spec(None, ["hot_prompts.rate_adaptive=true"])
+    with pytest.raises(ConfigError, match=r"hot_prompts\.step_ratio: must be in \(1, 100\]"):
+        load_spec(None, ["hot_prompts.step_ratio=1.0"])
 
 
 def test_hot_prompt_groups_use_the_prefix_cache_block_size():
@@ -277,7 +278,7 @@ def test_hot_prompt_groups_use_the_prefix_cache_block_size():
     for name in ("llm", "orchestrator"):
         assert (
             'key: "hot_prompts.block_tokens", value: { string_value: "32" }'
-            in render(Layout(block_size=32))[name]
+            in render(Layout(kv=KV(block_size=32)))[name]
         )
 
 

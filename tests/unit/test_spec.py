@@ -79,6 +79,16 @@ def test_versions_become_folders_with_their_checkpoint_and_probe(tmp_path):
         ({"pools": {"prefill": {"cores": ["a"]}}}, r"^pools\.prefill\.cores\[0\]: must be an integer$"),
         ({"kv": {"cache_mb": 0}}, r"^kv\.cache_mb: must be in"),
         ({"kv": {"transport": "tcp"}}, r"^kv\.transport: must be one of shm, nixl$"),
+        ({"kv": {"dtype": "int8"}}, r"^kv\.dtype: must be one of"),
+        ({"pools": {"colocated": {"chunk_tokens": -1}}}, r"^pools\.colocated\.chunk_tokens: must be in"),
+        ({"pools": {"decode": {"batch_start": -1}}}, r"^pools\.decode\.batch_start: must be in"),
+        ({"pools": {"decode": {"batch_tpot_slo_s": -1}}}, r"^pools\.decode\.batch_tpot_slo_s: must be"),
+        (
+            {"pools": {"decode": {"conditional": {"chunk_tokens": 0}}}},
+            r"conditional\.chunk_tokens: must be in",
+        ),
+        ({"pools": {"prefill": {"nice": 20}}}, r"^pools\.prefill\.nice: must be in \[0, 19\]$"),
+        ({"hot_prompts": {"group_rate": -1}}, r"^hot_prompts\.group_rate: must be"),
         ({"dtype": "int8"}, r"^dtype: must be one of"),
         (
             {"pools": {"prefill": {"cores": [0, 1]}, "decode": {"cores": [1]}}},

@@ -66,6 +66,7 @@ CHANGES: dict[str, tuple[list[str], list[str]]] = {
     "kv.lease_ttl_s": (["kv.lease_ttl_s=10"], []),
     "kv.transport": (["kv.transport=nixl"], []),
     "kv.prefix_cache": (["kv.prefix_cache=false"], []),
+    "kv.checksum": (["kv.checksum=true"], []),
     "hot_prompts.pool": (["hot_prompts.pool={cores: [1], nice: 5}"], []),
     "hot_prompts.group_rate": (["hot_prompts.group_rate=2"], []),
     "hot_prompts.rate_adaptive": (
@@ -219,6 +220,41 @@ def test_set_with_a_layout_flag_is_refused_and_a_layout_flag_names_its_key(tmp_p
     assert file_tree(tmp_path / "b") == file_tree(tmp_path / "c")
 
 
+FLAG_CASES = [  # deprecated layout flags -> the spec keys that say the same
+    (["--kv-dtype", "float32", "--lease-ttl-s", "7"], ["kv.dtype=float32", "kv.lease_ttl_s=7"]),
+    (["--prefill-cores", "1", "--decode-cores", "0"], ["pools.prefill.cores=[1]", "pools.decode.cores=[0]"]),
+    (["--prefill-borrow", ""], ["pools.prefill.borrow=[]"]),
+    (
+        ["--no-prefix-cache", "--no-local-decode"],
+        ["kv.prefix_cache=false", "pools.prefill.local_decode=false"],
+    ),
+    (["--hot-decode-cores", "1", "--hot-decode-nice", "7"], ["hot_prompts.pool={cores: [1], nice: 7}"]),
+    (
+        ["--prefill-gpus", "0", "--decode-gpus", "1,2"],
+        [
+            "pools.prefill.gpus=[0]",
+            "pools.prefill.instances=1",
+            "pools.decode.gpus=[1,2]",
+            "pools.decode.instances=2",
+        ],
+    ),
+    (
+        ["--transport", "nixl", "--colocated-chunk-tokens", "64"],
+        ["kv.transport=nixl", "pools.colocated.chunk_tokens=64"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "overrides"), FLAG_CASES)
+def test_layout_flags_write_what_their_spec_keys_write(
+    tmp_path: Path, flags: list[str], overrides: list[str]
+) -> None:
+    """The deprecated layout flags are the spec's keys set on the default spec: one way in, the same
+    repository as ``--set``."""
+    assert repository_main(["--out", str(tmp_path / "flags"), *flags]) == 0
+    assert file_tree(tmp_path / "flags") == _written(tmp_path, overrides) != _written(tmp_path, [])
+
+
 def test_every_deprecated_flag_names_a_key_of_the_spec():
     keys = set(_keys(Spec))
     for flag, key in DEPRECATED_FLAGS.items():
@@ -264,12 +300,12 @@ def test_an_old_key_loads_as_its_new_one_with_a_deprecation_warning(caplog, old:
 
 
 def test_the_specs_kv_section_is_the_pools_in_the_same_words():
-    """The spec's ``kv`` keys are fields of the pools' KV section (``PoolConfig.kv``), with the same
+    """The spec's ``kv`` keys are the fields of the pools' KV section (``PoolConfig.kv``), with the same
     defaults where the spec does not deploy another (``dtype``: the decode pool's; ``prefix_cache``: on)."""
     from disagg.kv.settings import KVSettings
     from disagg_tools.spec import KV
 
     pool = {f.name: f.default for f in dataclasses.fields(KVSettings)}
     spec = {f.name: f.default for f in dataclasses.fields(KV)}
-    assert set(spec) <= set(pool) and set(pool) - set(spec) == {"checksum"}
+    assert set(spec) == set(pool)
     assert {k: v for k, v in spec.items() if spec[k] != pool[k]} == {"dtype": "", "prefix_cache": True}
