@@ -729,11 +729,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     try:  # the flags are the default spec's keys, set: the layout that spec deploys, on this role
-        layout, versions, serving = _from_spec(None, "all", [o for _, o in overrides])
-        layout = dataclasses.replace(layout, role=args.role, remote_pools=args.remote_pools)
+        parts = _on_role(args.role, args.remote_pools, [o for _, o in overrides])
     except ValueError as exc:
         parser.error(str(exc))
-    for path in write(args.out, layout, versions, serving):
+    for path in write(args.out, *parts):
         print(path, file=sys.stderr)
     return 0
 
@@ -843,10 +842,19 @@ def write_owned(spec_path: Path | None, out: Path, role: str = "all", overrides:
 def write_role(role: str, remote_pools: str, out: Path) -> Path:
     """Write the default layout's repository for one server role (``disagg serve --role``) afresh into
     ``out``, owned as ``write_owned`` owns its folder; ValueError as it."""
-    layout = Layout(role=role, remote_pools=remote_pools)  # checked before anything is removed
+    parts = _on_role(role, remote_pools)  # checked before anything is removed
     _own(out, f"generated for role {role}")
-    write(out, layout)
+    write(out, *parts)
     return out
+
+
+def _on_role(
+    role: str, remote_pools: str, overrides: Sequence[str] = ()
+) -> tuple[Layout, tuple[ModelVersion, ...], tuple[int, ...]]:
+    """What ``write`` takes for the default spec with ``overrides`` set, on a server of ``role`` dialing
+    ``remote_pools`` (the frontend's); ValueError when that is not valid."""
+    layout, versions, serving = _from_spec(None, "all", overrides)
+    return dataclasses.replace(layout, role=role, remote_pools=remote_pools), versions, serving
 
 
 def _own(out: Path, origin: str) -> None:
