@@ -353,9 +353,8 @@ def _pool(
     if role == "prefill" and layout.local_decode:
         params["local_decode"] = "true"
     if role == "decode" and layout.conditional_prefill_tokens:
-        params["local_prefill_tokens"] = str(layout.conditional_prefill_tokens)
-        params["chunked_prefill"] = "true"
-        params["max_prefill_tokens"] = str(layout.conditional_chunk_tokens)
+        params["conditional.prefill_tokens"] = str(layout.conditional_prefill_tokens)
+        params["conditional.chunk_tokens"] = str(layout.conditional_chunk_tokens)
     borrowed = layout.borrowed_cores()
     if role == "prefill" and borrowed:
         params["borrow"] = borrowed

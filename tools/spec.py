@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from disagg.config import ConfigError, build
+from disagg.pool.settings import ConditionalPrefill
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
@@ -84,21 +85,6 @@ class PrefillPool:
 
 
 @dataclass(frozen=True)
-class Conditional:
-    """Conditional disaggregation: prompts of at most ``prefill_tokens`` are prefilled on the decode pool,
-    in chunks of ``chunk_tokens``, while the prefill pool is backlogged (0: off)."""
-
-    prefill_tokens: int = 0
-    chunk_tokens: int = 128
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.prefill_tokens <= 1 << 20:
-            raise ValueError(f"prefill_tokens: must be in [0, {1 << 20}] (0: off)")
-        if not 1 <= self.chunk_tokens <= 1 << 20:
-            raise ValueError(f"chunk_tokens: must be in [1, {1 << 20}]")
-
-
-@dataclass(frozen=True)
 class DecodePool:
     RENAMED: ClassVar[dict[str, str]] = {
         "conditional_prefill_tokens": "conditional.prefill_tokens",
@@ -109,7 +95,7 @@ class DecodePool:
     gpus: tuple[int, ...] = ()
     instances: int = 1
     dtype: Dtype = ""
-    conditional: Conditional = field(default_factory=Conditional)
+    conditional: ConditionalPrefill = field(default_factory=ConditionalPrefill)
     # the decode batch tuner (disagg.scheduling.tuner): tunes the batch limit under this TPOT (0: off),
     # starting from batch_start (0: the engine's max_batch_size)
     batch_tpot_slo_s: float = 0.0

@@ -145,7 +145,7 @@ def test_prefill_and_decode_share_one_kv_dtype_whatever_they_compute_in(tmp_path
     )
 
 
-def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_model_dir):
+def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_model_dir, caplog):
     """`--conditional-prefill-tokens N`: the decode pool prefills prompts of up to N tokens itself, in
     chunks, and the disaggregated entry points route them there (parsed as the adapters parse them)."""
     import re
@@ -166,8 +166,20 @@ def test_conditional_variant_lets_the_decode_pool_prefill_short_prompts(tiny_mod
     for name in ("orchestrator", "llm"):
         assert build(OrchestratorConfig, params(name), strings=True).conditional.prefill_tokens == 512
     assert "conditional.prefill_tokens" not in rendered["orchestrator_colocated"]
-    assert "local_prefill_tokens" not in rendered["prefill"] + rendered["colocated"]
+    assert "conditional" not in rendered["prefill"] + rendered["colocated"]
     assert "conditional" not in render(Layout())["llm"], "off by default"
+    # a decode pool's config.pbtxt of the release before: the same scheduling, with a warning
+    old = {k: v for k, v in params("decode").items() if not k.startswith("conditional.")}
+    old |= {"local_prefill_tokens": "512", "chunked_prefill": "true", "max_prefill_tokens": "64"}
+    with caplog.at_level("WARNING", logger="disagg.config"):
+        before = pool_config({**old, "model_dir": str(tiny_model_dir)}, {"model_instance_name": "d"})
+    assert before.scheduling() == scheduling and before.conditional == decode.conditional
+    assert "local_prefill_tokens is deprecated" in caplog.text
+    with pytest.raises(ValueError, match="give that"):  # one chunk, said once
+        pool_config(
+            {**params("decode"), "max_prefill_tokens": "32", "model_dir": str(tiny_model_dir)},
+            {"model_instance_name": "d"},
+        )
 
 
 def test_prefix_cache_variant_turns_it_on_in_the_prefill_and_colocated_pools(tmp_path, tiny_model_dir):

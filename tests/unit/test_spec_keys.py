@@ -104,7 +104,6 @@ OTHER_WORDS = {
     "pools.decode.instances": "Triton's instance_group (count)",
     "pools.colocated.instances": "Triton's instance_group (count)",
     "pools.colocated.chunk_tokens": "one key, two fields: chunked_prefill and max_prefill_tokens",
-    "pools.decode.conditional.chunk_tokens": "the decode pool's max_prefill_tokens (its prompts' chunk)",
     "hot_prompts.pool": "a pool of its own (model decode_hot) and the entry points' hot_prompts.decode_model",
 }
 

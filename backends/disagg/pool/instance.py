@@ -16,12 +16,14 @@ from disagg.kv.transport import Transport, TransportConfig, create_transport
 from disagg.loanpath import loan_scope
 from disagg.pool import faults
 from disagg.pool.loop import EngineLoop
+from disagg.pool.settings import ConditionalPrefill
 from disagg.role import Role
 from disagg.scheduling import SchedulerConfig, create_scheduler
 from disagg.scheduling.pacing import Pacing
 from disagg.scheduling.tuner import BatchTuner, TunerConfig
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+PREFILL_TOKENS = 4096  # a pool's prompt tokens per step, unless it says otherwise
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class PoolConfig:
 
     RENAMED: ClassVar[dict[str, str]] = {
         "local_generate": "local_decode",
+        "local_prefill_tokens": "conditional.prefill_tokens",
         **{engine: f"kv.{name}" for name, engine in ENGINE_FIELDS.items()},
         **{name: f"kv.{name}" for name in TRANSPORT_FIELDS},
     }  # old config.pbtxt parameter -> its name now (config.build)
@@ -43,15 +46,15 @@ class PoolConfig:
     max_queue: int = 256
     # prompt tokens per engine step, and whether prompts are cut into chunks to fill it exactly (see
     # disagg.scheduling.SchedulerConfig); chunking bounds how long one prompt stalls a colocated batch
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = PREFILL_TOKENS
     chunked_prefill: bool = False
     # A prefill pool that also decodes what it prefilled, when the orchestrator sends it whole requests
     # (its fallback while the decode pool is gone or saturated); prefill pools only. The spec's name
     # (pools.prefill.local_decode); config.pbtxt's "local_generate" still works for this release
     local_decode: bool = False
-    # A decode pool that also prefills prompts of at most this many tokens itself, when the
-    # orchestrator keeps them off a backlogged prefill pool (conditional disaggregation); 0: off
-    local_prefill_tokens: int = 0
+    conditional: ConditionalPrefill = field(default_factory=ConditionalPrefill)
+    """A decode pool's conditional disaggregation (config.pbtxt: ``conditional.prefill_tokens``,
+    ``conditional.chunk_tokens``): on, its prompts' chunk is its prefill budget per step."""
     # A decode pool's head import waiting for KV blocks is passed by smaller ones that fit at most
     # this many times (see disagg.scheduling.decode; 0: strict FIFO)
     max_overtakes: int = 16
@@ -93,8 +96,13 @@ class PoolConfig:
         self.scheduling()  # validates the scheduler's settings
         if self.local_decode and self.role is not Role.PREFILL:
             raise ValueError("local_decode is a prefill pool's setting")
-        if self.local_prefill_tokens and self.role is not Role.DECODE:
-            raise ValueError("local_prefill_tokens is a decode pool's setting")
+        if self.conditional.enabled and self.role is not Role.DECODE:
+            raise ValueError("conditional.prefill_tokens is a decode pool's setting")
+        if self.conditional.enabled and (self.chunked_prefill or self.max_prefill_tokens != PREFILL_TOKENS):
+            raise ValueError(
+                "max_prefill_tokens / chunked_prefill: a decode pool's prompts are chunked by "
+                "conditional.chunk_tokens; give that"
+            )
         if not 0 <= self.nice <= 19:
             raise ValueError("nice must be in [0, 19]")
         if not 0 <= self.warm_up_tokens <= 8192:
@@ -144,12 +152,13 @@ class PoolConfig:
         )
 
     def scheduling(self) -> SchedulerConfig:
+        conditional = self.conditional
         return SchedulerConfig(
             self.max_queue,
-            self.max_prefill_tokens,
-            self.chunked_prefill,
+            conditional.chunk_tokens if conditional.enabled else self.max_prefill_tokens,
+            conditional.enabled or self.chunked_prefill,
             self.local_decode,
-            self.local_prefill_tokens,
+            conditional.prefill_tokens,
             self.max_overtakes,
         )
 
@@ -160,6 +169,12 @@ class PoolConfig:
         this class's. Typed by :func:`disagg.config.build`; unknown keys are errors (``ConfigError``, a
         ``ValueError``, naming the key: ``engine.max_batch_size``, ``kv.block_size``)."""
         engine_keys = {f.name for f in fields(EngineConfig)} - set(ENGINE_FIELDS.values())
+        if "local_prefill_tokens" in data and "conditional.chunk_tokens" not in data:
+            # an older decode pool: its conditional prompts' chunk was its max_prefill_tokens, chunked
+            data = dict(data)
+            data.pop("chunked_prefill", None)
+            if "max_prefill_tokens" in data:
+                data["conditional.chunk_tokens"] = data.pop("max_prefill_tokens")
         own = {k: v for k, v in data.items() if k not in engine_keys}
         flat = {k: v for k, v in data.items() if k in engine_keys}
         if "engine" not in own:

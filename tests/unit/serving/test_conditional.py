@@ -19,6 +19,7 @@ from disagg.engine.sequence import Request
 from disagg.engine.tokenizer import Tokenizer
 from disagg.pool.instance import PoolConfig, build_instance
 from disagg.pool.offline import generate
+from disagg.pool.settings import ConditionalPrefill
 from disagg.protocol.messages import PoolLoad
 from disagg.serving.ladder import Route
 from disagg.serving.orchestrator import Orchestrator, OrchestratorConfig
@@ -35,7 +36,7 @@ def loops(tiny_model_dir) -> Iterator[dict]:
     built = {}
     for role in ("prefill", "decode"):
         engine = EngineConfig(model_dir=tiny_model_dir, num_blocks=96, block_size=16)
-        local = {"local_prefill_tokens": LIMIT} if role == "decode" else {}
+        local = {"conditional": ConditionalPrefill(prefill_tokens=LIMIT)} if role == "decode" else {}
         built[role] = build_instance(PoolConfig(role=role, engine=engine, prefix=prefix, **local), secret)
     started = {role: loop.start() for role, (loop, _) in built.items()}
     yield started
