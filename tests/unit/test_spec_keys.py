@@ -308,3 +308,38 @@ def test_the_specs_kv_section_is_the_pools_in_the_same_words():
     spec = {f.name: f.default for f in dataclasses.fields(KV)}
     assert set(spec) == set(pool)
     assert {k: v for k, v in spec.items() if spec[k] != pool[k]} == {"dtype": "", "prefix_cache": True}
+
+
+@pytest.mark.parametrize("key", sorted(CHANGES))
+def test_what_each_key_writes_is_read_back_by_its_models_builder(
+    tmp_path: Path, key: str, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every config.pbtxt parameter a key writes is read by the builder of the model it configures, as
+    the adapters read it (a pool's ``pool_config``, an entry point's ``OrchestratorConfig``): nothing
+    unknown, nothing under a deprecated name."""
+    import re
+
+    from disagg.config import build
+    from disagg.serving.orchestrator import OrchestratorConfig
+    from disagg.triton.pool_model import pool_config
+
+    changed, _ = CHANGES[key]
+    out = tmp_path / "repository"
+    assert repository_main(["--out", str(out), *(a for o in changed for a in ("--set", o))]) == 0
+    read = set()
+    with caplog.at_level("WARNING", logger="disagg.config"):
+        for config in sorted(out.glob("*/config.pbtxt")):
+            text = config.read_text()
+            params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
+            role = params.get("role")
+            if role in ("prefill", "decode", "colocated"):
+                instance = {"model_instance_name": f"{config.parent.name}_0"}
+                pool_config({**params, "model_dir": str(tiny_model_dir)}, instance)
+            elif role in ("orchestrator", "llm"):
+                build(OrchestratorConfig, params, strings=True)
+            else:
+                assert set(params) <= {"role", "cores"}, (config.parent.name, params)
+                continue
+            read.add(config.parent.name)
+    assert {"prefill", "decode", "colocated", "orchestrator", "llm"} <= read
+    assert "deprecated" not in caplog.text
