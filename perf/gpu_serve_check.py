@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             report["metrics"] = [
                 line
                 for line in _metrics(18002).splitlines()
-                if line.startswith((*wanted, "disagg_engine_info"))
+                if line.startswith((*wanted, "disagg_engine_info", "disagg_pool_load_seconds"))
             ]
             samples = [line.rsplit(" ", 1) for line in report["metrics"]]
             held = [name for name, value in samples if name.startswith(wanted[0]) and float(value) != 0]

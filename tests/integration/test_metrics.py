@@ -145,9 +145,16 @@ def test_each_pool_instance_says_what_its_engine_resolved_to(server: TritonServe
         for (name, labels), value in samples.items()
         if name == "disagg_engine_info" and value == 1
     ]
+    loads = {
+        dict(labels)["instance"]: value
+        for (name, labels), value in samples.items()
+        if name == "disagg_pool_load_seconds"
+    }
     for pool in ("prefill", "decode", "colocated"):
         params = {k: v["string_value"] for k, v in model_config(server, pool)["parameters"].items()}
         mine = [info for info in infos if info["model"] == pool]
+        # each instance says how long it took to load (its warm-up prompt alone takes milliseconds)
+        assert all(0 < loads[info["instance"]] < 600 for info in mine), (pool, loads)
         assert len(mine) == model_config(server, pool)["instance_group"][0].get("count", 1), mine
         dtype = resolved(params["dtype"])
         bf16 = dtype == "bfloat16"

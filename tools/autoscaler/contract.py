@@ -48,6 +48,7 @@ METRIC_NAMES: MappingProxyType[str, str] = MappingProxyType(
         "disagg_slo_attainment_ratio": GAUGE,
         "disagg_goodput_requests_per_second": GAUGE,
         "disagg_engine_info": GAUGE,  # 1 per pool instance; labels say its dtypes and kernels
+        "disagg_pool_load_seconds": GAUGE,  # per pool instance: from its load to serving
         "disagg_pool_health": GAUGE,  # per entry point instance and pool: 0 healthy, 1 saturated, 2 gone
         "disagg_serving_mode": GAUGE,  # per entry point instance: 1 on the rung new requests take
         "disagg_pool_calls_open": GAUGE,  # per entry point instance: calls to pools not yet ended

@@ -43,6 +43,11 @@ DESCRIPTIONS = {
         "1 per live pool instance; labels: the engine's resolved compute and KV dtypes, projection and "
         "attention paths",
     ),
+    "disagg_pool_load_seconds": (
+        "GAUGE",
+        "Seconds a live pool instance took from its load to serving: engine and KV cache, probe, warm-up "
+        "prompt and (on a GPU, with cuda_graphs) graph capture; 0 once retired",
+    ),
     "disagg_requests_total": ("COUNTER", "Requests ended, by outcome"),
     "disagg_kv_transfer_bytes_total": ("COUNTER", "KV bytes handed off (counted by the importer)"),
     "disagg_kv_exported_bytes_total": ("COUNTER", "KV bytes exported for hand-off (counted by the exporter)"),

@@ -36,7 +36,9 @@ class PoolReporter:
         transport: Transport | None,
         version: int = 1,
         interval_s: float = 0.25,
+        load_s: float = 0.0,
     ) -> None:
+        """``load_s``: how long the instance took to load, published once (``disagg_pool_load_seconds``)."""
         fam = self._fam = Families(pb_utils)  # families must outlive their metrics
         role = loop.role.value
         # one series per instance: instances are processes, and a shared series would be overwritten
@@ -69,8 +71,10 @@ class PoolReporter:
             for reason in REFUSALS
         }
         self.info = fam.gauge("disagg_engine_info", {**labels, **loop.engine.describe()})
+        self.load = fam.gauge("disagg_pool_load_seconds", labels)
         self._adopt_orphaned_shares(model)
         self.info.set(1)
+        self.load.set(load_s)
         self._seen = {
             "bytes": 0.0,
             "exported": 0.0,
@@ -143,6 +147,7 @@ class PoolReporter:
             self.active,
             self.limit,
             self.info,
+            self.load,
         )
         return [gauge for gauge in gauges if gauge is not None]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +59,7 @@ class TritonSink:
 
 class PoolModel:
     def __init__(self, args: dict[str, Any], pb_utils: Any) -> None:
+        started = time.monotonic()
         self._pb = pb_utils
         params = glue.model_parameters(args)
         self.role = params.get("role", "")
@@ -78,11 +80,22 @@ class PoolModel:
         if self.config.engine.cores:  # the engine pinned its own threads; the stub's go along
             pin_process(self.config.engine.cores, skip=self.loop.loans.threads())
         self.loop.start()
+        load_s = time.monotonic() - started
         self.reporter = PoolReporter(
-            pb_utils, args["model_name"], args["model_instance_name"], self.loop, self.transport, self.version
+            pb_utils,
+            args["model_name"],
+            args["model_instance_name"],
+            self.loop,
+            self.transport,
+            self.version,
+            load_s=load_s,
         ).start()
         log.info(
-            "%s pool instance %s (version %d) ready", self.role, args["model_instance_name"], self.version
+            "%s pool instance %s (version %d) ready after %.2f s",
+            self.role,
+            args["model_instance_name"],
+            self.version,
+            load_s,
         )
 
     def execute(self, requests: list[Any]) -> None:

@@ -226,7 +226,7 @@ def _reporter_gauges(start: float) -> tuple[SimpleNamespace, list[ValuedMetric]]
     series = [ValuedMetric(start) for _ in range(3)]
     used, info, active = (Gauge(m) for m in series)
     fake = SimpleNamespace(used=used, info=info, active=active, free=None, cached=None, queue=None)
-    fake.pending = fake.limit = None
+    fake.pending = fake.limit = fake.load = None
     fake._gauges = lambda: pool_metrics.PoolReporter._gauges(fake)
     return fake, series
 
