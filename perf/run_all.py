@@ -762,10 +762,9 @@ class DisaggChoice:
             repository = with_pool_parameters(repository, scratch / "lend", "decode", lend)
         if not self.conditional_tokens:
             return repository
-        pool = {
-            "local_prefill_tokens": str(self.conditional_tokens),
-            "chunked_prefill": "true",
-            "max_prefill_tokens": str(self.chunk_tokens),
+        pool = {  # the decode pool's side, in the spec's words
+            "conditional.prefill_tokens": str(self.conditional_tokens),
+            "conditional.chunk_tokens": str(self.chunk_tokens),
         }
         pools = with_pool_parameters(repository, scratch / "pools", "decode", pool)
         orchestrators = {"conditional.prefill_tokens": str(self.conditional_tokens)}

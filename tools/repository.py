@@ -100,6 +100,43 @@ class KV:
 
 
 @dataclass(frozen=True)
+class HotPool:
+    """A decode pool of the hot prompt groups' own, ``decode_hot``: the CPU analogue of an MPS thread
+    percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5: about a quarter of
+    a contended core against a nice-0 decode pool)."""
+
+    cores: tuple[int, ...]
+    nice: int = 5
+
+    def __post_init__(self) -> None:
+        if any(c < 0 for c in self.cores) or len(set(self.cores)) != len(self.cores):
+            raise ValueError("cores: must list distinct core numbers >= 0")
+        if not self.cores:
+            raise ValueError("cores: the hot prompts' pool needs at least one core")
+        if not 0 <= self.nice <= 19:
+            raise ValueError("nice: must be in [0, 19]")
+
+
+@dataclass(frozen=True)
+class HotPrompts:
+    """Hot prompt isolation (``disagg.hot``): the spec's section ``hot_prompts``; the entry points'
+    config.pbtxt spells its keys ``hot_prompts.<key>`` (``OrchestratorConfig.hot_prompts``)."""
+
+    pool: HotPool | None = None  # a decode pool of their own ("decode_hot"); None: none
+    group_rate: float = 0.0  # where no hot pool takes them: requests/s a hot group may start (0: off)
+    rate_adaptive: bool = False  # group_rate is a maximum, lowered while the decode steps slow down
+    step_ratio: float = 1.1  # ... over this x the step time while no group was hot
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.group_rate <= 1e6:
+            raise ValueError("group_rate: must be a number of requests per second >= 0 (0: off)")
+        if self.rate_adaptive and not self.group_rate > 0:
+            raise ValueError("rate_adaptive: needs group_rate > 0 (the adaptive rate's maximum)")
+        if not 1 < self.step_ratio <= 100:
+            raise ValueError("step_ratio: must be in (1, 100]")
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where the pools run and how they are sized."""
 
@@ -118,18 +155,7 @@ class Layout:
     local_decode: bool = True
     # colocated: prompt tokens per engine step, prefilled in chunks (0: whole prompts, unchunked)
     colocated_chunk_tokens: int = 0
-    # hot prompts (disagg.hot.hotness): requests of a hot prompt group decode on a pool of their
-    # own, "decode_hot", pinned to these cores ("": no such pool) at this niceness: the CPU analogue of
-    # an MPS thread percentage is the pool's cores, and on a core it shares, its CFS weight (nice 5:
-    # about a quarter of a contended core against a nice-0 decode pool)
-    hot_decode_cores: str = ""
-    hot_decode_nice: int = 5
-    # where no hot pool takes them, each hot group starts at most this many requests per second (0: off);
-    # adaptive: that rate is the maximum, lowered while the shared decode pool's mean step time is over
-    # hot_step_ratio x its step time while no group was hot (disagg.hot.throttle)
-    hot_group_rate: float = 0.0
-    hot_rate_adaptive: bool = False
-    hot_step_ratio: float = 1.1
+    hot_prompts: HotPrompts = field(default_factory=HotPrompts)  # the entry points' hot_prompts.<key>
     # conditional disaggregation: prompts of at most this many tokens are served whole by the decode
     # pool while the prefill pool is backlogged, prefilled there in chunks of conditional_chunk_tokens
     # between decode steps (0: off)
@@ -200,8 +226,8 @@ class Layout:
         return self.decode_cores if self.loans_possible() and not set(hot) & set(decode) else ""
 
     def _decode_and_hot_cores(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        hot = _core_list(self.hot_decode_cores, "hot_decode_cores")
-        return _core_list(self.decode_cores, "decode_cores"), hot
+        hot = self.hot_prompts.pool
+        return _core_list(self.decode_cores, "decode_cores"), hot.cores if hot is not None else ()
 
     def _check_loans(self) -> None:
         if self.decode_lend_tpot_s is None:  # half the entry points' TPOT SLO
@@ -435,14 +461,15 @@ def _hot_params(layout: Layout, mode: str) -> dict[str, str]:
     """An entry point's hot-prompt isolation (its ``hot_prompts.*`` parameters): the hot pool
     (disaggregated only) and the group rate."""
     params = {}
-    if mode == "disaggregated" and layout.hot_decode_cores:
+    hot = layout.hot_prompts
+    if mode == "disaggregated" and hot.pool is not None:
         params["decode_model"] = HOT_POOL
-    if layout.hot_group_rate:
-        params["group_rate"] = f"{layout.hot_group_rate:g}"
-    if layout.hot_rate_adaptive:
+    if hot.group_rate:
+        params["group_rate"] = f"{hot.group_rate:g}"
+    if hot.rate_adaptive:
         params["rate_adaptive"] = "true"
-    if layout.hot_step_ratio != HotPromptsConfig.step_ratio:
-        params["step_ratio"] = f"{layout.hot_step_ratio:g}"
+    if hot.step_ratio != HotPromptsConfig.step_ratio:
+        params["step_ratio"] = f"{hot.step_ratio:g}"
     if layout.kv.block_size != HotPromptsConfig.block_tokens:
         # the groups are the prefix cache's full blocks: the same block size
         params["block_tokens"] = str(layout.kv.block_size)
@@ -539,8 +566,9 @@ def render(layout: Layout, serving: tuple[int, ...] = ()) -> dict[str, str]:
         "decode": _pool("decode", "decode", layout.decode_cores, layout, serving=serving),
         "colocated": _pool("colocated", "colocated", layout.colocated_cores, layout, serving=serving),
     }
-    if layout.hot_decode_cores:
-        cores, nice = layout.hot_decode_cores, layout.hot_decode_nice
+    if layout.hot_prompts.pool is not None:
+        pool = layout.hot_prompts.pool
+        cores, nice = ",".join(str(c) for c in pool.cores), pool.nice
         models[HOT_POOL] = _pool(HOT_POOL, "decode", cores, layout, nice, serving=serving)
     if layout.role == "all":
         return models
@@ -647,19 +675,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--hot-decode-cores",
-        default=defaults.hot_decode_cores,
+        default="",
         help="add a decode pool for hot prompt groups, 'decode_hot', on these cores",
     )
     parser.add_argument(
         "--hot-decode-nice",
         type=int,
-        default=defaults.hot_decode_nice,
+        default=HotPool.nice,
         help="its niceness: its share of a core it shares with the decode pool",
     )
     parser.add_argument(
         "--hot-group-rate",
         type=float,
-        default=defaults.hot_group_rate,
+        default=defaults.hot_prompts.group_rate,
         help="requests per second one hot prompt group may start where no hot pool takes it (0: no cap)",
     )
     parser.add_argument(
@@ -670,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hot-step-ratio",
         type=float,
-        default=defaults.hot_step_ratio,
+        default=defaults.hot_prompts.step_ratio,
         help="the step time, relative to the one before the burst, over which the adaptive rate drops",
     )
     parser.add_argument(

@@ -39,7 +39,7 @@ from disagg.pool.settings import ConditionalPrefill
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
-from disagg_tools.repository import AUTO_BORROW, KV, Layout, ModelVersion
+from disagg_tools.repository import AUTO_BORROW, KV, HotPrompts, Layout, ModelVersion
 
 Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
 
@@ -199,35 +199,6 @@ class EntryPoints:
 
 
 @dataclass(frozen=True)
-class HotPool:
-    cores: tuple[int, ...]
-    nice: int = 5
-
-    def __post_init__(self) -> None:
-        _check_ids(self.cores, "cores", "core")
-        if not self.cores:
-            raise ValueError("cores: the hot prompts' pool needs at least one core")
-        if not 0 <= self.nice <= 19:
-            raise ValueError("nice: must be in [0, 19]")
-
-
-@dataclass(frozen=True)
-class HotPrompts:
-    pool: HotPool | None = None  # a decode pool of their own ("decode_hot"); None: none
-    group_rate: float = 0.0  # where no hot pool takes them: requests/s a hot group may start (0: off)
-    rate_adaptive: bool = False  # group_rate is a maximum, lowered while the decode steps slow down
-    step_ratio: float = 1.1  # ... over this x the step time while no group was hot
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.group_rate <= 1e6:
-            raise ValueError("group_rate: must be a number of requests per second >= 0 (0: off)")
-        if self.rate_adaptive and not self.group_rate > 0:
-            raise ValueError("rate_adaptive: needs group_rate > 0 (the adaptive rate's maximum)")
-        if not 1 < self.step_ratio <= 100:
-            raise ValueError("step_ratio: must be in (1, 100]")
-
-
-@dataclass(frozen=True)
 class Version:
     version: int
     checkpoint: str = ""  # "": the server's model ($MODEL_DIR, else the default model)
@@ -313,7 +284,6 @@ class Spec:
                 else "roles need the spec's remote section (where the frontend finds the pools)"
             )
         p, d, c = self.pools.prefill, self.pools.decode, self.pools.colocated
-        hot = self.hot_prompts.pool
         return Layout(
             role=role,
             remote_pools=self.remote.pools if role == "frontend" and self.remote is not None else "",
@@ -333,11 +303,7 @@ class Spec:
             prefill_nice=p.nice,
             local_decode=p.local_decode,
             colocated_chunk_tokens=c.chunk_tokens,
-            hot_decode_cores=_cores(hot.cores) if hot is not None else "",
-            hot_decode_nice=hot.nice if hot is not None else 5,
-            hot_group_rate=self.hot_prompts.group_rate,
-            hot_rate_adaptive=self.hot_prompts.rate_adaptive,
-            hot_step_ratio=self.hot_prompts.step_ratio,
+            hot_prompts=self.hot_prompts,
             conditional_prefill_tokens=d.conditional.prefill_tokens,
             conditional_chunk_tokens=d.conditional.chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,

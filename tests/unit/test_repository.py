@@ -8,7 +8,7 @@ from disagg.config import ConfigError, build
 from disagg.engine.device import auto_dtype
 from disagg.paths import REPO_ROOT
 from disagg.serving.text_api import ALL_INPUTS
-from disagg_tools.repository import KV, Layout, main, render
+from disagg_tools.repository import KV, HotPool, HotPrompts, Layout, main, render
 from disagg_tools.spec import load_spec
 
 
@@ -248,7 +248,7 @@ def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, 
     hot = pool_config(
         {**params(HOT_POOL), "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{HOT_POOL}_0"}
     )
-    assert hot.role == "decode" and hot.engine.cores == (1,) and hot.nice == Layout().hot_decode_nice
+    assert hot.role == "decode" and hot.engine.cores == (1,) and hot.nice == HotPool.nice
     for name in ("orchestrator", "llm"):
         config = build(OrchestratorConfig, params(name), strings=True)
         assert config.hot_prompts.decode_model == HOT_POOL and config.hot_prompts.group_rate == 2.0
@@ -277,8 +277,11 @@ def test_an_adaptive_hot_group_rate_reaches_every_entry_point(tmp_path):
     for name in ("orchestrator", "llm", "orchestrator_colocated"):
         throttle = build(OrchestratorConfig, params(name), strings=True).hot_prompts.throttle
         assert throttle is not None and (throttle.max_rate, throttle.step_ratio) == (2.0, 1.3), name
-    assert "hot_prompts.rate_adaptive" not in render(Layout(hot_group_rate=2))["llm"]
-    assert "hot_prompts.step_ratio" not in render(Layout(hot_group_rate=2, hot_rate_adaptive=True))["llm"]
+    assert "hot_prompts.rate_adaptive" not in render(Layout(hot_prompts=HotPrompts(group_rate=2)))["llm"]
+    assert (
+        "hot_prompts.step_ratio"
+        not in render(Layout(hot_prompts=HotPrompts(group_rate=2, rate_adaptive=True)))["llm"]
+    )
     with pytest.raises(ConfigError, match=r"hot_prompts\.rate_adaptive: needs group_rate > 0"):
         load_spec(None, ["hot_prompts.rate_adaptive=true"])
     with pytest.raises(ConfigError, match=r"hot_prompts\.step_ratio: must be in \(1, 100\]"):

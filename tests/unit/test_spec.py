@@ -14,6 +14,7 @@ from disagg.config import ConfigError
 from disagg.paths import REPO_ROOT
 from disagg.triton.pool_model import pool_config, version_manifest
 from disagg.triton.version import read_manifest
+from disagg_tools.repository import HotPool, HotPrompts
 from disagg_tools.repository import main as repository_main
 from disagg_tools.spec import Spec, load_spec, parse_spec
 
@@ -184,7 +185,8 @@ def test_the_decode_batch_tuner_is_a_decode_pool_setting_that_reaches_its_parame
 def test_the_adaptive_hot_group_rate_reaches_the_entry_points():
     spec = parse_spec({"hot_prompts": {"group_rate": 2, "rate_adaptive": True, "step_ratio": 1.3}})
     layout = spec.layout()
-    assert (layout.hot_group_rate, layout.hot_rate_adaptive, layout.hot_step_ratio) == (2, True, 1.3)
+    hot = layout.hot_prompts
+    assert (hot.group_rate, hot.rate_adaptive, hot.step_ratio) == (2, True, 1.3)
 
 
 def test_a_spec_with_remote_pools_is_served_by_role():
@@ -251,6 +253,6 @@ def test_loans_are_between_one_prefill_and_one_decode_instance_on_cpu():
         Layout(prefill_borrow="1", decode_instances=2)
     assert Layout(decode_instances=2).borrowed_cores() == ""  # auto: none where loans cannot be
     with pytest.raises(ValueError, match="prefill_borrow: core 1 is also the hot decode pool's"):
-        Layout(prefill_borrow="1", hot_decode_cores="1")
+        Layout(prefill_borrow="1", hot_prompts=HotPrompts(pool=HotPool(cores=(1,))))
     with pytest.raises(ValueError, match="prefill_borrow: core 3 is not in decode_cores"):
         Layout(prefill_borrow="3")

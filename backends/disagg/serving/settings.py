@@ -47,7 +47,7 @@ class AdmissionSettings:
 @dataclass(frozen=True)
 class ConditionalSettings:
     """Conditional disaggregation: a new request of at most ``prefill_tokens`` prompt tokens is served
-    whole by the decode pool (deployed with ``local_prefill_tokens``) while the prefill pool's predicted
+    whole by the decode pool (deployed with its ``conditional`` section) while the prefill pool's predicted
     time to first token for it exceeds ``backlog_s`` and the decode pool is healthy (0: off)."""
 
     prefill_tokens: int = 0
