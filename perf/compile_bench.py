@@ -25,7 +25,6 @@ Writes compile_bench.json and compile_bench.md into --out-dir (default perf/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch._inductor.config as inductor
 
 from disagg.paths import resolve_model_dir
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.outputs import write_results
 from perf.engine_bench import EngineRunner, _interleaved, cpu_flags, table_row
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_1core"
@@ -273,11 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.dtype,
             )
         )
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "compile_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")
     table = markdown(results)
-    (args.out_dir / "compile_bench.md").write_text(table)
-    print(table)
+    write_results(args.out_dir, "compile_bench", {"models": results}, table)
     return 0
 
 

@@ -59,6 +59,7 @@ from disagg.engine.sequence import Request
 from disagg.paths import resolve_model_dir
 from disagg_tools.checkpoints import ensure_model
 from perf.benchlib.gemmrate import prompt_flops, reference_seconds
+from perf.benchlib.outputs import write_results
 from perf.benchlib.timing import median_time
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -560,11 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         cores = tuple(int(c) for c in args.cores.split(","))
         result = run(model_dir, cores, args.reps, args.prompt_tokens, args.context, args.steps, vllm_dtypes)
         results.append({**result, "cpu_flags": flags})
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "engine_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")
     table = markdown(results)
-    (args.out_dir / "engine_bench.md").write_text(table)
-    print(table)
+    write_results(args.out_dir, "engine_bench", {"models": results}, table)
     return 0
 
 

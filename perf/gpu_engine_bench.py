@@ -14,13 +14,13 @@ and gpu_engine_bench.md into --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.outputs import write_results
 from perf.benchlib.timing import median_time
 from perf.engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
 
@@ -135,13 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         run(ensure_model(m), args.device, args.reps, args.prompt_tokens, args.context, args.steps)
         for m in args.model
     ]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gpu_engine_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")
     table = "# Engine speed on a GPU\n\nWritten by `perf/gpu_engine_bench.py`.\n\n" + "\n".join(
         section(r) for r in results
     )
-    (args.out_dir / "gpu_engine_bench.md").write_text(table)
-    print(table)
+    write_results(args.out_dir, "gpu_engine_bench", {"models": results}, table)
     return 0
 
 

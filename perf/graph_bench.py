@@ -21,7 +21,6 @@ meaning: it checks the script and the tokens only). Writes graph_bench.json and 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from disagg.engine.params import SamplingParams
 from disagg.engine.replay import Recorder
 from disagg.engine.sequence import Request
 from disagg_tools.checkpoints import ensure_model
+from perf.benchlib.outputs import write_results
 
 
 def _engine(model: Path, device: str, dtype: str, graphs: bool, max_batch: int) -> Engine:
@@ -200,13 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("no CUDA device here (--device cpu runs the stand-in)")
     results = [run(ensure_model(m), args) for m in args.model]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "graph_bench.json").write_text(json.dumps({"models": results}, indent=2) + "\n")
     table = "# Captured decode steps against eager ones\n\nWritten by `perf/graph_bench.py`.\n\n" + "\n".join(
         section(r) for r in results
     )
-    (args.out_dir / "graph_bench.md").write_text(table)
-    print(table)
+    write_results(args.out_dir, "graph_bench", {"models": results}, table)
     return 0
 
 

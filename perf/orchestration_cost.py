@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import secrets
 import statistics
@@ -58,6 +57,7 @@ from disagg_tools.checkpoints import ensure_model
 from perf.benchlib import report
 from perf.benchlib.clients import ClientConfig, TritonClient
 from perf.benchlib.deploy import start_triton
+from perf.benchlib.outputs import write_results
 from perf.benchlib.workload import RequestSpec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration_cost"
@@ -302,11 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "orchestration_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
-    (args.out_dir / "orchestration_cost.md").write_text(table)
-    print(table)
+    write_results(args.out_dir, "orchestration_cost", result, table)
     return 0
 
 
