@@ -65,13 +65,27 @@ def _core_list(text: str, field: str) -> tuple[int, ...]:
     return _id_list(text, field, "core numbers", "'1' or '1,2'")
 
 
+Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]  # a spec's dtype key ("": inherited)
+
+
+def check_ids(values: tuple[int, ...], key: str, what: str) -> None:
+    """A spec section's list of core or GPU numbers: distinct and >= 0; ValueError naming ``key``."""
+    if any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{key}: must list distinct {what} numbers >= 0")
+
+
+def ids_text(ids: tuple[int, ...]) -> str:
+    """A spec's list of core or GPU numbers as a layout spells it: ``(0, 1)`` -> ``"0,1"``."""
+    return ",".join(str(i) for i in ids)
+
+
 @dataclass(frozen=True)
 class KV:
     """The KV cache the prefill and decode pools share, and its hand-off: the spec's section ``kv``, whose
     keys the pools' config.pbtxt spells the same, ``kv.<key>`` (their ``PoolConfig.kv``,
     ``disagg.kv.settings``). The colocated pool takes ``cache_mb``, ``block_size`` and ``prefix_cache``."""
 
-    dtype: Literal["", "bfloat16", "float32", "float16", "auto"] = ""
+    dtype: Dtype = ""
     """Of the prefill/decode pair; "": the decode pool's compute dtype."""
     cache_mb: int = KVSettings.cache_mb
     block_size: int = KVSettings.block_size
@@ -109,8 +123,7 @@ class HotPool:
     nice: int = 5
 
     def __post_init__(self) -> None:
-        if any(c < 0 for c in self.cores) or len(set(self.cores)) != len(self.cores):
-            raise ValueError("cores: must list distinct core numbers >= 0")
+        check_ids(self.cores, "cores", "core")
         if not self.cores:
             raise ValueError("cores: the hot prompts' pool needs at least one core")
         if not 0 <= self.nice <= 19:
@@ -568,7 +581,7 @@ def render(layout: Layout, serving: tuple[int, ...] = ()) -> dict[str, str]:
     }
     if layout.hot_prompts.pool is not None:
         pool = layout.hot_prompts.pool
-        cores, nice = ",".join(str(c) for c in pool.cores), pool.nice
+        cores, nice = ids_text(pool.cores), pool.nice
         models[HOT_POOL] = _pool(HOT_POOL, "decode", cores, layout, nice, serving=serving)
     if layout.role == "all":
         return models
@@ -765,51 +778,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _flag_overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The layout flags that differ from their defaults, as (flag, ``KEY=VALUE`` on the spec's key)."""
-
-    def ids(text: str) -> str:  # "0,1" -> [0,1]: the spec's list (checked there, naming its key)
-        return f"[{text}]"
-
-    def yes(value: bool) -> str:
-        return "true" if value else "false"
-
-    values = {  # dest -> (flag, value as the spec's YAML)
-        "kv_dtype": ("--kv-dtype", str),
-        "kv_cache_mb": ("--kv-cache-mb", str),
-        "lease_ttl_s": ("--lease-ttl-s", str),
-        "request_timeout_s": ("--request-timeout-s", str),
-        "colocated_chunk_tokens": ("--colocated-chunk-tokens", str),
-        "conditional_prefill_tokens": ("--conditional-prefill-tokens", str),
-        "conditional_chunk_tokens": ("--conditional-chunk-tokens", str),
-        "decode_batch_tpot_slo": ("--decode-batch-tpot-slo", str),
-        "decode_batch_start": ("--decode-batch-start", str),
-        "prefill_borrow": ("--prefill-borrow", lambda v: "null" if v == AUTO_BORROW else ids(v)),
-        "decode_lend_tpot": ("--decode-lend-tpot", str),
-        "prefix_cache": ("--prefix-cache" if args.prefix_cache else "--no-prefix-cache", yes),
-        "admission_margin": ("--admission-margin", str),
-        "hot_group_rate": ("--hot-group-rate", str),
-        "hot_rate_adaptive": ("--hot-rate-adaptive", yes),
-        "hot_step_ratio": ("--hot-step-ratio", str),
-        "no_local_decode": ("--no-local-decode", lambda v: yes(not v)),
-        "transport": ("--transport", str),
-    }
-    for pool in ("prefill", "decode", "colocated", "frontend"):
-        values[f"{pool}_cores"] = (f"--{pool}-cores", ids)
-    for pool in ("prefill", "decode", "colocated"):
-        values[f"{pool}_gpus"] = (f"--{pool}-gpus", ids)
-        values[f"{pool}_dtype"] = (f"--{pool}-dtype", str)
-    values["dtype"] = ("--dtype", str)
-    if args.hot_decode_cores:  # a hot pool: its cores and niceness (without one, its niceness is moot)
-        values["hot_decode_cores"] = ("--hot-decode-cores", ids)
-        values["hot_decode_nice"] = ("--hot-decode-nice", str)
+    """The layout flags that differ from their defaults, as (flag, ``KEY=VALUE`` on the spec's key of
+    ``DEPRECATED_FLAGS``). A flag's value is its dest's (``--kv-cache-mb``: ``kv_cache_mb``), spelled as
+    the spec's YAML: core and GPU lists ``"0,1"`` as ``[0,1]`` (checked there, naming the key)."""
     overrides = []
-    for dest, (flag, spell) in values.items():
+    for flag, key in DEPRECATED_FLAGS.items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        if dest == "no_prefix_cache":  # --prefix-cache's other spelling: one dest, said once
+            continue
         value = getattr(args, dest)
-        if value != parser.get_default(dest):
-            overrides.append((flag, f"{DEPRECATED_FLAGS[flag]}={spell(value)}"))
-            if dest.endswith("_gpus") and value:  # the spec counts a GPU pool's instances: one per GPU
-                pool = dest.removesuffix("_gpus")
-                overrides.append((flag, f"pools.{pool}.instances={len(value.split(','))}"))
+        if value == parser.get_default(dest) or (dest == "hot_decode_nice" and not args.hot_decode_cores):
+            continue  # the default, or a hot pool's niceness without a hot pool (moot)
+        if dest == "prefix_cache" and not value:
+            flag = "--no-prefix-cache"
+        if dest == "prefill_borrow" and value == AUTO_BORROW:
+            spelled = "null"
+        elif dest.endswith(("_cores", "_gpus", "_borrow")):
+            spelled = f"[{value}]"
+        elif isinstance(value, bool):  # --no-local-decode sets the key false
+            spelled = "true" if value != dest.startswith("no_") else "false"
+        else:
+            spelled = str(value)
+        overrides.append((flag, f"{key}={spelled}"))
+        if dest.endswith("_gpus") and value:  # the spec counts a GPU pool's instances: one per GPU
+            overrides.append((flag, f"pools.{dest.removesuffix('_gpus')}.instances={len(value.split(','))}"))
     return overrides
 
 

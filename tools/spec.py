@@ -32,25 +32,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from disagg.config import ConfigError, build
 from disagg.pool.settings import ConditionalPrefill
 from disagg.serving.endpoints import parse_remote_pools
 from disagg.triton.version import Probe
 from disagg_tools.autoscaler.config import ScheduleConfig, check_schedule_pools, load_file
-from disagg_tools.repository import AUTO_BORROW, KV, HotPrompts, Layout, ModelVersion
-
-Dtype = Literal["", "bfloat16", "float32", "float16", "auto"]
-
-
-def _cores(cores: tuple[int, ...]) -> str:
-    return ",".join(str(c) for c in cores)
-
-
-def _check_ids(values: tuple[int, ...], key: str, what: str) -> None:
-    if any(v < 0 for v in values) or len(set(values)) != len(values):
-        raise ValueError(f"{key}: must list distinct {what} numbers >= 0")
+from disagg_tools.repository import (
+    AUTO_BORROW,
+    KV,
+    Dtype,
+    HotPrompts,
+    Layout,
+    ModelVersion,
+    check_ids,
+    ids_text,
+)
 
 
 @dataclass(frozen=True)
@@ -130,8 +128,8 @@ class ColocatedPool:
 
 
 def _check_pool(pool: Any) -> None:
-    _check_ids(pool.cores, "cores", "core")
-    _check_ids(pool.gpus, "gpus", "GPU")
+    check_ids(pool.cores, "cores", "core")
+    check_ids(pool.gpus, "gpus", "GPU")
     if not pool.cores and not pool.gpus:
         raise ValueError("cores: a CPU pool needs at least one core")
     if not 1 <= pool.instances <= 64:
@@ -153,7 +151,7 @@ class Pools:
         shared = sorted(set(p.gpus) & set(d.gpus))
         if shared:
             raise ValueError(f"decode.gpus: overlaps prefill.gpus (GPU {shared[0]})")
-        _check_ids(p.borrow or (), "prefill.borrow", "core")
+        check_ids(p.borrow or (), "prefill.borrow", "core")
         for core in p.borrow or ():
             if core not in d.cores:
                 raise ValueError(f"prefill.borrow: core {core} is not the decode pool's {list(d.cores)}")
@@ -193,7 +191,7 @@ class EntryPoints:
     admission: Admission = field(default_factory=Admission)
 
     def __post_init__(self) -> None:
-        _check_ids(self.cores, "cores", "core")
+        check_ids(self.cores, "cores", "core")
         if not 0 < self.request_timeout_s <= 86400:
             raise ValueError("request_timeout_s: must be in (0, 86400]")
 
@@ -287,10 +285,10 @@ class Spec:
         return Layout(
             role=role,
             remote_pools=self.remote.pools if role == "frontend" and self.remote is not None else "",
-            prefill_cores=_cores(p.cores),
-            decode_cores=_cores(d.cores),
-            colocated_cores=_cores(c.cores),
-            frontend_cores=_cores(self.entry_points.cores),
+            prefill_cores=ids_text(p.cores),
+            decode_cores=ids_text(d.cores),
+            colocated_cores=ids_text(c.cores),
+            frontend_cores=ids_text(self.entry_points.cores),
             dtype=self.dtype,
             prefill_dtype=p.dtype,
             decode_dtype=d.dtype,
@@ -308,11 +306,11 @@ class Spec:
             conditional_chunk_tokens=d.conditional.chunk_tokens,
             decode_batch_tpot_slo_s=d.batch_tpot_slo_s,
             decode_batch_start=d.batch_start,
-            prefill_borrow=AUTO_BORROW if p.borrow is None else _cores(p.borrow),
+            prefill_borrow=AUTO_BORROW if p.borrow is None else ids_text(p.borrow),
             decode_lend_tpot_s=d.lend_tpot_s,
-            prefill_gpus=_cores(p.gpus),
-            decode_gpus=_cores(d.gpus),
-            colocated_gpus=_cores(c.gpus),
+            prefill_gpus=ids_text(p.gpus),
+            decode_gpus=ids_text(d.gpus),
+            colocated_gpus=ids_text(c.gpus),
             prefill_instances=p.instances,
             decode_instances=d.instances,
             colocated_instances=c.instances,

@@ -317,8 +317,6 @@ def test_what_each_key_writes_is_read_back_by_its_models_builder(
     """Every config.pbtxt parameter a key writes is read by the builder of the model it configures, as
     the adapters read it (a pool's ``pool_config``, an entry point's ``OrchestratorConfig``): nothing
     unknown, nothing under a deprecated name."""
-    import re
-
     from disagg.config import build
     from disagg.serving.orchestrator import OrchestratorConfig
     from disagg.triton.pool_model import pool_config
@@ -326,20 +324,21 @@ def test_what_each_key_writes_is_read_back_by_its_models_builder(
     changed, _ = CHANGES[key]
     out = tmp_path / "repository"
     assert repository_main(["--out", str(out), *(a for o in changed for a in ("--set", o))]) == 0
+    written = _parameters(out)
     read = set()
     with caplog.at_level("WARNING", logger="disagg.config"):
-        for config in sorted(out.glob("*/config.pbtxt")):
-            text = config.read_text()
-            params = dict(re.findall(r'key: "([\w.]+)", value: \{ string_value: "([^"]*)" \}', text))
+        for model in sorted({model for model, _ in written}):
+            params = {name: value for (m, name), value in written.items() if m == model}
             role = params.get("role")
             if role in ("prefill", "decode", "colocated"):
-                instance = {"model_instance_name": f"{config.parent.name}_0"}
-                pool_config({**params, "model_dir": str(tiny_model_dir)}, instance)
+                pool_config(
+                    {**params, "model_dir": str(tiny_model_dir)}, {"model_instance_name": f"{model}_0"}
+                )
             elif role in ("orchestrator", "llm"):
                 build(OrchestratorConfig, params, strings=True)
             else:
-                assert set(params) <= {"role", "cores"}, (config.parent.name, params)
+                assert set(params) <= {"role", "cores"}, (model, params)
                 continue
-            read.add(config.parent.name)
+            read.add(model)
     assert {"prefill", "decode", "colocated", "orchestrator", "llm"} <= read
     assert "deprecated" not in caplog.text
