@@ -22,6 +22,9 @@ Deployments (all on the same two cores, measured one after another):
 Every deployment is measured at its best: each configuration of its grid is tuned on the first
 workload (the quick plan), and the best is measured in full. Tuning results go to a cache file
 (--grid-cache) with their date and machine; --reuse-grids takes them instead of tuning again.
+Our deployments are told the SLOs they are judged by, as a user sets them in the spec
+(`entry_points.slo`, which admission judges by): each workload's search runs on a server of its own
+(--no-tell-slos: one server, with the repository's own SLOs, as `make serve` starts).
 
 Every goodput is a bracket: the highest rate that met the target attainment and the lowest that
 missed; a full run refines it to 3 % (or says why it stopped). A target is met only when the low end
@@ -249,6 +252,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="do not measure the machine's read bandwidth for the report (tests)",
     )
     parser.add_argument("--vllm-pd-dtype", default="bfloat16", help="vllm-pd's --dtype")
+    parser.add_argument(
+        "--tell-slos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our deployments (started here) are told each workload's SLOs, as a user sets them "
+        "(entry_points.slo: the orchestrators' slo.ttft_s / slo.tpot_s, which admission judges by): "
+        "each workload's search, and the interference pair, on a server of its own. --no-tell-slos: one "
+        "server for all, with the repository's own SLOs (the default deployment's 1 s TTFT target)",
+    )
     parser.add_argument("--workloads", default="", help="override the profile's workloads")
     parser.add_argument(
         "--experiments", default="goodput,interference", help="which to run (calibration always runs)"
@@ -482,11 +494,21 @@ def vllm_pd_running(
         for server in servers:
             server.wait_healthy()
         front = subprocess.Popen(proxy, stdin=subprocess.DEVNULL, process_group=0)
-        stack.callback(front.wait, 10)
-        stack.callback(front.terminate)
+        stack.callback(stop_process, front)
         url = f"http://127.0.0.1:{port}"
         wait_for_health(f"{url}/health", front, "the P/D proxy")
         yield ClientConfig("openai", url, args.vllm_served_name), command
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM `process`, and SIGKILL it if it has not exited within `grace_s` (the P/D proxy, with
+    connections still open, did not exit within 10 s, and the measured run was reported as failed)."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 async def tune_grid(
@@ -793,6 +815,62 @@ def disagg_grid(text: str) -> list[DisaggChoice]:
     if not choices:
         raise SystemExit(f"--disagg-grid: {text!r} is not a list of prompt token limits (e.g. 0,512)")
     return choices
+
+
+def judging_slo(workload: str, frozen: dict[str, FrozenSlo] | None) -> Any:
+    """The SLO that judges `workload` before it is calibrated: given from outside, or frozen; None when
+    it is derived by this run."""
+    fixed = FIXED_SLOS.get(workload)
+    if fixed is not None:
+        return fixed.slo
+    return frozen[workload].slo if frozen is not None and workload in frozen else None
+
+
+def told_repository(repository: Path, scratch: Path, slo: Any) -> Path:
+    """A copy of `repository` whose orchestrators are told `slo`: the parameters `disagg repository`
+    writes for the spec's `entry_points.slo.ttft_s` / `.tpot_s`."""
+    params = {"slo.ttft_s": f"{slo.ttft_s:g}", "slo.tpot_s": f"{slo.tpot_s:g}"}
+    return with_orchestrator_parameters(repository, scratch, params)
+
+
+async def measure_told(
+    dep: Deployment,
+    repository: Path,
+    args: argparse.Namespace,
+    profile: Profile,
+    factory: PromptFactory,
+    results: dict[str, Any],
+    records: dict[str, Any],
+    plan: TimePlan,
+    experiments: tuple[str, ...],
+    frozen: dict[str, FrozenSlo],
+    starts: dict[str, dict[str, float]] | None,
+) -> None:
+    """`measure` for our Triton deployment `dep` told the SLOs it is judged by: each workload's goodput
+    search, then the interference pair (judged by the `decode` workload's SLO), each on a server of its
+    own started on `repository` with that workload's SLOs in its orchestrators."""
+    parts = [(w, ("goodput",)) for w in profile.workloads if "goodput" in experiments]
+    if "interference" in experiments:
+        parts.append(("decode", ("interference",)))
+    for workload, what in parts:
+        slo = judging_slo(workload, frozen)
+        if slo is None:
+            raise ValueError(f"{workload}: no SLO to tell before it is calibrated (freeze them first)")
+        scratch = fresh(PERF / "out" / "told" / f"{dep.name}-{workload}")
+        log(f"{dep.name}: starting Triton told {workload}'s SLOs ({slo.ttft_s:g} s / {slo.tpot_s:g} s) ...")
+        server = start_triton(
+            told_repository(repository, scratch, slo),
+            scratch,
+            args.model_dir,
+            cpus=parse_cpus(args.server_cpus),
+        )
+        try:
+            dep.config = ClientConfig("triton", server.config.grpc_url, TRITON_MODELS[dep.name])
+            dep.pgid = server.pid
+            own = profile if workload == "decode" else dataclasses.replace(profile, workloads=(workload,))
+            await measure(dep, own, factory, results, records, plan, what, frozen, starts)
+        finally:
+            server.stop()
 
 
 def fresh(folder: Path) -> Path:
@@ -1310,6 +1388,19 @@ async def main_async(args: argparse.Namespace) -> int:
                     dep.reason = "" if dep.available else f"model {TRITON_MODELS[name]} not ready"
             dep.endpoint = endpoint
             deployments[name] = dep
+        told = args.tell_slos and triton_server is not None and frozen is not None
+        if told:  # each of our searches gets a server of its own, told its SLOs: this one was the check
+            results["meta"]["notes"].append(
+                "Our deployments were told each workload's SLOs, as a user sets them in the spec "
+                "(`entry_points.slo`: the orchestrators' `slo.ttft_s` / `slo.tpot_s`, which admission "
+                "judges by), each search on a server of its own; their grids were tuned with the "
+                "repository's own SLOs. vLLM and llama.cpp have no such setting."
+            )
+            for dep in deployments.values():
+                if dep.name in TRITON_MODELS and dep.available:
+                    dep.endpoint += ", a server per workload, told its SLOs"
+            triton_server.stop()
+            triton_server = None
 
         records: dict[str, Any] = {"goodput": {}, "interference": {}}
         # The SLO reference is measured first; without it, the first available deployment stands in
@@ -1395,6 +1486,11 @@ async def main_async(args: argparse.Namespace) -> int:
                     )
                     log(f"froze the SLOs of {model_key} ({', '.join(cals)}) in {args.slo_file}")
                     derived = True
+                elif told:
+                    await measure_told(
+                        dep, repository, args, profile, factory, results, records, plan, experiments,
+                        frozen, starts,
+                    )  # fmt: skip
                 else:
                     await measure(dep, profile, factory, results, records, plan, experiments, frozen, starts)
             except Exception as exc:  # one broken deployment is reported, the others still run
