@@ -16,6 +16,8 @@ from test_engine_cuda import PROMPTS, _generate
 
 from disagg.engine import paged
 from disagg.engine.engine import Engine, EngineConfig
+from disagg.engine.params import SamplingParams
+from disagg.engine.sequence import Request
 
 
 def _engine(model_dir: Path, dtype: str, graphs: bool, **settings: object) -> Engine:
@@ -32,6 +34,32 @@ def test_fp32_graphs_generate_the_eager_tokens(tiny_model_dir: Path) -> None:
     assert _generate(engine, PROMPTS, 12) == eager
     assert engine.graphs.replays > 0, "the decode steps replayed a graph"
     assert engine.usage().used == 0
+
+
+def _sampled(engine: Engine, max_tokens: int) -> list[list[int]]:
+    """Every prompt sampled in one batch (temperature, top-k, top-p, seeds of their own)."""
+    settings = [
+        dict(temperature=0.8, seed=1),
+        dict(temperature=1.2, top_k=20, seed=2),
+        dict(top_p=0.9, seed=3),
+    ]
+    requests = [
+        Request(p, SamplingParams(max_tokens=max_tokens, **{"temperature": 1.0, **kw}))
+        for p, kw in zip(PROMPTS, settings, strict=True)
+    ]
+    outs = engine.prefill(requests)
+    tokens = {o.seq_id: [o.token_id] for o in outs}
+    while engine.active_sequences():
+        for out in engine.decode_step():
+            tokens[out.seq_id].append(out.token_id)
+    return [tokens[o.seq_id] for o in outs]
+
+
+def test_fp32_graphs_sample_in_the_graph_the_eager_tokens(tiny_model_dir: Path) -> None:
+    eager = _sampled(_engine(tiny_model_dir, "float32", False), 12)
+    engine = _engine(tiny_model_dir, "float32", True, max_batch_size=8)
+    assert _sampled(engine, 12) == eager
+    assert engine.graphs is not None and engine.graphs.replays > 0
 
 
 def test_bf16_graphs_run_and_leave_no_blocks_held(tiny_model_dir: Path) -> None:

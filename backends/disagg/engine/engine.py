@@ -29,7 +29,7 @@ from disagg.engine.paged import reference as paged_reference
 from disagg.engine.paged import triton_attention
 from disagg.engine.prefix import block_keys
 from disagg.engine.replay import CudaGraphs, DecodeGraphs, GraphApi
-from disagg.engine.sampling import sample
+from disagg.engine.sampling import draw, row_key, sample
 from disagg.engine.sequence import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -243,7 +243,8 @@ class Engine:
                 logits = model.decode_static(
                     rows.tokens, rows.positions, rows.block_table, rows.seq_lens, cache, attention
                 )
-                return logits, torch.argmax(logits, dim=-1)  # greedy ids, sampled on the device
+                # every row sampled on the device; padding rows are greedy
+                return logits, draw(logits, rows.temperature, rows.top_k, rows.top_p, rows.keys)
 
         graphs = DecodeGraphs(buffers, step, api or CudaGraphs(self.device))
         seconds = graphs.capture()
@@ -481,8 +482,9 @@ class Engine:
         return tokens, positions, table
 
     def _graph_step(self, batch: list[Sequence]) -> list[StepOutput]:
-        """The decode batch's step as a replayed graph: a greedy row takes the id sampled on the
-        device (once its min_length is reached), any other row is sampled here from its logits."""
+        """The decode batch's step as a replayed graph: a row takes the id sampled in the graph, which
+        is what ``sample`` would pick from its logits; a row whose end tokens its min_length still
+        bars is sampled here from its logits, those tokens masked."""
         tokens, positions, table = self._host_rows(batch)
         params = [s.params for s in batch]
         inputs = StepInputs(
@@ -492,13 +494,14 @@ class Engine:
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.long),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([row_key(s.params.seed, len(s.generated)) for s in batch], dtype=torch.long),
         )
         sampled = self._graphs.run(inputs)  # type: ignore[union-attr]
         outputs = []
         for row, seq in enumerate(batch):
             seq.num_cached += 1
-            device_id = seq.params.greedy and len(seq.generated) >= seq.params.min_length
-            token = sampled.greedy_ids[row] if device_id else None
+            barred = len(seq.generated) < seq.params.min_length and self._stop_ids(seq)
+            token = None if barred else sampled.ids[row]
             outputs.append(self._append(seq, sampled.logits[row], token))
         return outputs
 

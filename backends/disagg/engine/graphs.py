@@ -12,14 +12,13 @@ Padding rows are masked out, not computed on real data:
 - their sequence length is 1 (one position to attend to, so their softmax has no empty row);
 - they sample greedily, and their ids are dropped (``unpad``).
 
-The step's inputs live in ``StaticBuffers``: one int64 matrix ``[R, 4 + MB]`` holding, per row, the
-token, its position, the sequence length (position + 1), top-k and the block table, and one float32
-matrix ``[R, 2]`` holding temperature and top-p, ``R`` the largest bucket and ``MB`` the most blocks a
-sequence can hold. A bucket's graph reads the first ``bucket`` rows (views, so their addresses never
-move); a step's inputs go in through a host staging copy of each matrix, one copy each per step.
-The sampling parameters are there for sampling inside the graph; the engine's captured step takes
-greedy ids on the device and samples other rows on the host from their logits (``Engine._graph_step``),
-so it does not read them yet.
+The step's inputs live in ``StaticBuffers``: one int64 matrix ``[R, 5 + MB]`` holding, per row, the
+token, its position, the sequence length (position + 1), top-k, the draw's key
+(``disagg.engine.sampling.row_key``) and the block table, and one float32 matrix ``[R, 2]`` holding
+temperature and top-p, ``R`` the largest bucket and ``MB`` the most blocks a sequence can hold. A
+bucket's graph reads the first ``bucket`` rows (views, so their addresses never move); a step's inputs
+go in through a host staging copy of each matrix, one copy each per step. The sampling parameters and
+keys are what the captured step samples by, inside the graph (``disagg.engine.sampling.draw``).
 
 Pure bookkeeping: torch tensors only, no CUDA call, so all of it is tested on CPU.
 """
@@ -34,7 +33,7 @@ import torch
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 # column layout of StaticBuffers.ints and .floats
-TOKEN, POSITION, SEQ_LEN, TOP_K, TABLE = 0, 1, 2, 3, 4
+TOKEN, POSITION, SEQ_LEN, TOP_K, KEY, TABLE = 0, 1, 2, 3, 4, 5
 TEMPERATURE, TOP_P = 0, 1
 
 
@@ -95,8 +94,9 @@ class GraphConfig:
 @dataclass(frozen=True)
 class StepInputs:
     """One decode step's rows, on the host: ``tokens``, ``positions`` (of the token, so it attends to
-    positions 0..position) and ``top_k`` int64 [n]; ``block_table`` int64 [n, w], ``w`` at most the
-    config's ``max_blocks``, each row's blocks in order; ``temperature`` and ``top_p`` float32 [n]."""
+    positions 0..position), ``top_k`` and ``keys`` (each row's draw, ``sampling.row_key``) int64 [n];
+    ``block_table`` int64 [n, w], ``w`` at most the config's ``max_blocks``, each row's blocks in order;
+    ``temperature`` and ``top_p`` float32 [n]."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -104,6 +104,7 @@ class StepInputs:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    keys: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -114,7 +115,7 @@ class StepInputs:
         n = self.rows
         if self.tokens.dim() != 1 or n < 1:
             raise ValueError(f"tokens must be a non-empty [n] tensor, got shape {tuple(self.tokens.shape)}")
-        for name in ("positions", "temperature", "top_k", "top_p"):
+        for name in ("positions", "temperature", "top_k", "top_p", "keys"):
             shape = tuple(getattr(self, name).shape)
             if shape != (n,):
                 raise ValueError(f"{name} must have shape ({n},), got {shape}")
@@ -134,6 +135,7 @@ class BucketView:
     positions: torch.Tensor  # [b] int64
     seq_lens: torch.Tensor  # [b] int64: positions + 1
     top_k: torch.Tensor  # [b] int64
+    keys: torch.Tensor  # [b] int64: each row's draw (sampling.row_key)
     block_table: torch.Tensor  # [b, MB] int64 (a strided view)
     temperature: torch.Tensor  # [b] float32
     top_p: torch.Tensor  # [b] float32
@@ -154,7 +156,7 @@ class StaticBuffers:
         pin = self.device.type == "cuda"
         self._host_ints = torch.zeros(rows, width, dtype=torch.int64, pin_memory=pin)
         self._host_floats = torch.zeros(rows, 2, dtype=torch.float32, pin_memory=pin)
-        self.ints = torch.zeros(rows, width, dtype=torch.int64, device=self.device)  # [R, 4 + MB]
+        self.ints = torch.zeros(rows, width, dtype=torch.int64, device=self.device)  # [R, 5 + MB]
         self.floats = torch.zeros(rows, 2, dtype=torch.float32, device=self.device)  # [R, 2]
         self._pad(0, rows)
         self.ints.copy_(self._host_ints)
@@ -171,6 +173,7 @@ class StaticBuffers:
             ints[:, POSITION],
             ints[:, SEQ_LEN],
             ints[:, TOP_K],
+            ints[:, KEY],
             ints[:, TABLE:],
             floats[:, TEMPERATURE],
             floats[:, TOP_P],
@@ -189,6 +192,7 @@ class StaticBuffers:
         ints[:n, POSITION] = inputs.positions
         ints[:n, SEQ_LEN] = inputs.positions + 1
         ints[:n, TOP_K] = inputs.top_k
+        ints[:n, KEY] = inputs.keys
         width = inputs.block_table.shape[1]
         ints[:n, TABLE : TABLE + width] = inputs.block_table
         # past a row's own blocks: the scratch block, never read by a correct step but a valid id
@@ -209,6 +213,7 @@ class StaticBuffers:
         ints[:, POSITION] = 0
         ints[:, SEQ_LEN] = 1
         ints[:, TOP_K] = 0
+        ints[:, KEY] = 0
         ints[:, TABLE:] = self.config.scratch_block
         floats[:, TEMPERATURE] = 0.0
         floats[:, TOP_P] = 1.0

@@ -11,9 +11,9 @@ the control flow only:
 
 - ``DecodeGraphs.capture`` runs at engine load, before the pool reports ready: every bucket's graph,
   the largest first (smaller ones then reuse its pool's memory);
-- ``DecodeGraphs.run`` loads a step's rows into the static buffers, replays its bucket's graph and
-  reads back the sampled ids in one copy; a batch above the largest bucket is the caller's to run
-  eagerly (``fits`` says which).
+- ``DecodeGraphs.run`` loads a step's rows into the static buffers, replays its bucket's graph
+  (sampling included, ``disagg.engine.sampling.draw``) and reads back the sampled ids in one copy;
+  a batch above the largest bucket is the caller's to run eagerly (``fits`` says which).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from disagg.engine.graphs import BucketView, StaticBuffers, StepInputs, unpad
 
-# a step as captured: the bucket's static rows -> (logits [b, V] float32, greedy ids [b] int64)
+# a step as captured: the bucket's static rows -> (logits [b, V] float32, sampled ids [b] int64)
 StepFn = Callable[[BucketView], tuple[torch.Tensor, torch.Tensor]]
 Outputs = tuple[torch.Tensor, torch.Tensor]
 
@@ -96,11 +96,12 @@ class Recorder:
 @dataclass(frozen=True)
 class Sampled:
     """A replayed step's real rows: logits [n, V] float32 (on the device, for rows sampled on the
-    host) and the greedy ids, read back in one copy. ``logits`` is a view of the graph's static output:
-    valid until the next ``run``, which may overwrite it (read what is needed before then)."""
+    host) and the ids sampled in the graph, read back in one copy. ``logits`` is a view of the
+    graph's static output: valid until the next ``run``, which may overwrite it (read what is needed
+    before then)."""
 
     logits: torch.Tensor
-    greedy_ids: list[int]
+    ids: list[int]
     bucket: int
 
 

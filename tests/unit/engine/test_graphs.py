@@ -7,6 +7,7 @@ import torch
 
 from disagg.engine.graphs import (
     DEFAULT_BUCKETS,
+    KEY,
     POSITION,
     SEQ_LEN,
     TABLE,
@@ -39,6 +40,7 @@ def _inputs(n: int, width: int = 3, *, first_block: int = 0) -> StepInputs:
         temperature=torch.full((n,), 0.5),
         top_k=torch.full((n,), 7, dtype=torch.long),
         top_p=torch.full((n,), 0.9),
+        keys=torch.arange(n, dtype=torch.long) + 1000,
     )
 
 
@@ -99,7 +101,7 @@ def _assert_padding(buffers: StaticBuffers, rows: range) -> None:
     ints, floats = buffers.ints, buffers.floats
     for row in rows:
         assert ints[row, TOKEN] == 0 and ints[row, POSITION] == 0 and ints[row, SEQ_LEN] == 1
-        assert ints[row, TOP_K] == 0
+        assert ints[row, TOP_K] == 0 and ints[row, KEY] == 0
         assert (ints[row, TABLE:] == SCRATCH).all(), "a padding row writes to the scratch block only"
         assert floats[row, TEMPERATURE] == 0.0 and floats[row, TOP_P] == 1.0  # greedy
 
@@ -119,6 +121,7 @@ def test_a_step_is_copied_in_and_padded_up_to_its_bucket():
     assert view.positions.tolist() == [11, 10, 9, 0]
     assert view.seq_lens.tolist() == [12, 11, 10, 1]
     assert view.top_k.tolist() == [7, 7, 7, 0]
+    assert view.keys.tolist() == [1000, 1001, 1002, 0]
     assert view.temperature.tolist() == pytest.approx([0.5, 0.5, 0.5, 0.0])
     assert view.top_p.tolist() == pytest.approx([0.9, 0.9, 0.9, 1.0])
     assert view.block_table[:3, :3].tolist() == inputs.block_table.tolist()
@@ -165,6 +168,7 @@ def test_load_refuses_more_rows_than_the_largest_bucket():
         ("temperature", torch.zeros(3, 1)),
         ("top_k", torch.zeros(4, dtype=torch.long)),
         ("top_p", torch.zeros(1)),
+        ("keys", torch.zeros(2, dtype=torch.long)),
         ("block_table", torch.zeros(3, 7, dtype=torch.long)),  # wider than max_blocks
         ("block_table", torch.zeros(2, 3, dtype=torch.long)),
         ("tokens", torch.zeros(3, 1, dtype=torch.long)),

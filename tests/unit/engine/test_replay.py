@@ -45,6 +45,7 @@ def _rows(tokens: list[int]) -> StepInputs:
         torch.zeros(n),
         torch.zeros(n, dtype=torch.long),
         torch.ones(n),
+        torch.zeros(n, dtype=torch.long),
     )
 
 
@@ -63,10 +64,10 @@ def test_a_step_replays_its_buckets_graph_and_drops_the_padding_rows():
     recorder.events.clear()
     out = graphs.run(_rows([5, 9, 17]))
     assert recorder.events == [("replay", 4)]
-    assert out.bucket == 4 and out.greedy_ids == [5, 9, 17]  # the padding row's id 0 is dropped
+    assert out.bucket == 4 and out.ids == [5, 9, 17]  # the padding row's id 0 is dropped
     assert out.logits.shape == (3, 32) and out.logits[1, 9] == 3  # seq_len = position + 1
     out = graphs.run(_rows([3]))
-    assert recorder.events[-1] == ("replay", 1) and out.greedy_ids == [3]
+    assert recorder.events[-1] == ("replay", 1) and out.ids == [3]
     assert graphs.replays == 2
 
 
