@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,11 +110,90 @@ class HFRunner:
         return time.perf_counter() - start
 
 
+class HFStaticRunner(HFRunner):
+    """transformers' own fast path: its static KV cache, through ``generate``, which compiles the
+    model's forward itself where a static cache allows it (on a GPU; ``compiled`` says whether
+    torch.compile ran). A decode step's time is ``generate`` of ``steps + 1`` new tokens less
+    ``generate`` of one, over ``steps`` (the prompt's prefill and the first token cancel out); the
+    same cache object per batch size, reset each call, so the compiled graphs see fixed shapes.
+    Prefill is the eager one of ``HFRunner`` (the static path compiles decoding only)."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
+        super().__init__(model_dir, device, dtype)
+        self.name = self.name.replace("(sdpa)", "(static cache, generate)")
+        self._caches: dict[tuple[int, int], object] = {}
+        self.compiled = False
+
+    def _cache(self, batch: int, length: int) -> object:
+        """A static cache for ``batch`` rows of ``length`` tokens (its constructor's arguments differ
+        between transformers releases: those it takes are given)."""
+        import inspect
+
+        from transformers import StaticCache
+
+        key = (batch, length)
+        if key not in self._caches:
+            offered = {
+                "config": self.model.config,
+                "max_cache_len": length,
+                "max_batch_size": batch,
+                "batch_size": batch,
+                "device": self.device,
+                "dtype": getattr(torch, self.dtype),
+            }
+            taken = inspect.signature(StaticCache.__init__).parameters
+            kwargs = {k: v for k, v in offered.items() if k in taken}
+            self._caches[key] = StaticCache(**kwargs)
+        return self._caches[key]
+
+    @torch.inference_mode()
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        ids = torch.tensor(prompts, device=self.device)
+        cache = self._cache(len(prompts), ids.shape[1] + steps + 1)
+
+        def generate(new: int) -> tuple[float, torch.Tensor]:
+            cache.reset()  # type: ignore[attr-defined]
+            self._sync()
+            start = time.perf_counter()
+            with warnings.catch_warnings():  # 5.x names it `cache`; older releases know only this name
+                warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                    max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                )  # fmt: skip
+            self._sync()
+            return time.perf_counter() - start, out
+
+        graphs = _dynamo_graphs()
+        whole, out = generate(steps + 1)
+        first, _ = generate(1)
+        self.compiled = self.compiled or _dynamo_graphs() > graphs
+        if out.shape[1] != ids.shape[1] + steps + 1:
+            raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} tokens, not {steps + 1}")
+        return max(whole - first, 0.0)
+
+
+def _dynamo_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (0 where its counters are absent)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
 class EngineRunner:
-    """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``."""
+    """This engine; ``pack`` / ``kernel``: EngineConfig's ``pack_weights`` / ``native_kernels``;
+    ``graphs``: its ``cuda_graphs`` (a CUDA device only)."""
 
     def __init__(
-        self, model_dir: Path, dtype: str, pack: bool = True, kernel: bool = True, device: str = "cpu"
+        self,
+        model_dir: Path,
+        dtype: str,
+        pack: bool = True,
+        kernel: bool = True,
+        device: str = "cpu",
+        graphs: bool = False,
     ) -> None:
         self.dtype = dtype
         self.name = f"disagg engine {dtype}"
@@ -128,8 +208,11 @@ class EngineRunner:
             kv_cache_mb=1024,
             pack_weights=pack,
             native_kernels=kernel,
+            cuda_graphs=graphs,
         )
         self.engine = Engine(config)
+        if graphs:
+            self.name += ", CUDA graphs"
         projections = self.engine.describe()["projections"]
         if "blocks" in projections:
             self.name += ", block codes"

@@ -1,9 +1,10 @@
-"""Engine speed on a CUDA GPU: this engine vs eager transformers on the same GPU, side by side in one run.
+"""Engine speed on a CUDA GPU: this engine vs transformers on the same GPU, side by side in one run.
 
 Measures prefill tokens/s (one prompt) and decode tokens/s at batch 1, 8 and 32, for transformers
-(SDPA, eager) and this engine, each in fp32 and bf16, with repetitions interleaved as
-``engine_bench.py`` does on CPU cores. Below each table: the time to read the weights once at the GPU's
-measured device-to-device copy bandwidth, the floor of a batch-1 decode step.
+(SDPA, eager, fp32 and bf16; and bf16 with its static cache through ``generate``, which compiles the
+forward itself on a GPU) and this engine (eager in fp32 and bf16, and bf16 with CUDA graphs), with
+repetitions interleaved as ``engine_bench.py`` does on CPU cores. Below each table: the time to read the
+weights once at the GPU's measured device-to-device copy bandwidth, the floor of a batch-1 decode step.
 
     python -m perf.gpu_engine_bench --model DIR [--model DIR ...] [--out-dir DIR]
 
@@ -22,7 +23,7 @@ import torch
 from disagg_tools.checkpoints import ensure_model
 from perf.benchlib.outputs import write_results
 from perf.benchlib.timing import median_time
-from perf.engine_bench import EngineRunner, HFRunner, _ms_per_call, measure, table_row
+from perf.engine_bench import EngineRunner, HFRunner, HFStaticRunner, _ms_per_call, measure, table_row
 
 
 def _copy_gb_s(device: torch.device, reps: int) -> float:
@@ -58,30 +59,45 @@ def run(model_dir: Path, device: str, reps: int, prompt_len: int, context: int, 
     def tokens(n: int) -> list[int]:
         return [1, *torch.randint(3, 1000, (n - 1,), generator=gen).tolist()]
 
+    static = HFStaticRunner(model_dir, device, "bfloat16")
     runners = [
         HFRunner(model_dir, device, "float32"),
         HFRunner(model_dir, device, "bfloat16"),
+        static,
         EngineRunner(model_dir, "float32", device=device),
         EngineRunner(model_dir, "bfloat16", device=device),
+        EngineRunner(model_dir, "bfloat16", device=device, graphs=True),
     ]
-    runners[2].name += " (cuda)"
-    runners[3].name += " (cuda)"
+    for runner in runners[3:]:
+        runner.name = runner.name.replace("disagg engine", "disagg engine (cuda)")
     rows = measure(runners, tokens, prompt_len, context, steps, reps)
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
-        same = f"transformers {'fp32' if row['dtype'] == 'float32' else 'bf16'} (sdpa)"
-        base = next(
+
+    def rate(runner: str, like: dict) -> float:
+        same = (
             r
             for r in rows
-            if r["runner"] == same and r["phase"] == row["phase"] and r["batch"] == row["batch"]
+            if r["runner"] == runner and (r["phase"], r["batch"]) == (like["phase"], like["batch"])
         )
-        row["vs_transformers"] = row["tokens_per_s"] / base["tokens_per_s"]
+        return next(same)["tokens_per_s"]
+
+    for row in rows:
+        eager = f"transformers {'fp32' if row['dtype'] == 'float32' else 'bf16'} (sdpa)"
+        row["vs_transformers"] = row["tokens_per_s"] / rate(eager, row)
+        row["vs_static"] = (
+            row["tokens_per_s"] / rate(static.name, row) if row["dtype"] == "bfloat16" else None
+        )
     dev = torch.device(device)
-    bf16 = runners[3]
+    bf16 = runners[4]
+    import transformers
+
     return dict(
         model=str(model_dir),
         gpu=torch.cuda.get_device_name(dev),
         torch=torch.__version__,
+        transformers=transformers.__version__,
+        static_compiled=static.compiled,
         reps=reps,
         prompt_tokens=prompt_len,
         decode_context=context,
@@ -98,23 +114,34 @@ def section(result: dict) -> str:
         "",
         f"torch {result['torch']}; prefill of one {result['prompt_tokens']}-token prompt; decode at a "
         f"{result['decode_context']}-token context, {result['decode_steps']} steps; median of "
-        f"{result['reps']} interleaved repetitions. Ratios are against transformers in the same dtype.",
+        f"{result['reps']} interleaved repetitions. Ratios are against eager transformers in the same "
+        f"dtype, and for bf16 against transformers' static-cache `generate` (transformers "
+        f"{result.get('transformers', '?')}; torch.compile "
+        f"{'ran' if result.get('static_compiled') else 'did NOT run'} in it).",
         "",
-        "| phase | batch | runner | tokens/s | ms per call | × transformers, same dtype |",
-        "|---|---:|---|---:|---:|---:|",
+        "| phase | batch | runner | tokens/s | ms per call | × transformers, same dtype | × static cache |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
-    lines += [table_row(r, [f"{r['vs_transformers']:.2f}"]) for r in result["rows"]]
-    floor_ms = result["bf16_weight_bytes"] / (result["copy_gb_s"] / 2 * 1e9) * 1e3
-    step = next(
-        r
+    lines += [
+        table_row(
+            r, [f"{r['vs_transformers']:.2f}", "–" if r.get("vs_static") is None else f"{r['vs_static']:.2f}"]
+        )
         for r in result["rows"]
-        if r["phase"] == "decode" and r["batch"] == 1 and r["runner"].startswith("disagg engine bfloat16")
-    )
+    ]
+    floor_ms = result["bf16_weight_bytes"] / (result["copy_gb_s"] / 2 * 1e9) * 1e3
+    steps = {
+        r["runner"]: _ms_per_call(r)
+        for r in result["rows"]
+        if r["phase"] == "decode"
+        and r["batch"] == 1
+        and r["runner"].startswith("disagg engine (cuda) bfloat16")
+    }
+    against = "; ".join(f"{ms:.2f} ms for {name}" for name, ms in steps.items())
     lines += [
         "",
         f"The bf16 weights are {result['bf16_weight_bytes'] / 1e6:.0f} MB; read once at half the measured "
-        f"copy rate ({result['copy_gb_s']:.0f} GB/s read + written) they take {floor_ms:.3f} ms, against "
-        f"{_ms_per_call(step):.2f} ms for the engine's batch-1 step.",
+        f"copy rate ({result['copy_gb_s']:.0f} GB/s read + written) they take {floor_ms:.3f} ms: the floor "
+        f"of a batch-1 step, against {against}.",
     ]
     return "\n".join(lines) + "\n"
 
