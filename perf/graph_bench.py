@@ -36,7 +36,9 @@ from disagg_tools.checkpoints import ensure_model
 from perf.benchlib.outputs import write_results
 
 
-def _engine(model: Path, device: str, dtype: str, graphs: bool, max_batch: int) -> Engine:
+def _engine(
+    model: Path, device: str, dtype: str, graphs: bool, max_batch: int, fused: bool = False
+) -> Engine:
     on_cuda = device.startswith("cuda")
     config = EngineConfig(
         model_dir=model,
@@ -45,6 +47,7 @@ def _engine(model: Path, device: str, dtype: str, graphs: bool, max_batch: int) 
         kv_cache_mb=2048 if on_cuda else 64,
         max_batch_size=max_batch,
         cuda_graphs=graphs and on_cuda,
+        fuse_pointwise=fused and graphs and on_cuda,
     )
     return Engine(config, graph_api=Recorder() if graphs and not on_cuda else None)
 
@@ -123,27 +126,36 @@ def run(model: Path, args: argparse.Namespace) -> dict:
     result: dict = dict(model=str(model), device=device, dtype=args.dtype, context=args.context)
     result["stand_in"] = not device.startswith("cuda")  # Recorder, not CUDA graphs: no speed meaning
     # tokens: fp32 must match exactly; the benchmark's dtype is reported
+    on_cuda = device.startswith("cuda")  # the fused pointwise work needs CUDA graphs, not the stand-in
     for dtype in dict.fromkeys(("float32", args.dtype)):
         eager_tokens = greedy_tokens(_engine(model, device, dtype, False, 4), args.tokens)
         graph_tokens = greedy_tokens(_engine(model, device, dtype, True, 4), args.tokens)
         result[f"tokens_equal_{dtype}"] = eager_tokens == graph_tokens
+        if on_cuda:
+            fused_tokens = greedy_tokens(_engine(model, device, dtype, True, 4, fused=True), args.tokens)
+            result[f"fused_tokens_equal_{dtype}"] = eager_tokens == fused_tokens
     eager = _engine(model, device, args.dtype, False, max_batch)
     graphs = _engine(model, device, args.dtype, True, max_batch)
+    fused = _engine(model, device, args.dtype, True, max_batch, fused=True) if on_cuda else None
     if graphs.graphs is None:
         raise RuntimeError("the engine with cuda_graphs captured nothing")
     result["capture_s"] = graphs.graphs.capture_seconds
+    result["fused_capture_s"] = fused.graphs.capture_seconds if fused is not None and fused.graphs else None
     result["buckets"] = list(graphs.graphs.captured)
     rows = []
     for batch in args.batch:
         eager_ms = step_ms(eager, batch, args.context, args.steps, args.reps, device)
         graph_ms = step_ms(graphs, batch, args.context, args.steps, args.reps, device)
+        fused_ms = step_ms(fused, batch, args.context, args.steps, args.reps, device) if fused else None
         rows.append(
             dict(
                 batch=batch,
                 eager_ms=statistics.median(eager_ms),
                 graph_ms=statistics.median(graph_ms),
+                fused_ms=statistics.median(fused_ms) if fused_ms else None,
                 eager_samples=eager_ms,
                 graph_samples=graph_ms,
+                fused_samples=fused_ms,
             )
         )
     result["rows"] = rows
@@ -166,12 +178,22 @@ def section(result: dict) -> str:
         f"{result['capture_s']:.2f} s. Greedy tokens with graphs equal eager ones: fp32 "
         f"{result['tokens_equal_float32']}, {result['dtype']} {same_dtype}.",
         "",
-        "| batch | eager ms/step | graphs ms/step | eager / graphs |",
-        "|---:|---:|---:|---:|",
+        "Graphs + fused: the captured step with its pointwise work compiled into fused kernels "
+        f"(`fuse_pointwise`; captured in {result.get('fused_capture_s') or 0:.2f} s, compilation included; "
+        f"fp32 tokens equal eager ones: {result.get('fused_tokens_equal_float32', '–')}).",
+        "",
+        "| batch | eager ms/step | graphs ms/step | graphs + fused ms/step | eager / graphs "
+        "| eager / fused |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         ratio = row["eager_ms"] / row["graph_ms"]
-        lines.append(f"| {row['batch']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} | {ratio:.2f} |")
+        fused = row.get("fused_ms")
+        cells = ["–", "–"] if not fused else [f"{fused:.3f}", f"{row['eager_ms'] / fused:.2f}"]
+        lines.append(
+            f"| {row['batch']} | {row['eager_ms']:.3f} | {row['graph_ms']:.3f} | {cells[0]} | {ratio:.2f} "
+            f"| {cells[1]} |"
+        )
     if result["copy_gb_s"]:
         floor = result["weight_bytes"] / (result["copy_gb_s"] / 2 * 1e9) * 1e3
         lines += [

@@ -62,6 +62,13 @@ def test_fp32_graphs_sample_in_the_graph_the_eager_tokens(tiny_model_dir: Path) 
     assert engine.graphs is not None and engine.graphs.replays > 0
 
 
+def test_fp32_graphs_with_fused_pointwise_work_generate_the_eager_tokens(tiny_model_dir: Path) -> None:
+    eager = _generate(_engine(tiny_model_dir, "float32", False), PROMPTS, 12)
+    engine = _engine(tiny_model_dir, "float32", True, max_batch_size=8, fuse_pointwise=True)
+    assert _generate(engine, PROMPTS, 12) == eager
+    assert engine.graphs is not None and engine.graphs.replays > 0
+
+
 def test_bf16_graphs_run_and_leave_no_blocks_held(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, "bfloat16", True, max_batch_size=8)
     out = _generate(engine, PROMPTS, 12)

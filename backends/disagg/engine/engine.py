@@ -23,6 +23,7 @@ from disagg.engine.checkpoint import ModelConfig, load_config, load_weights
 from disagg.engine.device import AUTO, DTYPES, auto_dtype, kernel_threads, pin_cpu, resolve_device
 from disagg.engine.errors import BatchFull, InvalidRequest, UnknownSequence
 from disagg.engine.fingerprint import checkpoint_id, kv_fingerprint
+from disagg.engine.fusion import PLAIN, Pointwise
 from disagg.engine.graphs import DEFAULT_BUCKETS, BucketView, GraphConfig, StaticBuffers, StepInputs
 from disagg.engine.kvcache import KVCache
 from disagg.engine.paged import reference as paged_reference
@@ -85,6 +86,10 @@ class EngineConfig:
     # eagerly. NOT verified on a GPU, so off by default. One KV block is kept aside for padding rows
     cuda_graphs: bool = False
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    # with cuda_graphs: the captured step's pointwise work (norms and residual adds, rotary and the KV
+    # write, SiLU x up) compiled by torch.compile into fused kernels (disagg.engine.fusion), compiled
+    # while the graphs are captured. NOT verified on a GPU, so off by default
+    fuse_pointwise: bool = False
 
     def __post_init__(self) -> None:
         """Ranges, and ``auto`` resolved; the types are ``config.build``'s (a config built by hand in
@@ -118,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"graph_buckets: {e}") from None
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
+        if self.fuse_pointwise and not self.cuda_graphs:
+            raise ValueError("fuse_pointwise fuses the captured decode step's work: it needs cuda_graphs")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, strings: bool = False, where: str = "") -> EngineConfig:
@@ -236,12 +243,13 @@ class Engine:
                 log.warning("captured decode steps: no triton package, attention by the torch reference")
             attention = paged_reference
         model, cache = self.model, self.kv.cache
+        pointwise = Pointwise.compiled() if self.config.fuse_pointwise else PLAIN
 
         def step(rows: BucketView) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.inference_mode():
                 # [b, V] float32
                 logits = model.decode_static(
-                    rows.tokens, rows.positions, rows.block_table, rows.seq_lens, cache, attention
+                    rows.tokens, rows.positions, rows.block_table, rows.seq_lens, cache, attention, pointwise
                 )
                 # every row sampled on the device; padding rows are greedy
                 return logits, draw(logits, rows.temperature, rows.top_k, rows.top_p, rows.keys)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import ModelConfig
+from disagg.engine.fusion import PLAIN, Pointwise
 from disagg.engine.paged import PagedAttention
 from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
@@ -51,13 +52,6 @@ class PromptChunk:
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in plain torch, statistics in float32 (as ``Transformer._rms_norm`` without a kernel)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 def _cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -287,30 +281,29 @@ class Transformer:
         seq_lens: torch.Tensor,
         cache: torch.Tensor,
         attention: PagedAttention,
+        pointwise: Pointwise = PLAIN,
     ) -> torch.Tensor:
         """A decode batch's step with static shapes and no host read, for capture as a CUDA graph
         (``disagg.engine.replay``): tokens, positions, seq_lens [B] and block_table [B, MB] on the
         cache's device -> logits [B, V] float32. Each row writes its new KV at the slot of its
         position in its own blocks and attends through ``attention`` (``disagg.engine.paged``) to
-        positions 0..seq_len-1. The pointwise work is plain torch (never the CPU kernels): on CPU it
-        is checked against ``step``, on a GPU it is what a graph replays."""
-        cfg, bs = self.cfg, cache.shape[3]
+        positions 0..seq_len-1. The pointwise work is ``pointwise``'s (``disagg.engine.fusion``:
+        plain torch, or compiled into fused kernels), never the CPU kernels: on CPU it is checked
+        against ``step``, on a GPU it is what a graph replays."""
+        cfg, bs, eps = self.cfg, cache.shape[3], self.cfg.rms_norm_eps
         slot_block = block_table.gather(1, (positions // bs)[:, None])[:, 0]  # [B]
         slot_offset = positions % bs
-        x = self.embed[tokens]  # [B, H]
-        for n, layer in enumerate(self.layers):
-            qkv = layer.qkv(_plain_rms_norm(x, layer.ln_attn, cfg.rms_norm_eps))
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary.apply(q.view(-1, cfg.num_heads, cfg.head_dim), positions)  # [B, nh, hd]
-            k = self.rotary.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), positions)  # [B, nkv, hd]
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            cache[slot_block, n, 0, slot_offset] = k.to(self.kv_dtype)
-            cache[slot_block, n, 1, slot_offset] = v.to(self.kv_dtype)
-            attn = attention(q.contiguous(), cache, n, block_table, seq_lens)  # [B, nh, hd]
-            x = x + layer.o(attn.reshape(-1, self.q_size))
-            gate, up = layer.gate_up(_plain_rms_norm(x, layer.ln_mlp, cfg.rms_norm_eps)).chunk(2, -1)
-            x = x + layer.down(F.silu(gate) * up)
-        return self.lm_head(_plain_rms_norm(x, self.norm, cfg.rms_norm_eps)).float()
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]  # [B, hd]
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        layers = self.layers
+        x, h = pointwise.norm(self.embed[tokens], None, layers[0].ln_attn, eps)  # [B, H]
+        for n, layer in enumerate(layers):
+            q = pointwise.rotary_write(layer.qkv(h), cos, sin, cache, n, slot_block, slot_offset, heads)
+            attn = attention(q, cache, n, block_table, seq_lens)  # [B, nh, hd]
+            x, h = pointwise.norm(x, layer.o(attn.reshape(-1, self.q_size)), layer.ln_mlp, eps)
+            after = layers[n + 1].ln_attn if n + 1 < len(layers) else self.norm  # the next norm
+            x, h = pointwise.norm(x, layer.down(pointwise.silu_mul(layer.gate_up(h))), after, eps)
+        return self.lm_head(h).float()
 
     def _attend_batch(self, q: torch.Tensor, cache: torch.Tensor, layer: int, groups: list) -> torch.Tensor:
         """Decode rows q [B, nh, hd] over their sequences' blocks, per length group."""

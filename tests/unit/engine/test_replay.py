@@ -228,6 +228,7 @@ def test_the_static_decode_step_equals_the_eager_step(make_engine):
         (dict(graph_buckets=(4, 2)), "graph_buckets"),
         (dict(graph_buckets=()), "graph_buckets"),
         (dict(graph_buckets=(0, 1)), "graph_buckets"),
+        (dict(fuse_pointwise=True), "fuse_pointwise"),
     ],
 )
 def test_engine_config_refuses_bad_graph_settings(tmp_path, settings, field):
