@@ -29,7 +29,12 @@ TIMEOUT_S = 120
 def _generate(engine: Engine, prompts: list[tuple[int, ...]], max_tokens: int) -> list[list[int]]:
     """Greedy generation of every prompt in one batch, each sequence's tokens in order."""
     params = SamplingParams(max_tokens=max_tokens)
-    outs = engine.prefill([Request(p, params) for p in prompts])
+    return _run(engine, [Request(p, params) for p in prompts])
+
+
+def _run(engine: Engine, requests: list[Request]) -> list[list[int]]:
+    """Every request in one batch until all are done, each sequence's tokens in order."""
+    outs = engine.prefill(requests)
     tokens = {o.seq_id: [o.token_id] for o in outs}
     while engine.active_sequences():
         for out in engine.decode_step():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_cuda import PROMPTS, _generate
+from test_engine_cuda import PROMPTS, _generate, _run
 
 from disagg.engine import paged
 from disagg.engine.engine import Engine, EngineConfig
@@ -47,12 +47,7 @@ def _sampled(engine: Engine, max_tokens: int) -> list[list[int]]:
         Request(p, SamplingParams(max_tokens=max_tokens, **{"temperature": 1.0, **kw}))
         for p, kw in zip(PROMPTS, settings, strict=True)
     ]
-    outs = engine.prefill(requests)
-    tokens = {o.seq_id: [o.token_id] for o in outs}
-    while engine.active_sequences():
-        for out in engine.decode_step():
-            tokens[out.seq_id].append(out.token_id)
-    return [tokens[o.seq_id] for o in outs]
+    return _run(engine, requests)
 
 
 def test_fp32_graphs_sample_in_the_graph_the_eager_tokens(tiny_model_dir: Path) -> None:
