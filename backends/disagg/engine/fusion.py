@@ -27,21 +27,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.engine.rope import rotate
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` times ``weight``, the statistics in float32 whatever the compute dtype, the
+    result in x's dtype (as the reference implementation does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
 
 def norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + delta`` (``x`` where ``delta`` is None) and its RMSNorm times ``weight``, the statistics
-    in float32, the result in x's dtype: (the new residual, the normed rows)."""
+    """``x + delta`` (``x`` where ``delta`` is None) and its ``rms_norm``: (the new residual, the
+    normed rows)."""
     residual = x if delta is None else x + delta
-    x32 = residual.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return residual, weight * x32.to(residual.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return residual, rms_norm(residual, weight, eps)
 
 
 def rotary_write(
@@ -61,8 +64,8 @@ def rotary_write(
     nh, nkv, hd = heads
     q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    q = _rotate(q.view(-1, nh, hd), cos, sin)
-    k = _rotate(k.view(-1, nkv, hd), cos, sin)
+    q = rotate(q.view(-1, nh, hd), cos, sin)
+    k = rotate(k.view(-1, nkv, hd), cos, sin)
     cache[slot_block, layer, 0, slot_offset] = k.to(cache.dtype)
     cache[slot_block, layer, 1, slot_offset] = v.view(-1, nkv, hd).to(cache.dtype)
     return q.contiguous()

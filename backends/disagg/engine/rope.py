@@ -46,8 +46,10 @@ class RotaryTable:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, hd] at positions [T] (rotate-half convention)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, hd]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] rotated by ``cos`` / ``sin`` (broadcast to it), rotate-half convention."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

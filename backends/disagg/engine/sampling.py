@@ -24,6 +24,7 @@ below 2**63, so it gives the same bits on every CPU and GPU; ``u`` keeps 23 bits
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 
@@ -34,16 +35,12 @@ _MULTIPLIER = 0x045D9F3B  # below 2**27: a product with a 32-bit value stays bel
 _GOLDEN = 0x9E3779B9  # 2**32 / the golden ratio: separates the two hashing rounds of a token
 _UNIT = 2.0**-23
 
-
-def mix32(x: int) -> int:
-    """The 32-bit mixer on a Python int (``_mix`` is the same on tensors)."""
-    x &= MASK32
-    x = (((x >> 16) ^ x) * _MULTIPLIER) & MASK32
-    x = (((x >> 16) ^ x) * _MULTIPLIER) & MASK32
-    return (x >> 16) ^ x
+Bits = TypeVar("Bits", int, torch.Tensor)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: Bits) -> Bits:
+    """The 32-bit mixer, on a Python int or an int64 tensor of values below 2**32: the same bits
+    either way (every product stays below 2**59)."""
     x = (((x >> 16) ^ x) * _MULTIPLIER) & MASK32
     x = (((x >> 16) ^ x) * _MULTIPLIER) & MASK32
     return (x >> 16) ^ x
@@ -51,16 +48,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def row_key(seed: int, step: int) -> int:
     """The 32-bit key of draw number ``step`` of a request with ``seed`` (a 64-bit seed)."""
-    key = mix32(step)
+    key = mix32(step & MASK32)
     key = mix32(key ^ (seed >> 32))
-    return mix32(key ^ seed)
+    return mix32((key ^ seed) & MASK32)
 
 
 def noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Gumbel noise [rows, vocab] float32 for int64 ``keys`` [rows] (each below 2**32), on their
     device: element (r, t) depends on keys[r] and t alone."""
     tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    bits = _mix((_mix(keys[:, None] ^ tokens[None, :]) + _GOLDEN) & MASK32)
+    bits = mix32((mix32(keys[:, None] ^ tokens[None, :]) + _GOLDEN) & MASK32)
     uniform = ((bits >> 9).to(torch.float32) + 0.5) * _UNIT  # in (0, 1), 23 bits
     return -torch.log(-torch.log(uniform))
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from disagg.engine import blockcode, fp32kernel, kernel
 from disagg.engine.checkpoint import ModelConfig
-from disagg.engine.fusion import PLAIN, Pointwise
+from disagg.engine.fusion import PLAIN, Pointwise, rms_norm
 from disagg.engine.paged import PagedAttention
 from disagg.engine.projection import Projection
 from disagg.engine.rope import RotaryTable
@@ -153,10 +153,7 @@ class Transformer:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.norm_kernel is not None:
             return self.norm_kernel(x, weight, self.cfg.rms_norm_eps)
-        # Statistics in float32 whatever the compute dtype, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * x32.to(x.dtype)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _qkv(
         self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, decode_rows: int

@@ -28,9 +28,9 @@ def batch_inputs(rows: list[tuple[SamplingParams, int]]) -> tuple[torch.Tensor, 
     )
 
 
-def test_the_tensor_mixer_gives_the_python_mixers_bits() -> None:
+def test_the_mixer_gives_the_same_bits_on_ints_and_int64_tensors() -> None:
     values = [0, 1, 2, 0xFFFFFFFF, 0x80000000, 0x12345678, *torch.randint(0, 2**32, (200,)).tolist()]
-    mixed = sampling._mix(torch.tensor(values, dtype=torch.int64)).tolist()
+    mixed = sampling.mix32(torch.tensor(values, dtype=torch.int64)).tolist()
     assert mixed == [sampling.mix32(v) for v in values]
     assert all(0 <= m <= sampling.MASK32 for m in mixed)
 
