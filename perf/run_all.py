@@ -69,6 +69,7 @@ from perf.benchlib.deploy import (
     free_port,
     pool_parameter,
     start_triton,
+    stop_group,
     vllm_command_line,
     wait_for_health,
     with_orchestrator_parameters,
@@ -494,21 +495,12 @@ def vllm_pd_running(
         for server in servers:
             server.wait_healthy()
         front = subprocess.Popen(proxy, stdin=subprocess.DEVNULL, process_group=0)
-        stack.callback(stop_process, front)
+        # SIGKILL after 10 s: with connections still open, SIGTERM alone left it running, and the
+        # measured run was reported as failed
+        stack.callback(stop_group, front, 10.0)
         url = f"http://127.0.0.1:{port}"
         wait_for_health(f"{url}/health", front, "the P/D proxy")
         yield ClientConfig("openai", url, args.vllm_served_name), command
-
-
-def stop_process(process: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM `process`, and SIGKILL it if it has not exited within `grace_s` (the P/D proxy, with
-    connections still open, did not exit within 10 s, and the measured run was reported as failed)."""
-    process.terminate()
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 async def tune_grid(

@@ -141,6 +141,23 @@ def wait_for_health(url: str, process: Any, what: str, timeout_s: float = 60.0) 
         time.sleep(0.2)  # a poll interval
 
 
+def stop_group(process: subprocess.Popen, grace_s: float = 20.0) -> int | None:
+    """SIGTERM the process group `process` leads (started with ``process_group=0``), SIGKILL it after
+    `grace_s`; returns the exit status."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signum)
+        try:
+            process.wait(timeout=grace_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # Children (vLLM's engine core and workers) live in the same group; make sure none outlives us.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode
+
+
 class ServerProcess:
     """A peer's OpenAI server process, started from a config with `command()`, `environment()`, `url`
     and `log_path` (see module contract); subclasses name it (`what`) and check what it needs."""
@@ -210,21 +227,7 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit status."""
-        process = self._process
-        if process is None:
-            return None
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signum)
-            try:
-                process.wait(timeout=grace_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Children (vLLM's engine core and workers) live in the same group; make sure none outlives us.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        return process.returncode
+        return None if self._process is None else stop_group(self._process, grace_s)
 
     def __enter__(self) -> Any:
         return self

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from perf.benchlib.deploy import DeployError, VllmConfig, VllmServer
+from perf.benchlib.deploy import DeployError, VllmConfig, VllmServer, stop_group
 
 
 def test_command_pins_cores_and_serves_loopback(tiny_model_dir, tmp_path):
@@ -55,3 +57,13 @@ def test_a_spec_repository_lays_the_overlay_and_pool_parameters_over_the_default
     assert 'string_value: "float32"' in (repo / "decode" / "config.pbtxt").read_text()
     with pytest.raises(DeployError, match="did not validate"):
         spec_repository({"pools": {"colocated": {"instances": 0}}}, tiny_model_dir, "auto", tmp_path / "x")
+
+
+def test_a_group_that_ignores_sigterm_is_killed_after_its_grace() -> None:
+    """The vLLM P/D proxy, with connections open, ignored SIGTERM for over 10 s."""
+    code = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); input()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, process_group=0
+    )
+    assert process.stdout.readline() == b"1\n"  # its handler is set
+    assert stop_group(process, grace_s=0.2) == -9

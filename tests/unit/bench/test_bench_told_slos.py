@@ -102,14 +102,3 @@ def test_a_workload_without_an_slo_yet_is_refused_before_any_server_starts(monke
 def test_telling_is_the_default_and_can_be_switched_off() -> None:
     assert run_all.parse_args(["--quick"]).tell_slos is True
     assert run_all.parse_args(["--quick", "--no-tell-slos"]).tell_slos is False
-
-
-def test_a_process_that_ignores_sigterm_is_killed_after_its_grace() -> None:
-    import subprocess
-    import sys
-
-    code = "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); input()"
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert process.stdout.readline() == b"1\n"  # its handler is set
-    run_all.stop_process(process, grace_s=0.2)
-    assert process.returncode == -9
