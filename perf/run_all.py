@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.serverconfig import parse_cpus
+from disagg_tools.repository import MARGIN_GUESSED, MARGIN_TOLD
 from perf.benchlib import machine as machine_facts
 from perf.benchlib import plots, report
 from perf.benchlib.clients import ClientConfig, TritonClient, make_client
@@ -258,7 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="our deployments (started here) are told each workload's SLOs, as a user sets them "
-        "(entry_points.slo: the orchestrators' slo.ttft_s / slo.tpot_s, which admission judges by): "
+        "(entry_points.slo: the orchestrators' slo.ttft_s / slo.tpot_s, which admission judges by, and "
+        "admission margin 1, the spec's default with a TTFT SLO): "
         "each workload's search, and the interference pair, on a server of its own. --no-tell-slos: one "
         "server for all, with the repository's own SLOs (the default deployment's 1 s TTFT target)",
     )
@@ -820,8 +822,11 @@ def judging_slo(workload: str, frozen: dict[str, FrozenSlo] | None) -> Any:
 
 def told_repository(repository: Path, scratch: Path, slo: Any) -> Path:
     """A copy of `repository` whose orchestrators are told `slo`: the parameters `disagg repository`
-    writes for the spec's `entry_points.slo.ttft_s` / `.tpot_s`."""
+    writes for the spec's `entry_points.slo.ttft_s` / `.tpot_s`, and the admission margin its default
+    gives a deployment told its TTFT SLO, where `repository` has the untold default."""
     params = {"slo.ttft_s": f"{slo.ttft_s:g}", "slo.tpot_s": f"{slo.tpot_s:g}"}
+    if pool_parameter(repository, "orchestrator", "admission.margin") == f"{MARGIN_GUESSED:g}":
+        params["admission.margin"] = f"{MARGIN_TOLD:g}"
     return with_orchestrator_parameters(repository, scratch, params)
 
 
@@ -1385,8 +1390,9 @@ async def main_async(args: argparse.Namespace) -> int:
             results["meta"]["notes"].append(
                 "Our deployments were told each workload's SLOs, as a user sets them in the spec "
                 "(`entry_points.slo`: the orchestrators' `slo.ttft_s` / `slo.tpot_s`, which admission "
-                "judges by), each search on a server of its own; their grids were tuned with the "
-                "repository's own SLOs. vLLM and llama.cpp have no such setting."
+                "judges by, and the admission margin the spec then defaults to, 1), each search on a "
+                "server of its own; their grids were tuned with the repository's own SLOs. vLLM and "
+                "llama.cpp have no such setting."
             )
             for dep in deployments.values():
                 if dep.name in TRITON_MODELS and dep.available:

@@ -171,11 +171,12 @@ class Slo:
 
 @dataclass(frozen=True)
 class Admission:
-    # refuse at once a request whose wait for its turn exceeds this x the TTFT SLO (0: admit everything)
-    margin: float = Layout.admission_margin
+    # refuse at once a request whose wait for its turn exceeds this x the TTFT SLO (0: admit everything;
+    # null: 1 where entry_points.slo.ttft_s is set, else 2)
+    margin: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.margin <= 1000:
+        if self.margin is not None and not 0 <= self.margin <= 1000:
             raise ValueError("margin: must be in [0, 1000] (0: off)")
 
 

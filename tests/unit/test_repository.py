@@ -229,6 +229,27 @@ def test_admission_margin_and_prefix_cache_flags_reach_entry_points_and_pools(tm
         assert 'key: "admission.margin", value: { string_value: "2" }' in default[name]
 
 
+@pytest.mark.parametrize(
+    ("overrides", "margin"),
+    [
+        ([], "2"),  # the orchestrator's 1 s target is a guess: twice it
+        (["entry_points.slo.ttft_s=1.6"], "1"),  # told its SLO: the SLO itself
+        (["entry_points.slo.tpot_s=0.05"], "2"),  # a TPOT SLO alone says nothing of the wait
+        (["entry_points.slo.ttft_s=1.6", "entry_points.admission.margin=3"], "3"),  # said: kept
+        (["entry_points.admission.margin=0"], "0"),  # off stays off
+    ],
+)
+def test_the_admission_margin_follows_the_ttft_slo_the_spec_sets(overrides: list[str], margin: str) -> None:
+    """Unset, the margin is 1 where the spec sets `entry_points.slo.ttft_s` (margin 1 served more than 2
+    with the SLO told, perf/results/admission_margin) and 2 where the 1 s target is a guess; a margin
+    the spec says is kept, whatever the SLO."""
+    layout = load_spec(None, overrides).layout()
+    rendered = render(layout)
+    for name in ("orchestrator", "orchestrator_colocated", "llm"):
+        assert f'key: "admission.margin", value: {{ string_value: "{margin}" }}' in rendered[name], name
+    assert layout.admission_margin == float(margin)
+
+
 def test_hot_decode_variant_adds_a_hot_pool_the_entry_points_route_to(tmp_path, tiny_model_dir):
     """`--hot-decode-cores 1 --hot-group-rate 2`: a second decode pool, decode_hot, on core 1 at its
     niceness; the disaggregated entry points name it and the group rate, the colocated one only the

@@ -31,6 +31,21 @@ def test_the_told_repository_carries_what_the_spec_writes_for_its_slo(tmp_path: 
     assert parameters(told)["decode"] == parameters(default)["decode"]  # the pools' loans as tuned
 
 
+def test_a_margin_the_repository_says_is_kept_when_told(tmp_path: Path) -> None:
+    """Told an SLO, the untold default margin (2) becomes the told one (1), as the spec's default does;
+    a repository that says another margin keeps it."""
+    said = tmp_path / "said"
+    write(said, Layout(admission_margin=3.0))
+    told = run_all.told_repository(said, tmp_path / "told", Slo(1.626, 0.0676))
+    assert parameters(told)["orchestrator"]["admission.margin"] == "3"
+    assert (
+        parameters(run_all.told_repository(REPOSITORY, tmp_path / "t2", Slo(1.0, 0.1)))["llm"][
+            "admission.margin"
+        ]
+        == "1"
+    )
+
+
 def test_the_judging_slo_is_the_given_one_or_the_frozen_one() -> None:
     assert run_all.judging_slo("codegen@article", None) == FIXED_SLOS["codegen@article"].slo
     assert run_all.judging_slo("chat", FROZEN) == FROZEN["chat"].slo
