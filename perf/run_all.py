@@ -108,6 +108,8 @@ from perf.benchlib.timeplan import (
 from perf.benchlib.workload import WORKLOADS, PromptFactory
 
 PERF = Path(__file__).resolve().parent
+BENCH_OUT = PERF / "results" / "bench"  # `make bench`'s results (--out-dir)
+ORCHESTRATION_OUT = PERF / "results" / "orchestration_cost"  # perf.orchestration_cost's own default
 SLO_RULE = (
     f"Per workload: TTFT SLO = {TTFT_FACTOR:g} × idle TTFT of `{REFERENCE_DEPLOYMENT}` at the workload's "
     f"median prompt length; TPOT SLO = {TPOT_FACTOR:g} × its idle single-stream TPOT. The same absolute "
@@ -325,7 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--note", action="append", default=[], help="a line for the report (e.g. what else ran meanwhile)"
     )
-    parser.add_argument("--out-dir", type=Path, default=PERF / "results" / "bench")
+    parser.add_argument("--out-dir", type=Path, default=BENCH_OUT)
     parser.add_argument("--report", type=Path, default=PERF / "RESULTS.md")
     parser.add_argument("--records", type=Path, default=PERF / "out" / "bench_records.json")
     return parser.parse_args(argv)
@@ -1232,7 +1234,7 @@ def write_outputs(results: dict[str, Any], records: dict[str, Any], args: argpar
     }
     base = args.report.resolve().parent
     rel = {k: [os.path.relpath(p.resolve(), base) for p in v] for k, v in written.items()}
-    orchestration_json = PERF / "results" / "orchestration_cost.json"
+    orchestration_json = orchestration_dir(args) / "orchestration_cost.json"
     orchestration = json.loads(orchestration_json.read_text()) if orchestration_json.exists() else None
     earlier = args.report.read_text() if args.report.is_file() else ""
     args.report.write_text(report.keeping_sections(report.render(results, rel, orchestration), earlier))
@@ -1506,13 +1508,21 @@ async def main_async(args: argparse.Namespace) -> int:
     if profile.name == "full" and triton_url and args.start_triton is not None:
         # the orchestration cost (one stream, its own server) is part of the full report
         log("orchestration cost: perf/orchestration_cost.py --reps 3 ...")
-        cost = subprocess.run(
-            [sys.executable, "-m", "perf.orchestration_cost", "--reps", "3"], cwd=PERF.parent, check=False
-        )
+        command = ["-m", "perf.orchestration_cost", "--reps", "3", "--out-dir", str(orchestration_dir(args))]
+        cost = subprocess.run([sys.executable, *command], cwd=PERF.parent, check=False)
         if cost.returncode:
             results["meta"]["notes"].append("orchestration cost: the benchmark failed (see its output)")
     write_partial(results, records, deployments, args, started, earlier, final=True)
     return 0 if results["calibrations"] else 1
+
+
+def orchestration_dir(args: argparse.Namespace) -> Path:
+    """Where the full run's orchestration cost goes and its report reads it: the committed folder for
+    `make bench`'s own results (`--out-dir` left as it is), else a folder inside `--out-dir`, so that a
+    run into scratch folders leaves the committed results alone."""
+    if args.out_dir.resolve() == BENCH_OUT.resolve():
+        return ORCHESTRATION_OUT
+    return args.out_dir / "orchestration_cost"
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

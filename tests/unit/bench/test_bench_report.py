@@ -223,3 +223,16 @@ def test_interference_is_pooled_over_seeds_with_each_seeds_ratio_kept():
     text = report.render(res, {})
     assert "| disagg | 4.00 | 4 | 3 |" in text and "| 1: 1.10×, 2: 1.50×, 3: 1.10× | this run |" in text
     assert "3 seeds pooled" in text
+
+
+def test_the_full_runs_orchestration_cost_is_read_where_it_is_written(tmp_path) -> None:
+    """`make bench` writes the orchestration cost into its committed folder and its report reads it
+    there (it once read a file that folder had replaced, so the report lost the table); a run into a
+    scratch folder writes and reads its own, leaving the committed results alone."""
+    from perf import orchestration_cost, run_all
+
+    default = run_all.parse_args(["--full"])
+    assert run_all.orchestration_dir(default) == orchestration_cost.RESULTS
+    assert (run_all.orchestration_dir(default) / "orchestration_cost.json").is_file()  # committed
+    scratch = run_all.parse_args(["--full", "--out-dir", str(tmp_path)])
+    assert run_all.orchestration_dir(scratch) == tmp_path / "orchestration_cost"
