@@ -14,7 +14,7 @@
 #   1. tests/gpu: the engine on CUDA (fp32 tokens equal the CPU's; bf16 and fp16 run), KV hand-offs
 #      over CUDA IPC between processes, raw and engine to engine;
 #   2. perf/gpu_serve_check.py: a real Triton serving KIND_GPU pools (CUDA IPC hand-off) against the
-#      engine's own greedy text;
+#      engine's own greedy text, and the served TPOT beside the decode pool's step inside the server;
 #   3. perf/kv_transfer_bench.py: cuda_ipc hand-off bandwidth beside a device-to-device copy;
 #   4. perf/gpu_engine_bench.py: the engine against transformers on the GPU, the tiny model and
 #      SmolLM2's shape with random weights (its real weights do not fit the transfer to the machine);

@@ -9,7 +9,12 @@ Writes the repository (prefill on GPU 0, decode on ``--decode-gpu``, colocated o
     ``ensemble_colocated`` with the engine's own greedy text on the same GPU and dtype, run in this
     process at batch 1 (bit for bit the computation the idle pools do);
   - streamed TTFT and time per output token of both entry points (``generate_stream``);
-  - the pools' KV gauges after the requests (no block left held) and the hand-offs counted.
+  - the pools' KV gauges after the requests (no block left held) and the hand-offs counted;
+  - the served TPOT (``served_tpot``): through ``ensemble`` and ``llm`` over gRPC, ``--tpot-tokens``
+    tokens a stream (``min_length`` = ``max_tokens``), beside the decode pool's own engine step inside the
+    server over the same tokens (``disagg_engine_busy_seconds_total`` / ``disagg_engine_steps_total``),
+    medians of ``--tpot-reps``; TPOT minus the step is what the relay and the loop between steps add to
+    each token.
 
 On a machine with one GPU, ``--decode-gpu 0`` puts the decode pool on the prefill pool's GPU: the
 repository tool refuses that (disaggregation wants disjoint devices), so the decode pool's config is
@@ -29,11 +34,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 HTTP = "127.0.0.1:18000"
+GRPC = "127.0.0.1:18001"
+METRICS = "http://127.0.0.1:18002/metrics"
 
 
 def _post(path: str, body: dict[str, Any], timeout_s: float = 120) -> Any:
@@ -97,6 +105,47 @@ def _oracle(model_dir: Path, dtype: str, max_tokens: int) -> dict[str, str]:
     return texts
 
 
+def served_tpot(
+    grpc_url: str,
+    metrics_url: str,
+    reps: int,
+    tokens: int,
+    tpot: Callable[[str, str, str, int, int, int], Awaitable[float]] | None = None,
+    counters: Callable[[str], tuple[int, float]] | None = None,
+) -> dict[str, Any]:
+    """TPOT through ``ensemble`` and ``llm`` and the decode pool's engine step inside the server over
+    the same request (ms, medians of ``reps`` after one dropped warm-up round), and TPOT minus the step.
+    ``tpot`` / ``counters``: the measurements (perf.orchestration_cost's, over gRPC and /metrics)."""
+    import asyncio
+    import functools
+    import statistics
+
+    from perf import orchestration_cost
+
+    tpot = tpot or orchestration_cost.triton_tpot
+    counters = counters or orchestration_cost.server_decode_counters
+    read = functools.partial(counters, metrics_url)
+    out: dict[str, Any] = {"tokens": tokens, "reps": reps}
+    for model in ("ensemble", "llm"):
+        tpots, steps = [], []
+        for rep in range(reps + 1):
+            prompt = f"Request {rep}: tell a long story about the sea"
+            before = read()
+            seconds = asyncio.run(tpot(grpc_url, model, prompt, 0, tokens, 5000 + rep))
+            step = orchestration_cost.step_during(read, before, tokens - 1)
+            if rep:
+                tpots.append(seconds * 1e3)
+                steps.append(step * 1e3)
+        tpot_ms, step_ms = statistics.median(tpots), statistics.median(steps)
+        out[model] = {
+            "tpot_ms": tpot_ms,
+            "decode_step_ms": step_ms,
+            "between_steps_ms": tpot_ms - step_ms,
+            "samples": {"tpot_ms": tpots, "decode_step_ms": steps},
+        }
+    return out
+
+
 def _write_repository(out: Path, decode_gpu: int) -> Path:
     from disagg_tools.repository import main as repository
 
@@ -120,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-gpu", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ready-timeout", type=float, default=240)
+    parser.add_argument("--tpot-tokens", type=int, default=64, help="tokens a stream for the served TPOT")
+    parser.add_argument("--tpot-reps", type=int, default=5, help="its rounds (one more warms up)")
     args = parser.parse_args(argv)
     import torch
 
@@ -178,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
         report["requests"] = rows
+        report["served_tpot"] = served_tpot(GRPC, METRICS, args.tpot_reps, args.tpot_tokens)
         wanted = (
             "disagg_kv_blocks_used",
             "disagg_kv_transfer_bytes_total",
