@@ -34,7 +34,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,35 +104,21 @@ def _oracle(model_dir: Path, dtype: str, max_tokens: int) -> dict[str, str]:
     return texts
 
 
-def served_tpot(
-    grpc_url: str,
-    metrics_url: str,
-    reps: int,
-    tokens: int,
-    tpot: Callable[[str, str, str, int, int, int], Awaitable[float]] | None = None,
-    counters: Callable[[str], tuple[int, float]] | None = None,
-) -> dict[str, Any]:
+def served_tpot(grpc_url: str, metrics_url: str, reps: int, tokens: int) -> dict[str, Any]:
     """TPOT through ``ensemble`` and ``llm`` and the decode pool's engine step inside the server over
-    the same request (ms, medians of ``reps`` after one dropped warm-up round), and TPOT minus the step.
-    ``tpot`` / ``counters``: the measurements (perf.orchestration_cost's, over gRPC and /metrics)."""
-    import asyncio
-    import functools
+    the same request (ms, medians of ``reps`` after one dropped warm-up round), and TPOT minus the step
+    (``perf.orchestration_cost.served_stream``, over gRPC and /metrics)."""
     import statistics
 
-    from perf import orchestration_cost
+    from perf.orchestration_cost import served_stream
 
-    tpot = tpot or orchestration_cost.triton_tpot
-    counters = counters or orchestration_cost.server_decode_counters
-    read = functools.partial(counters, metrics_url)
     out: dict[str, Any] = {"tokens": tokens, "reps": reps}
     for model in ("ensemble", "llm"):
         tpots, steps = [], []
         for rep in range(reps + 1):
             prompt = f"Request {rep}: tell a long story about the sea"
-            before = read()
-            seconds = asyncio.run(tpot(grpc_url, model, prompt, 0, tokens, 5000 + rep))
-            step = orchestration_cost.step_during(read, before, tokens - 1)
-            if rep:
+            seconds, step = served_stream(grpc_url, metrics_url, model, prompt, 0, tokens, 5000 + rep)
+            if rep and step is not None:
                 tpots.append(seconds * 1e3)
                 steps.append(step * 1e3)
         tpot_ms, step_ms = statistics.median(tpots), statistics.median(steps)

@@ -156,6 +156,26 @@ def server_decode_counters(metrics_url: str, pool: str = "decode") -> tuple[int,
     return int(sum(steps)), sum(busy)
 
 
+def served_stream(
+    url: str,
+    metrics_url: str | None,
+    model: str,
+    prompt: str,
+    prompt_tokens: int,
+    tokens: int,
+    index: int,
+    pool: str = "decode",
+) -> tuple[float, float | None]:
+    """One stream of `tokens` through `model`: its TPOT, and `pool`'s mean engine step inside the server
+    over it (from /metrics; None without `metrics_url`), in seconds."""
+    read = functools.partial(server_decode_counters, metrics_url, pool) if metrics_url else None
+    before = read() if read is not None else None
+    tpot = asyncio.run(triton_tpot(url, model, prompt, prompt_tokens, tokens, index))
+    if read is None or before is None:
+        return tpot, None
+    return tpot, step_during(read, before, tokens - 1)
+
+
 def decode_step_time(engine: Engine, prompt: list[int], steps: int = 32) -> float:
     """`engine.decode_step()` alone at batch 1, after three warm-up steps."""
     (out,) = engine.prefill([Request(tuple(prompt), SamplingParams(max_tokens=steps + 8))])
@@ -184,14 +204,14 @@ def colocated(url: str, metrics_url: str | None, model_dir: Path, dtype: str, re
         prompt = f"Request {rep}: tell a long story about the mountains"
         ids = tokenizer.encode(prompt)
         step = decode_step_time(engine, ids)
-        before = server_decode_counters(metrics_url, "colocated") if metrics_url else None
-        tpot = asyncio.run(triton_tpot(url, "ensemble_colocated", prompt, len(ids), tokens, 1000 + rep))
+        tpot, step_inside = served_stream(
+            url, metrics_url, "ensemble_colocated", prompt, len(ids), tokens, 1000 + rep, pool="colocated"
+        )
         if rep:
             alone.append(step)
             tpots.append(tpot)
-            if metrics_url and before is not None:
-                read = functools.partial(server_decode_counters, metrics_url, "colocated")
-                inside.append(step_during(read, before, tokens - 1))
+            if step_inside is not None:
+                inside.append(step_inside)
     return {
         "engine_step_ms": statistics.median(alone) * 1e3,
         "tpot_ms": statistics.median(tpots) * 1e3,
@@ -245,11 +265,9 @@ def run(url: str, metrics_url: str | None, model_dir: Path, reps: int, tokens: i
             row["engine loop"] = local.tpot(ids, tokens, f"oc-{rep}")
             step_row["engine loop"] = step_during(local.decode_counters, before, decode_steps)
             for model in ("ensemble", "llm"):
-                before = server_decode_counters(metrics_url) if metrics_url else None
-                row[model] = asyncio.run(triton_tpot(url, model, prompt, len(ids), tokens, rep))
-                if metrics_url and before is not None:
-                    read = functools.partial(server_decode_counters, metrics_url)
-                    step_row[model] = step_during(read, before, decode_steps)
+                row[model], step = served_stream(url, metrics_url, model, prompt, len(ids), tokens, rep)
+                if step is not None:
+                    step_row[model] = step
             if rep:
                 for name, value in row.items():
                     samples[name].append(value)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from perf import gpu_serve_check
+from perf import gpu_serve_check, orchestration_cost
 
 
-def test_the_served_tpot_is_split_into_the_decode_step_and_what_lies_between() -> None:
+def test_the_served_tpot_is_split_into_the_decode_step_and_what_lies_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     counters = {"steps": 0, "busy": 0.0}
     calls: list[tuple[str, int]] = []
     per_model = {"ensemble": (0.004, 0.003), "llm": (0.0035, 0.003)}  # TPOT, step (s)
@@ -20,11 +22,13 @@ def test_the_served_tpot_is_split_into_the_decode_step_and_what_lies_between() -
         counters["busy"] += (tokens - 1) * step
         return seconds
 
-    def read(metrics_url: str) -> tuple[int, float]:
-        assert metrics_url == "http://m/metrics"
+    def read(metrics_url: str, pool: str) -> tuple[int, float]:
+        assert (metrics_url, pool) == ("http://m/metrics", "decode")
         return counters["steps"], counters["busy"]
 
-    out = gpu_serve_check.served_tpot("g:1", "http://m/metrics", reps=3, tokens=17, tpot=tpot, counters=read)
+    monkeypatch.setattr(orchestration_cost, "triton_tpot", tpot)
+    monkeypatch.setattr(orchestration_cost, "server_decode_counters", read)
+    out = gpu_serve_check.served_tpot("g:1", "http://m/metrics", reps=3, tokens=17)
     assert calls == [("ensemble", 17)] * 4 + [("llm", 17)] * 4  # one warm-up round each, dropped
     assert out["ensemble"]["tpot_ms"] == pytest.approx(4.0)
     assert out["ensemble"]["decode_step_ms"] == pytest.approx(3.0)
