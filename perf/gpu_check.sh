@@ -15,6 +15,8 @@
 #      over CUDA IPC between processes, raw and engine to engine;
 #   2. perf/gpu_serve_check.py: a real Triton serving KIND_GPU pools (CUDA IPC hand-off) against the
 #      engine's own greedy text, and the served TPOT beside the decode pool's step inside the server;
+#      then a second server on the same repository with engines that compute nothing (null_compute),
+#      whose TPOT is the relay's floor (perf/relay_floor.py), and the target TPOT <= step + floor + 0.5 ms;
 #   3. perf/kv_transfer_bench.py: cuda_ipc hand-off bandwidth beside a device-to-device copy;
 #   4. perf/gpu_engine_bench.py: the engine against transformers on the GPU, the tiny model and
 #      SmolLM2's shape with random weights (its real weights do not fit the transfer to the machine);
@@ -114,7 +116,7 @@ if ls .gpu/whl/numpy-1*.whl >/dev/null 2>&1; then
 	$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_numpy .gpu/whl/numpy-1*.whl
 	echo "import sys; sys.path.insert(0, '/tmp/gpu_numpy')" >"$NUMPY_PTH"
 fi
-step serve_check 200 $PY -m perf.gpu_serve_check --out "$OUT/serve"
+step serve_check 300 $PY -m perf.gpu_serve_check --out "$OUT/serve"
 rm -f "$NUMPY_PTH"
 cp "$OUT/serve/serve_check.json" "$OUT/serve/triton.log" "$OUT/" 2>/dev/null
 step kv_bench 60 $PY -m perf.kv_transfer_bench --transports cuda_ipc shm --sizes-mib 1 16 64 256 --reps 5 --out "$OUT/kv"

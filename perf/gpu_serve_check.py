@@ -14,7 +14,10 @@ Writes the repository (prefill on GPU 0, decode on ``--decode-gpu``, colocated o
     tokens a stream (``min_length`` = ``max_tokens``), beside the decode pool's own engine step inside the
     server over the same tokens (``disagg_engine_busy_seconds_total`` / ``disagg_engine_steps_total``),
     medians of ``--tpot-reps``; TPOT minus the step is what the relay and the loop between steps add to
-    each token.
+    each token;
+  - the relay's floor (``perf.relay_floor``): a second server on the same repository with every pool's
+    engine computing nothing (``null_compute``), the same TPOT measurement on it, and the target
+    TPOT <= decode step + floor + 0.5 ms.
 
 On a machine with one GPU, ``--decode-gpu 0`` puts the decode pool on the prefill pool's GPU: the
 repository tool refuses that (disaggregation wants disjoint devices), so the decode pool's config is
@@ -25,6 +28,7 @@ Writes serve_check.json into --out; exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -34,8 +38,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from perf.relay_floor import floor, null_repository, served_tpot
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 HTTP = "127.0.0.1:18000"
@@ -104,33 +111,6 @@ def _oracle(model_dir: Path, dtype: str, max_tokens: int) -> dict[str, str]:
     return texts
 
 
-def served_tpot(grpc_url: str, metrics_url: str, reps: int, tokens: int) -> dict[str, Any]:
-    """TPOT through ``ensemble`` and ``llm`` and the decode pool's engine step inside the server over
-    the same request (ms, medians of ``reps`` after one dropped warm-up round), and TPOT minus the step
-    (``perf.orchestration_cost.served_stream``, over gRPC and /metrics)."""
-    import statistics
-
-    from perf.orchestration_cost import served_stream
-
-    out: dict[str, Any] = {"tokens": tokens, "reps": reps}
-    for model in ("ensemble", "llm"):
-        tpots, steps = [], []
-        for rep in range(reps + 1):
-            prompt = f"Request {rep}: tell a long story about the sea"
-            seconds, step = served_stream(grpc_url, metrics_url, model, prompt, 0, tokens, 5000 + rep)
-            if rep and step is not None:
-                tpots.append(seconds * 1e3)
-                steps.append(step * 1e3)
-        tpot_ms, step_ms = statistics.median(tpots), statistics.median(steps)
-        out[model] = {
-            "tpot_ms": tpot_ms,
-            "decode_step_ms": step_ms,
-            "between_steps_ms": tpot_ms - step_ms,
-            "samples": {"tpot_ms": tpots, "decode_step_ms": steps},
-        }
-    return out
-
-
 def _write_repository(out: Path, decode_gpu: int) -> Path:
     from disagg_tools.repository import main as repository
 
@@ -146,6 +126,74 @@ def _write_repository(out: Path, decode_gpu: int) -> Path:
             raise SystemExit("the decode pool's GPU list was not found in its config")
         config.write_text(text)
     return repo
+
+
+@contextlib.contextmanager
+def _serving(repo: Path, log_path: Path, model_dir: Path, ready_timeout_s: float) -> Iterator[float]:
+    """``disagg serve`` on ``repo`` at the fixed ports, its output into ``log_path``; yields the seconds
+    it took to be ready, and stops it (its whole process group) on the way out."""
+    log = open(log_path, "w")  # noqa: SIM115 (open for the server's whole life)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "disagg_tools.cli",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--openai-port",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={
+            **os.environ,
+            "MODEL_DIR": str(model_dir),
+            "HTTP_PORT": "18000",
+            "GRPC_PORT": "18001",
+            "METRICS_PORT": "18002",
+        },
+        start_new_session=True,
+    )
+    try:
+        started = time.monotonic()
+        while _get("/v2/health/ready")[0] != 200:
+            if server.poll() is not None or time.monotonic() > started + ready_timeout_s:
+                raise SystemExit(f"server not ready (exit {server.poll()}); see {log_path.name}")
+            time.sleep(1)  # polling a server's readiness, not synchronising our own threads
+        yield round(time.monotonic() - started, 1)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def _kv_metrics() -> tuple[list[str], list[str], bool]:
+    """The KV and engine lines of /metrics once no block is held (or after 15 s), the gauges still
+    holding blocks, and whether any KV bytes were handed over."""
+    wanted = ("disagg_kv_blocks_used", "disagg_kv_transfer_bytes_total", "disagg_kv_transfer_failures_total")
+    deadline = time.monotonic() + 15  # the pools' gauges are published every few seconds
+    while True:
+        lines = [
+            line
+            for line in _metrics(18002).splitlines()
+            if line.startswith((*wanted, "disagg_engine_info", "disagg_pool_load_seconds"))
+        ]
+        samples = [line.rsplit(" ", 1) for line in lines]
+        held = [name for name, value in samples if name.startswith(wanted[0]) and float(value) != 0]
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # polling the server's published gauges
+    handed = any(name.startswith(wanted[1]) and float(value) > 0 for name, value in samples)
+    return lines, held, handed
+
+
+def _write(out: Path, report: dict[str, Any]) -> None:
+    (out / "serve_check.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,33 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     repo = _write_repository(args.out, args.decode_gpu)
     dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"  # what "auto" resolves to
     expected = _oracle(model_dir, dtype, args.max_tokens)
-    log = open(args.out / "triton.log", "w")  # noqa: SIM115 (open for the server's whole life)
-    env = {**os.environ, "MODEL_DIR": str(model_dir)}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "disagg_tools.cli",
-            "serve",
-            "--model-repository",
-            str(repo),
-            "--openai-port",
-            "0",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**env, "HTTP_PORT": "18000", "GRPC_PORT": "18001", "METRICS_PORT": "18002"},
-        start_new_session=True,
-    )
     report: dict[str, Any] = {"model": str(model_dir), "dtype": dtype, "gpu": torch.cuda.get_device_name()}
     failures: list[str] = []
-    try:
-        deadline = time.monotonic() + args.ready_timeout
-        while _get("/v2/health/ready")[0] != 200:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server not ready (exit {server.poll()}); see triton.log")
-            time.sleep(1)  # polling a server's readiness, not synchronising our own threads
-        report["ready_s"] = round(args.ready_timeout - (deadline - time.monotonic()), 1)
+    with _serving(repo, args.out / "triton.log", model_dir, args.ready_timeout) as ready_s:
+        report["ready_s"] = ready_s
         rows = []
         for model in ("ensemble", "ensemble_colocated", "llm"):
             for prompt in PROMPTS:
@@ -215,37 +240,22 @@ def main(argv: list[str] | None = None) -> int:
                 )
         report["requests"] = rows
         report["served_tpot"] = served_tpot(GRPC, METRICS, args.tpot_reps, args.tpot_tokens)
-        wanted = (
-            "disagg_kv_blocks_used",
-            "disagg_kv_transfer_bytes_total",
-            "disagg_kv_transfer_failures_total",
-        )
-        deadline = time.monotonic() + 15  # the pools' gauges are published every few seconds
-        while True:
-            report["metrics"] = [
-                line
-                for line in _metrics(18002).splitlines()
-                if line.startswith((*wanted, "disagg_engine_info", "disagg_pool_load_seconds"))
-            ]
-            samples = [line.rsplit(" ", 1) for line in report["metrics"]]
-            held = [name for name, value in samples if name.startswith(wanted[0]) and float(value) != 0]
-            if not held or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)  # polling the server's published gauges
-        if held:
-            failures.append(f"KV blocks still held after the requests: {held}")
-        if not any(name.startswith(wanted[1]) and float(value) > 0 for name, value in samples):
-            failures.append("no KV bytes were handed over")
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+        report["metrics"], held, handed = _kv_metrics()
+    if held:
+        failures.append(f"KV blocks still held after the requests: {held}")
+    if not handed:
+        failures.append("no KV bytes were handed over")
     report["failures"] = failures
-    (args.out / "serve_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    _write(args.out, report)  # kept should the second server fail
+    # the relay's floor: the same repository with engines that compute nothing, on a server of its own
+    try:
+        null = null_repository(repo, args.out / "null")
+        with _serving(null, args.out / "triton_null.log", model_dir, args.ready_timeout):
+            report["null_served_tpot"] = served_tpot(GRPC, METRICS, args.tpot_reps, args.tpot_tokens)
+        report["relay_floor"] = floor(report["served_tpot"], report["null_served_tpot"])
+    except (Exception, SystemExit) as exc:
+        failures.append(f"relay floor: {exc}")
+    _write(args.out, report)
     print(json.dumps(report, indent=2))
     return 1 if failures else 0
 

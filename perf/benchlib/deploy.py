@@ -331,6 +331,18 @@ def with_pool_parameters(repository: Path, scratch: Path, pool: str, params: dic
     return _with_parameters(repository, scratch, params, lambda name, text: name == pool)
 
 
+def with_pools_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
+    """A copy of `repository` (under `scratch`) whose every pool model (role prefill, decode or
+    colocated) carries `params`, replacing a parameter of the same name."""
+    roles = [
+        f'{{ key: "role", value: {{ string_value: "{r}" }} }}' for r in ("prefill", "decode", "colocated")
+    ]
+    copy = _with_parameters(repository, scratch, params, lambda name, text: any(r in text for r in roles))
+    if not any(any(r in c.read_text() for r in roles) for c in copy.glob("*/config.pbtxt")):
+        raise DeployError(f"{repository} has no pool model")
+    return copy
+
+
 def _with_parameters(
     repository: Path, scratch: Path, params: dict[str, str], chosen: Callable[[str, str], bool]
 ) -> Path:

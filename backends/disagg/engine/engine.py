@@ -26,6 +26,7 @@ from disagg.engine.fingerprint import checkpoint_id, kv_fingerprint
 from disagg.engine.fusion import PLAIN, Pointwise
 from disagg.engine.graphs import DEFAULT_BUCKETS, BucketView, GraphConfig, StaticBuffers, StepInputs
 from disagg.engine.kvcache import KVCache
+from disagg.engine.nullmodel import NullModel
 from disagg.engine.paged import reference as paged_reference
 from disagg.engine.paged import triton_attention
 from disagg.engine.prefix import block_keys
@@ -90,6 +91,9 @@ class EngineConfig:
     # write, SiLU x up) compiled by torch.compile into fused kernels (disagg.engine.fusion), compiled
     # while the graphs are captured. NOT verified on a GPU, so off by default
     fuse_pointwise: bool = False
+    # benchmarks only: no forward pass, no weights loaded; each step repeats every row's own token
+    # (disagg.engine.nullmodel), so a stream's TPOT through Triton is the relay's floor (perf.relay_floor)
+    null_compute: bool = False
 
     def __post_init__(self) -> None:
         """Ranges, and ``auto`` resolved; the types are ``config.build``'s (a config built by hand in
@@ -123,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"graph_buckets: {e}") from None
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, got device {self.device!r}")
+        if self.null_compute and self.cuda_graphs:
+            raise ValueError("null_compute runs no model: it has no step to capture (cuda_graphs)")
         if self.fuse_pointwise and not self.cuda_graphs:
             raise ValueError("fuse_pointwise fuses the captured decode step's work: it needs cuda_graphs")
 
@@ -161,20 +167,7 @@ class Engine:
         if self.device.type == "cpu":
             pin_cpu(config.cores, config.num_threads)
         self.model_config: ModelConfig = load_config(config.model_dir)
-        dtype = DTYPES[config.dtype]
-        # a native bf16 CPU engine reads the stored values: block codes are found in fp32 ones
-        stored = config.native_kernels and self.device.type == "cpu" and dtype == torch.bfloat16
-        weights = load_weights(config.model_dir, self.model_config, None if stored else dtype)
-        self.model = Transformer(
-            self.model_config,
-            weights,
-            dtype,
-            self.device,
-            config.pack_weights,
-            config.native_kernels,
-            kv_dtype=DTYPES[config.kv_dtype],
-        )
-        del weights
+        self.model = self._model(config)
         mc = self.model_config
         self.kv_layout, num_blocks = plan_kv(config, mc)
         # what this engine's KV means: an importer refuses KV stamped otherwise (engine.fingerprint)
@@ -223,6 +216,23 @@ class Engine:
             num_blocks,
             config.block_size,
             "on" if config.prefix_cache else "off",
+        )
+
+    def _model(self, config: EngineConfig) -> Transformer | NullModel:
+        if config.null_compute:
+            return NullModel(self.model_config.vocab_size, self.device)
+        dtype = DTYPES[config.dtype]
+        # a native bf16 CPU engine reads the stored values: block codes are found in fp32 ones
+        stored = config.native_kernels and self.device.type == "cpu" and dtype == torch.bfloat16
+        weights = load_weights(config.model_dir, self.model_config, None if stored else dtype)
+        return Transformer(
+            self.model_config,
+            weights,
+            dtype,
+            self.device,
+            config.pack_weights,
+            config.native_kernels,
+            kv_dtype=DTYPES[config.kv_dtype],
         )
 
     def _capture_graphs(self, scratch: int, api: GraphApi | None) -> DecodeGraphs:
@@ -280,6 +290,9 @@ class Engine:
         return paths["projections"] not in ("torch", "onednn-packed") and paths["attention"] == "kernel"
 
     def describe(self) -> dict[str, str]:
+        plain = {"dtype": self.config.dtype, "kv_dtype": self.config.kv_dtype}
+        if isinstance(self.model, NullModel):
+            return {**plain, "projections": "null", "attention": "null"}
         head = self.model.lm_head
         layer = self.model.layers[0].gate_up if self.model.layers else head
         if head.native is not None:  # bf16: the kernel, with decode rows on the layers' codes if any
@@ -291,12 +304,7 @@ class Engine:
         else:
             projections = "onednn-packed" if head.packed else "torch"
         attention = "kernel" if self.model.paged_attention else "torch"
-        return {
-            "dtype": self.config.dtype,
-            "kv_dtype": self.config.kv_dtype,
-            "projections": projections,
-            "attention": attention,
-        }
+        return {**plain, "projections": projections, "attention": attention}
 
     def usage(self) -> BlockUsage:
         available, counters = self.kv.available_blocks, self.kv.counters()
