@@ -11,7 +11,7 @@ LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
 .PHONY: install model test-models test lint format llamacpp bench-engine bench-compile bench-attention bench-kv \
 	bench-planner bench-multihost repro-metric-race repro-stub-kill repro-bls-release gpu-check bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf bench-summarize serve \
-	bench-overload bench-orchestration bench-degraded bench-cancel bench-conditional bench-tuner
+	bench-overload bench-orchestration bench-relay-floor bench-degraded bench-cancel bench-conditional bench-tuner
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -183,6 +183,9 @@ bench-overload: test-models
 ORCH_OUT ?= perf/results/orchestration_cost
 bench-orchestration: test-models
 	$(PY) -m perf.orchestration_cost --model "$(SMOLLM2)" --reps 3 --out-dir "$(ORCH_OUT)"
+
+bench-relay-floor: test-models
+	$(PY) -m perf.relay_floor --model-dir "$(SMOLLM2)"
 
 bench-degraded: test-models
 	$(PY) -m perf.degraded --model-dir "$(TINY)" --rate 3.2 --kill decode
