@@ -332,15 +332,16 @@ def with_pool_parameters(repository: Path, scratch: Path, pool: str, params: dic
 
 
 def with_pools_parameters(repository: Path, scratch: Path, params: dict[str, str]) -> Path:
-    """A copy of `repository` (under `scratch`) whose every pool model (role prefill, decode or
-    colocated) carries `params`, replacing a parameter of the same name."""
-    roles = [
-        f'{{ key: "role", value: {{ string_value: "{r}" }} }}' for r in ("prefill", "decode", "colocated")
-    ]
-    copy = _with_parameters(repository, scratch, params, lambda name, text: any(r in text for r in roles))
-    if not any(any(r in c.read_text() for r in roles) for c in copy.glob("*/config.pbtxt")):
+    """A copy of `repository` (under `scratch`) whose every pool model (its `role` one of
+    `disagg.role.Role`'s) carries `params`, replacing a parameter of the same name."""
+    from disagg.role import Role
+
+    roles = {role.value for role in Role}
+    pools = {c.parent.name for c in Path(repository).glob("*/config.pbtxt")}
+    pools = {name for name in pools if pool_parameter(repository, name, "role") in roles}
+    if not pools:
         raise DeployError(f"{repository} has no pool model")
-    return copy
+    return _with_parameters(repository, scratch, params, lambda name, text: name in pools)
 
 
 def _with_parameters(
