@@ -150,14 +150,15 @@ class HotPrompts:
         similar = int(band_counts.max())
         self._note_similar(bands, band_counts)
         self._cool(now)
+        counts, baseline = counts.tolist(), baseline.tolist()
         for depth in range(len(keys) - 1, config.min_blocks - 2, -1):
-            key, count = keys[depth], int(counts[depth])
+            key, count = keys[depth], counts[depth]
             if key in self._hot:
                 if count >= self._cool_below:
                     return Heat(key.hex(), self._hot[key], count / config.window_s, similar)
                 continue
             # its share of the window (count / recent) against its share of the baseline
-            surged = count * overall >= config.surge * int(baseline[depth]) * recent
+            surged = count * overall >= config.surge * baseline[depth] * recent
             if count >= config.threshold and surged:
                 self._hot[key] = (depth + 1) * config.block_tokens
                 self.became_hot += 1
@@ -177,6 +178,8 @@ class HotPrompts:
 
     def _cool(self, now: float) -> None:
         for table, sketch in ((self._hot, self._prefixes), (self._similar, self._bands)):
+            if not table:
+                continue
             keys = list(table)
             for key, count in zip(keys, sketch.estimate_many(keys, now), strict=True):
                 if count < self._cool_below:

@@ -35,15 +35,17 @@ class WindowedCountMin:
         self._slice_s = self.window_s / buckets
         self._slices = np.zeros((buckets, depth, width), dtype=np.int32)
         self._total = np.zeros((depth, width), dtype=np.int64)
-        self._rows = np.arange(depth)
+        self._offsets = np.arange(depth, dtype=np.intp) * width  # row r's counters start at r x width
         self._current: int | None = None  # index of the newest slice (time // slice_s)
 
-    def _columns(self, keys: list[bytes]) -> np.ndarray:
-        """Each key's counter per row: shape (len(keys), depth)."""
-        if any(len(key) < 4 * self.depth for key in keys):
-            raise ValueError(f"a key needs at least {4 * self.depth} bytes (one 32-bit word per row)")
-        words = np.frombuffer(b"".join(key[: 4 * self.depth] for key in keys), dtype="<u4")
-        return (words.reshape(len(keys), self.depth) % self.width).astype(np.intp)
+    def _cells(self, keys: list[bytes]) -> np.ndarray:
+        """Each key's counter per row, as indices into a flattened (depth, width) table: shape
+        (len(keys), depth)."""
+        size = 4 * self.depth
+        if min(map(len, keys)) < size:
+            raise ValueError(f"a key needs at least {size} bytes (one 32-bit word per row)")
+        words = np.frombuffer(b"".join(key[:size] for key in keys), dtype="<u4")
+        return (words.reshape(len(keys), self.depth) % self.width).astype(np.intp) + self._offsets
 
     def advance(self, now: float) -> int:
         """Drop the slices that ended more than a window before ``now``; returns the newest slice."""
@@ -67,11 +69,12 @@ class WindowedCountMin:
         if not keys:
             return np.zeros(0, dtype=np.int64)
         current = self.advance(now)
-        columns = self._columns(keys)
-        rows = np.broadcast_to(self._rows, columns.shape)
-        np.add.at(self._slices[current % self.buckets], (rows, columns), count)
-        np.add.at(self._total, (rows, columns), count)
-        return self._total[rows, columns].min(axis=1)
+        cells = self._cells(keys)
+        flat = cells.reshape(-1)  # one-dimensional ``add.at``: numpy's fast path (keys may repeat)
+        np.add.at(self._slices[current % self.buckets].reshape(-1), flat, count)
+        total = self._total.reshape(-1)
+        np.add.at(total, flat, count)
+        return total[cells].min(axis=1)
 
     def estimate(self, key: bytes, now: float | None = None) -> int:
         """How often ``key`` was counted in the window (never fewer than it was)."""
@@ -82,8 +85,7 @@ class WindowedCountMin:
             self.advance(now)
         if not keys:
             return np.zeros(0, dtype=np.int64)
-        columns = self._columns(keys)
-        return self._total[np.broadcast_to(self._rows, columns.shape), columns].min(axis=1)
+        return self._total.reshape(-1)[self._cells(keys)].min(axis=1)
 
     @property
     def total(self) -> int:

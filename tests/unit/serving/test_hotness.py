@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from disagg.engine.prefix import block_keys
@@ -65,6 +66,56 @@ def test_minhash_bands_group_near_duplicates_and_not_strangers():
     assert not bands & set(hasher.band_keys(stranger))
     assert hasher.band_keys(base) == MinHasher().band_keys(base), "signatures are deterministic"
     assert len(hasher.band_keys([5])) == hasher.bands, "a prompt shorter than a shingle still has bands"
+
+
+def _reference_signature(hasher: MinHasher, tokens: list[int]) -> list[int]:
+    """The definition, in Python integers: for each hash function (a x + b) mod (2^61 - 1), its
+    smallest value over the prompt's shingles."""
+    prime = (1 << 61) - 1
+    shingles = [int(v) for v in hasher.shingles(tokens)]
+    return [
+        min((int(a) * v + int(b)) % prime for v in shingles)
+        for a, b in zip(hasher._a, hasher._b, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 300, 1500])
+def test_minhash_signatures_are_the_definition_in_slices_and_without_a_division(length):
+    # 1500 tokens: the 1,024 it looks at make several slices; 1 and 3: padded to one shingle
+    hasher = MinHasher()
+    rng = random.Random(length)
+    tokens = [rng.randrange(50000) for _ in range(length)]
+    assert hasher.signature(tokens).tolist() == _reference_signature(hasher, tokens)
+
+
+def test_minhash_reduces_values_at_and_just_past_the_prime():
+    # one shingle v, and hash functions that land it on p, p + 3 and past 2^63 (a high part of 4)
+    hasher, prime = MinHasher(), (1 << 61) - 1
+    (v,) = hasher.shingles([1, 2, 3, 4]).tolist()
+    hasher._a = np.array([1, 1, (1 << 63) // v + 1], dtype=np.uint64)
+    hasher._b = np.array([prime - v, prime - v + 3, 0], dtype=np.uint64)
+    expected = [(int(a) * v + int(b)) % prime for a, b in zip(hasher._a, hasher._b, strict=True)]
+    assert expected[:2] == [0, 3]
+    assert hasher.signature([1, 2, 3, 4]).tolist() == expected
+
+
+def test_minhash_shingles_mix_each_window_of_tokens():
+    hasher = MinHasher(shingle=3)
+    tokens = [7, 11, 13, 17]
+    mix = [int(m) for m in hasher._mix]
+    expected = set()
+    for start in range(len(tokens) - 2):
+        mixed = sum(t * m for t, m in zip(tokens[start : start + 3], mix, strict=True)) % (1 << 64)
+        expected.add((mixed ^ (mixed >> 29)) & 0xFFFFFFFF)
+    assert sorted(hasher.shingles(tokens).tolist()) == sorted(expected)
+
+
+def test_the_sketch_counts_a_key_repeated_in_one_call_each_time():
+    sketch = WindowedCountMin(10.0, width=4096, depth=4)
+    assert sketch.add_many([_key(1), _key(2), _key(1)], now=1.0).tolist() == [2, 1, 2]
+    assert sketch.add_many([_key(5)] * 3, now=1.0).tolist() == [3, 3, 3]
+    assert (sketch.estimate(_key(1)), sketch.estimate(_key(5)), sketch.total) == (2, 3, 6)
+    assert sketch.estimate(_key(1), now=20.0) == 0, "both tables: the slice and the window's sum"
 
 
 def _detector(**kw) -> HotPrompts:
