@@ -11,7 +11,7 @@ LLAMACPP := $(CURDIR)/.cache/llama.cpp
 
 .PHONY: install model test-models test lint format llamacpp bench-engine bench-compile bench-attention bench-kv \
 	bench-planner bench-multihost repro-metric-race repro-stub-kill repro-bls-release gpu-check bench-prefix bench-hot bench-rollout bench bench-quick bench-slos bench-aiperf bench-summarize serve \
-	bench-overload bench-orchestration bench-relay-floor bench-degraded bench-cancel bench-conditional bench-tuner
+	bench-overload bench-burst bench-orchestration bench-relay-floor bench-degraded bench-cancel bench-conditional bench-tuner
 
 # The Triton server binaries (pin: the `serve` extra) go in with --no-deps: only the binaries are used.
 $(STAMP): pyproject.toml
@@ -173,6 +173,7 @@ bench-aiperf: model $(VLLM_VENV)/.installed $(AIPERF_VENV)/.installed
 
 # Measurements behind docs/degradation.md and docs/serving.md, each writing the committed results it
 # names (perf/results/<folder>/): overload of the default deployment (64 clients back to back, ~2 min),
+# its opening burst repeated ten times (~2 min),
 # the relay's cost per token (~1 min), a kill of each pool under load (~4 min), a storm of cancels,
 # conditional disaggregation and the decode batch tuner.
 bench-overload: test-models
@@ -183,6 +184,9 @@ bench-overload: test-models
 ORCH_OUT ?= perf/results/orchestration_cost
 bench-orchestration: test-models
 	$(PY) -m perf.orchestration_cost --model "$(SMOLLM2)" --reps 3 --out-dir "$(ORCH_OUT)"
+
+bench-burst: test-models
+	$(PY) -m perf.burst --model-dir "$(SMOLLM2)" --clients 64 --bursts 10
 
 bench-relay-floor: test-models
 	$(PY) -m perf.relay_floor --model-dir "$(SMOLLM2)"
