@@ -16,6 +16,11 @@ Reported, per burst and pooled over the measured ones: how many were refused and
 refusals' latency from send to the error (p50, p99, the slowest). The server is the repository as it
 is (its own admission margin and SLO: the default deployment, as ``make serve`` starts it).
 
+Beside them, in the same run, the **floor**: as many bursts of requests with an empty prompt, which
+the first step that reads the prompt refuses (``preprocessing`` for ``ensemble``, the orchestrator's
+parser for ``llm``) before any tokenization, admission or prefill. What those take is the client,
+Triton and the text path alone, with nothing computing beside them.
+
     .venv/bin/python -m perf.burst --model-dir .models/smollm2-135m-instruct
 
 Writes ``<out-dir>/<name>.json`` and ``.md``.
@@ -61,10 +66,11 @@ def burst_summary(records: list[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def pooled(bursts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The measured bursts (every one after the first) together: their refusals' latency, and the
-    median of the bursts' own p99s (what one overload run's opening burst would show, typically)."""
-    later = bursts[1:]
+def pooled(bursts: list[dict[str, Any]], skip_first: bool = True) -> dict[str, Any]:
+    """The measured bursts (every one after the first, the cold one, unless ``skip_first`` is False)
+    together: their refusals' latency, and the median of the bursts' own p99s (what one overload run's
+    opening burst would show, typically)."""
+    later = bursts[1:] if skip_first else bursts
     waits = [w for b in later for w in b["refusal_ms"]]
     p99s = sorted(b["refusal_ms_p99"] for b in later if b["refusal_ms_p99"] is not None)
     return {
@@ -77,41 +83,46 @@ def pooled(bursts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def run(args: argparse.Namespace, server: Any) -> list[dict[str, Any]]:
+async def run(args: argparse.Namespace, server: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     workload = WORKLOADS[args.workload]
     factory = PromptFactory.from_model_dir(args.model_dir)
     client = make_client(ClientConfig(kind="triton", url=server.config.grpc_url, model=args.model))
     await client.open()
     metrics, rest = server.config.metrics_url, dict.fromkeys(IDLE_GAUGES, 0.0)
-    bursts = []
+    bursts: list[dict[str, Any]] = []
+    floor: list[dict[str, Any]] = []
     try:
         # one request first, not counted: the client's channel and lazy set-up happen before
         warm = build_trace(workload, factory, 1.0, 1, args.seed, new_salt())
         await run_trace(client, warm, LoadConfig(max_duration_s=60), factory.count_output)
-        for index in range(args.bursts):
+        for index in range(2 * args.bursts):  # the bursts, then as many empty ones (the floor)
             settled, off = settle(metrics, rest, timeout_s=IDLE_TIMEOUT_S)
             if settled is None:
                 raise RuntimeError(f"the server was not idle {IDLE_TIMEOUT_S:g} s after a burst: {off}")
             crowd = build_trace(workload, factory, 1.0, args.clients, args.seed + 1 + index, new_salt())
-            crowd = [dataclasses.replace(spec, arrival=0.0) for spec in crowd]  # all at once
+            empty = index >= args.bursts
+            # all at once; an empty prompt is refused by the first step that reads it
+            crowd = [dataclasses.replace(s, arrival=0.0, prompt="" if empty else s.prompt) for s in crowd]
             records = await run_trace(client, crowd, LoadConfig(max_duration_s=60), factory.count_output)
-            bursts.append(burst_summary(records))
+            (floor if empty else bursts).append(burst_summary(records))
     finally:
         await client.close()
-    return bursts
+    return bursts, floor
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
 
 
 def markdown(out: dict[str, Any]) -> str:
-    def f(value: float | None) -> str:
-        return "–" if value is None else f"{value:.1f}"
-
     total = out["pooled"]
     lines = [
         "# Refusal bursts (RELIABILITY E1: the overload run's opening burst, repeated)",
         "",
         f"Written by `perf/burst.py`: `{out['command']}`. {out['bursts_sent']} bursts of "
-        f"{out['clients']} `{out['workload']}` requests sent at once to `{out['entry_point']}`, the "
-        f"server idle before each; the repository as deployed (`admission.margin` "
+        f"{out['clients']} `{out['workload']}` requests sent at once to `{out['entry_point']}`, then "
+        "as many of requests with an empty prompt (the floor), the server idle before each burst; "
+        f"the repository as deployed (`admission.margin` "
         f"{out['admission_margin']}). {out['machine']}.",
         "",
         "| burst | refused | admitted | failed otherwise | refusal p50 / p99 / slowest, ms |",
@@ -119,19 +130,29 @@ def markdown(out: dict[str, Any]) -> str:
     ]
     for index, b in enumerate(out["bursts"]):
         label = "1 (cold pool)" if index == 0 else str(index + 1)
-        latency = f"{f(b['refusal_ms_p50'])} / {f(b['refusal_ms_p99'])} / {f(b['refusal_ms_max'])}"
+        latency = f"{_ms(b['refusal_ms_p50'])} / {_ms(b['refusal_ms_p99'])} / {_ms(b['refusal_ms_max'])}"
         lines.append(f"| {label} | {b['refused']} | {b['admitted']} | {b['failed_otherwise']} | {latency} |")
-    spread = total["burst_p99_ms_range"]
+    floor = out["floor"]
     lines += [
         "",
-        f"Measured pools (bursts 2-{len(out['bursts'])}), pooled: {total['refused']} refusals, p50 "
-        f"{f(total['refusal_ms_p50'])} / p99 {f(total['refusal_ms_p99'])} ms; a burst's own p99: "
-        f"median {f(total['burst_p99_ms_median'])} ms"
-        + (f", from {f(spread[0])} to {f(spread[1])}" if spread else "")
-        + " (target: p99 < 50 ms).",
+        "| | bursts | refusals | p50, ms | p99, ms | a burst's own p99, ms: median (range) |",
+        "|---|---:|---:|---:|---:|---:|",
+        _pooled_row(f"bursts 2-{len(out['bursts'])} (measured pools)", total),
+        _pooled_row("the floor: empty prompts, refused before any work", floor),
+        "",
+        "Target (RELIABILITY E1 under overload): refusal p99 < 50 ms.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _pooled_row(label: str, total: dict[str, Any]) -> str:
+    spread = total["burst_p99_ms_range"]
+    between = f" ({_ms(spread[0])}-{_ms(spread[1])})" if spread else ""
+    return (
+        f"| {label} | {total['bursts']} | {total['refused']} | {_ms(total['refusal_ms_p50'])} | "
+        f"{_ms(total['refusal_ms_p99'])} | {_ms(total['burst_p99_ms_median'])}{between} |"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="burst-") as scratch:
         server = start_triton(args.repository, Path(scratch), args.model_dir, exit_timeout_s=10)
         try:
-            bursts = asyncio.run(run(args, server))
+            bursts, floor = asyncio.run(run(args, server))
         finally:
             server.stop(grace_s=5)
     out = {
@@ -169,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "admission_margin": pool_parameter(args.repository, "orchestrator", "admission.margin") or "0",
         "bursts": bursts,
         "pooled": pooled(bursts),
+        "floor_bursts": floor,
+        "floor": pooled(floor, skip_first=False),
         "machine": machine(),
         "command": "python -m perf.burst " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -161,7 +161,7 @@ class Layout:
     prefill_cores: str = "0"
     decode_cores: str = "1"
     colocated_cores: str = "0,1"
-    frontend_cores: str = "0"  # text steps and orchestrators: share prefill's core, not decode's
+    frontend_cores: str = "0"  # the orchestrators: share prefill's core, not decode's
     dtype: str = "auto"
     prefill_dtype: str = ""  # "": dtype
     decode_dtype: str = ""  # "": dtype
@@ -514,9 +514,11 @@ def _llm(layout: Layout) -> str:
     return _model("llm", "llm", inputs, outputs, max_batch=MAX_BATCH, decoupled=True, params=params)
 
 
+# The text steps run on any core, unpinned: pinned to the entry points' core (the prefill pool's), a
+# burst of 64 prompts tokenized there beside the prefill and its refusals came back about 30 ms later
+# at the median (`make bench-burst`, docs/degradation.md).
 def _preprocessing(layout: Layout) -> str:
     outputs = [_tensor("input_ids", "TYPE_INT32", (-1,)), _tensor("request", "TYPE_STRING", (1,))]
-    params = {"cores": layout.frontend_cores}
     return _model(
         "preprocessing",
         "preprocessing",
@@ -524,14 +526,13 @@ def _preprocessing(layout: Layout) -> str:
         outputs,
         max_batch=MAX_BATCH,
         decoupled=False,
-        params=params,
+        params={},
         batched=True,
     )
 
 
 def _postprocessing(layout: Layout) -> str:
     inputs = [_tensor("text_piece", "TYPE_STRING", (1,))]
-    params = {"cores": layout.frontend_cores}
     return _model(
         "postprocessing",
         "postprocessing",
@@ -539,7 +540,7 @@ def _postprocessing(layout: Layout) -> str:
         TEXT_OUTPUT,
         max_batch=MAX_BATCH,
         decoupled=False,
-        params=params,
+        params={},
     )
 
 

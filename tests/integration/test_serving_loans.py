@@ -13,6 +13,7 @@ import pytest
 from serving_support import engine_texts, read_stream, text_inputs
 from triton_support import GrpcStream, LeakProbe, TritonFactory, metric_sum, scrape_metrics
 
+from disagg.procfs import stub_pids
 from disagg.server import TritonServer, process_group_members
 from disagg_tools.repository import main as write_repository
 
@@ -103,3 +104,19 @@ def test_a_long_prompt_borrows_the_decode_core_while_a_stream_decodes(server: Tr
     )
     assert _counter(server, "disagg_borrowed_core_seconds_total", model="prefill") > borrowed
     assert _counter(server, "disagg_lent_core_seconds_total", model="decode") > lent
+
+
+def test_the_orchestrators_run_on_the_entry_points_core_and_the_text_steps_on_any(
+    server: TritonServer,
+) -> None:
+    # entry_points.cores (core 0, here and by default) pins the orchestrators, every thread; the text
+    # steps are left on every core the server may use (a burst's tokenization then takes both)
+    def placed(model: str) -> set[frozenset[int]]:
+        (pid,) = stub_pids(server.pid, model)
+        return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+    for model in ("orchestrator", "llm"):
+        assert placed(model) == {frozenset({0})}, model
+    anywhere = frozenset(os.sched_getaffinity(server.pid))
+    for model in ("preprocessing", "postprocessing"):
+        assert placed(model) == {anywhere}, model

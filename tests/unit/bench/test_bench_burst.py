@@ -52,6 +52,7 @@ def test_a_burst_without_refusals_has_no_latency_and_the_report_says_so():
     bursts = [burst.burst_summary(_burst(served=3)), burst.burst_summary(_burst(served=3))]
     total = burst.pooled(bursts)
     assert total["refusal_ms_p99"] is None and total["burst_p99_ms_range"] is None
+    floor = [burst.burst_summary(_burst(5, 7, served=0)), burst.burst_summary(_burst(9, served=0))]
     report = burst.markdown(
         {
             "command": "python -m perf.burst",
@@ -63,10 +64,19 @@ def test_a_burst_without_refusals_has_no_latency_and_the_report_says_so():
             "machine": "2 cores",
             "bursts": bursts,
             "pooled": total,
+            "floor": burst.pooled(floor, skip_first=False),
         }
     )
     assert "| 1 (cold pool) | 0 | 3 | 0 | – / – / – |" in report
-    assert "p99 – ms" in report
+    assert "| bursts 2-2 (measured pools) | 1 | 0 | – | – | – |" in report
+    floor_row = "| the floor: empty prompts, refused before any work | 2 | 3 | 7.0 | 9.0 | 9.0 (7.0-9.0) |"
+    assert floor_row in report
+
+
+def test_the_floor_pools_every_one_of_its_bursts():
+    floor = [burst.burst_summary(_burst(5, 7, served=0)), burst.burst_summary(_burst(9, served=0))]
+    assert burst.pooled(floor, skip_first=False)["refused"] == 3
+    assert burst.pooled(floor)["refused"] == 1
 
 
 def test_bad_arguments_are_refused():
