@@ -132,6 +132,7 @@ class HotPrompts:
         self._minhash = MinHasher(max_tokens=min(config.max_prefix_tokens, SIMILARITY_TOKENS))
         self._hot: dict[bytes, int] = {}  # hot group key -> its prefix length in tokens
         self._similar: dict[bytes, None] = {}  # near-duplicate band keys at or over the threshold
+        self._cooled_in: list[int | None] = [None, None]  # the slice each table was last cooled in
         self.became_hot = 0
         self.cooled = 0
 
@@ -177,11 +178,17 @@ class HotPrompts:
             self._similar[bands[int(counts.argmax())]] = None
 
     def _cool(self, now: float) -> None:
-        for table, sketch in ((self._hot, self._prefixes), (self._similar, self._bands)):
-            if not table:
+        """Drop the groups whose count fell below ``threshold x cool_ratio``. A count only falls when
+        a slice leaves its sketch's window, and a group enters its table at ``threshold`` or more, so
+        each table is looked at once per slice of its sketch, not at every request (at a few hundred
+        requests a second the tables fill, and a walk of them per request cost more than the rest)."""
+        for index, (table, sketch) in enumerate(((self._hot, self._prefixes), (self._similar, self._bands))):
+            current = sketch.advance(now)
+            if self._cooled_in[index] == current:
                 continue
+            self._cooled_in[index] = current
             keys = list(table)
-            for key, count in zip(keys, sketch.estimate_many(keys, now), strict=True):
+            for key, count in zip(keys, sketch.estimate_many(keys), strict=True):
                 if count < self._cool_below:
                     del table[key]
                     self.cooled += table is self._hot

@@ -148,6 +148,30 @@ def test_a_burst_sharing_a_prefix_becomes_one_hot_group_and_cools_down():
     assert hot.cooled == 1
 
 
+def test_hot_groups_are_looked_at_for_cooling_once_per_slice_not_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    hot = _detector()
+    shared = list(range(100, 164))
+    for i in range(6):
+        hot.observe(_burst(shared, i), now=1.0 + 0.01 * i)
+    assert hot.groups(1.2)
+    walks: list[int] = []
+    estimate = WindowedCountMin.estimate_many
+
+    def counted(sketch: WindowedCountMin, keys: list[bytes], now: float | None = None):
+        walks.append(len(keys))
+        return estimate(sketch, keys, now)
+
+    monkeypatch.setattr(WindowedCountMin, "estimate_many", counted)
+    for i in range(50):  # the same 1 s slice: the group's count can only grow
+        hot.observe(_burst(shared, 100 + i), now=1.3 + 0.01 * i)
+    assert walks == [], "no walk of the tables within the slice they were last cooled in"
+    hot.observe(_burst(shared, 200), now=2.5)  # a new slice: each table walked once
+    assert len(walks) == 2 and walks[0] == 1
+    assert hot.groups(14.0) == [] and hot.cooled == 1, "and still cooled once the burst left the window"
+
+
 def test_ordinary_traffic_sharing_a_short_system_prompt_is_never_hot():
     hot = _detector(min_prefix_tokens=48)
     system = list(range(500, 532))  # 32 tokens every request starts with: under min_prefix_tokens
