@@ -517,7 +517,7 @@ def _llm(layout: Layout) -> str:
 # The text steps run on any core, unpinned: pinned to the entry points' core (the prefill pool's), a
 # burst of 64 prompts tokenized there beside the prefill and its refusals came back about 30 ms later
 # at the median (`make bench-burst`, docs/degradation.md).
-def _preprocessing(layout: Layout) -> str:
+def _preprocessing() -> str:
     outputs = [_tensor("input_ids", "TYPE_INT32", (-1,)), _tensor("request", "TYPE_STRING", (1,))]
     return _model(
         "preprocessing",
@@ -531,7 +531,7 @@ def _preprocessing(layout: Layout) -> str:
     )
 
 
-def _postprocessing(layout: Layout) -> str:
+def _postprocessing() -> str:
     inputs = [_tensor("text_piece", "TYPE_STRING", (1,))]
     return _model(
         "postprocessing",
@@ -579,8 +579,8 @@ def render(layout: Layout, serving: tuple[int, ...] = ()) -> dict[str, str]:
     """Model name -> config.pbtxt text; the pool models load the ``serving`` versions at start (none
     given: Triton's default, the latest version folder)."""
     models = {
-        "preprocessing": _preprocessing(layout),
-        "postprocessing": _postprocessing(layout),
+        "preprocessing": _preprocessing(),
+        "postprocessing": _postprocessing(),
         "orchestrator": _orchestrator("orchestrator", "disaggregated", layout),
         "orchestrator_colocated": _orchestrator("orchestrator_colocated", "colocated", layout),
         "ensemble": _ensemble("ensemble", "orchestrator"),
